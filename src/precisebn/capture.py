@@ -1,0 +1,204 @@
+"""Capturing each layer's statistics during the forward passes, without host syncs.
+
+Two paths, chosen per layer by :func:`precisebn.layers.find_norm_layers`:
+
+* ``"layer"`` — the layer's own figures. In training mode with momentum 1.0 a
+  BatchNorm layer leaves exactly the batch mean and unbiased variance in its running
+  buffers, which :func:`~precisebn.layers.recalibration_state` has pointed at one
+  flat scratch buffer per device/dtype. After each batch the whole buffer is cloned
+  (one kernel for all layers); every ``CHUNK`` batches the clones are pooled in
+  float64 and merged into the running moments. A forward pre-hook records only the
+  number of values per channel (a host integer from the input's shape), and — for a
+  layer called several times in one forward — keeps the previous call's figures
+  before the layer overwrites them.
+* ``"input"`` — a forward pre-hook reduces the layer's input in float64 on every call
+  (InstanceNorm, custom ``forward``, half-precision buffers, SyncBatchNorm across
+  processes).
+
+Nothing here reads a device value on the host; the only host-to-device traffic is one
+small tensor of counts per chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .errors import InvalidArgumentError
+from .layers import NormLayer, RecalibrationState
+from .stats import RunningMoments
+
+__all__ = ["CHUNK", "Collector"]
+
+CHUNK = 64  # batches pooled at once; bounds the clones held to CHUNK x channels
+
+
+def _accumulation_device(device: torch.device) -> torch.device:
+    return torch.device("cpu") if device.type == "mps" else device  # no float64 on MPS
+
+
+class Collector:
+    """Per-layer statistics of every call of the selected layers.
+
+    Args:
+        state: The prepared model state (layers, scratch buffers, hook registry).
+    """
+
+    def __init__(self, state: RecalibrationState) -> None:
+        self.layers = state.layers
+        n = len(self.layers)
+        self.calls = [0] * n
+        self._row = [0] * (n + 1)  # values per channel of each layer in this batch
+        self._rows: list[list[int]] = []
+        self._extras: list[tuple[int, int, Tensor, Tensor]] = []
+        self._input: dict[int, RunningMoments] = {}
+        self._groups = []
+        for group in state.groups:
+            own = [i for i in group.layer_ids if self.layers[i].capture == "layer"]
+            if not own:
+                continue
+            size = group.buffer.shape[1]
+            position_layer = torch.full((size,), n, dtype=torch.long)
+            for i, off in zip(group.layer_ids, group.offsets):
+                if self.layers[i].capture == "layer":
+                    position_layer[off : off + self.layers[i].channels] = i
+            acc = _accumulation_device(group.buffer.device)
+            self._groups.append(
+                _Group(group.buffer, group.layer_ids, group.offsets, position_layer.to(acc), RunningMoments.zeros(size, acc))
+            )
+        self._own = {i: g for g in self._groups for i in g.layer_ids}
+        for i, layer in enumerate(self.layers):
+            if layer.capture == "layer":
+                state.add_pre_hook(layer.module, self._own_hook(i, *state.views[i]))
+            else:
+                state.add_pre_hook(layer.module, self._input_hook(i))
+
+    # -- hooks -------------------------------------------------------------------------
+
+    def _check(self, i: int, module: nn.Module, args: tuple[Any, ...]) -> Tensor:
+        if not module.training:
+            raise InvalidArgumentError(
+                f"layer {self.layers[i].name!r} was switched to eval mode during recalibration "
+                "(by the model or forward=); precisebn needs it in training mode to measure it. "
+                "Do not call model.eval()/model.train() inside forward."
+            )
+        x = args[0] if args else None
+        if not isinstance(x, Tensor):
+            raise InvalidArgumentError(
+                f"layer {self.layers[i].name!r} was called without a tensor input "
+                f"({type(x).__name__}); cannot measure it."
+            )
+        return x
+
+    def _own_hook(self, i: int, mean_view: Tensor, var_view: Tensor):  # noqa: ANN202
+        channels = self.layers[i].channels
+
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = self._check(i, module, args)
+            row = self._row
+            if row[i]:  # second call in this batch: keep the first call's figures
+                self._extras.append((i, row[i], mean_view.clone(), var_view.clone()))
+            row[i] = x.numel() // channels
+            self.calls[i] += 1
+
+        return hook
+
+    def _input_hook(self, i: int):  # noqa: ANN202
+        layer = self.layers[i]
+
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = self._check(i, module, args)
+            if x.device.type == "mps":
+                x = x.cpu()
+            moments = RunningMoments.from_data(x, layer.channel_dim(x))
+            if i in self._input:
+                self._input[i].merge(moments)
+            else:
+                self._input[i] = moments
+            self.calls[i] += 1
+
+        return hook
+
+    # -- batches -----------------------------------------------------------------------
+
+    def end_batch(self) -> None:
+        """Records the figures of the batch that just ran (call after each forward)."""
+        if not self._groups:
+            return
+        for g in self._groups:
+            g.pending.append(g.buffer.clone())
+        self._rows.append(self._row)
+        self._row = [0] * (len(self.layers) + 1)
+        if len(self._rows) >= CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._rows:
+            return
+        counts_host = torch.tensor(self._rows, dtype=torch.float64)
+        for g in self._groups:
+            acc = g.moments.count.device
+            if acc.type == "cuda":
+                counts = counts_host.pin_memory().to(acc, non_blocking=True)
+            else:
+                counts = counts_host.to(acc)
+            count = counts[:, g.position_layer]
+            snaps = torch.stack(g.pending).to(acc, torch.float64)
+            g.pending.clear()
+            m2 = snaps[:, 1] * (count - 1)
+            g.moments.merge(RunningMoments.from_batches(count, snaps[:, 0], m2))
+        self._rows.clear()
+        self._merge_extras()
+
+    def _merge_extras(self) -> None:
+        by_layer: dict[int, list[tuple[int, Tensor, Tensor]]] = {}
+        for i, n, mean, var in self._extras:
+            by_layer.setdefault(i, []).append((n, mean, var))
+        self._extras.clear()
+        for i, items in by_layer.items():
+            acc = _accumulation_device(items[0][1].device)
+            count = torch.tensor([n for n, _, _ in items], dtype=torch.float64, device=acc)[:, None]
+            means = torch.stack([m for _, m, _ in items]).to(acc, torch.float64)
+            m2 = torch.stack([v for _, _, v in items]).to(acc, torch.float64) * (count - 1)
+            pooled = RunningMoments.from_batches(count.expand_as(means), means, m2)
+            if i in self._input:
+                self._input[i].merge(pooled)
+            else:
+                self._input[i] = pooled
+
+    # -- results -----------------------------------------------------------------------
+
+    def finish(self) -> list[RunningMoments]:
+        """Each layer's moments over everything it saw (count 0 if never reached)."""
+        self._flush()
+        out = []
+        for i, layer in enumerate(self.layers):
+            if layer.capture == "layer":
+                g = self._own[i]
+                off = g.offsets[g.layer_ids.index(i)]
+                m = g.moments[off : off + layer.channels]
+                m = RunningMoments(m.count.clone(), m.mean.clone(), m.m2.clone())
+                if i in self._input:
+                    m.merge(self._input[i].to(m.mean.device))
+            elif i in self._input:
+                m = self._input[i]
+            else:
+                m = RunningMoments.zeros(layer.channels, _accumulation_device(layer.module.running_mean.device))
+            out.append(m)
+        return out
+
+
+class _Group:
+    __slots__ = ("buffer", "layer_ids", "moments", "offsets", "pending", "position_layer")
+
+    def __init__(
+        self, buffer: Tensor, layer_ids: list[int], offsets: list[int], position_layer: Tensor, moments: RunningMoments
+    ) -> None:
+        self.buffer = buffer
+        self.layer_ids = layer_ids
+        self.offsets = offsets
+        self.position_layer = position_layer
+        self.moments = moments
+        self.pending: list[Tensor] = []

@@ -1,0 +1,114 @@
+"""Drop-in replacements for fvcore's and torch's BatchNorm recalibration functions.
+
+Same signatures and calling conventions, the exact estimator underneath, and the model
+left untouched when anything fails:
+
+* :func:`update_bn_stats` replaces ``fvcore.nn.update_bn_stats`` (also what
+  detectron2's ``PreciseBN`` hook calls).
+* :func:`update_bn` replaces ``torch.optim.swa_utils.update_bn``.
+
+Both keep statistics local to the process (as the originals do); use
+:func:`precisebn.recalibrate` for the exact merge across ranks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .errors import EmptyDataError, InvalidArgumentError, ShortDataWarning
+from .layers import find_norm_layers
+from .recalibrate import apply, estimate
+
+__all__ = ["ShortLoaderError", "update_bn", "update_bn_stats"]
+
+
+class ShortLoaderError(EmptyDataError, AssertionError):
+    """The loader stopped before ``num_iters`` batches (an ``AssertionError`` too, which
+    is what fvcore's callers catch)."""
+
+
+def update_bn_stats(
+    model: nn.Module, data_loader: Iterable[Any], num_iters: int = 200, progress: str | None = None
+) -> None:
+    """Recomputes the statistics of the BatchNorm layers that are in training mode.
+
+    Like fvcore: runs ``model(batch)`` on the first ``num_iters`` batches exactly as
+    they come (no unpacking, no device moves), leaves every ``training`` flag as it
+    is, and touches only BatchNorm layers in training mode. Unlike fvcore, the
+    statistics are exact (float64, count-weighted pooled mean and variance), a layer
+    may be called several times per forward, and the model is left unchanged on any
+    failure.
+
+    Args:
+        model: The model; BatchNorm layers in eval mode are left alone.
+        data_loader: Iterable of batches, each passed to ``model`` as is.
+        num_iters: Number of batches to use.
+        progress: ``None`` or ``"tqdm"``.
+
+    Raises:
+        ShortLoaderError: The loader gave fewer than ``num_iters`` batches (also an
+            ``AssertionError``); the model is untouched.
+
+    Example:
+        >>> import torch
+        >>> from precisebn.compat import update_bn_stats
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train()
+        >>> update_bn_stats(model, [torch.randn(8, 4) for _ in range(10)], num_iters=10)
+    """
+    if progress not in (None, "tqdm"):
+        raise InvalidArgumentError(f"progress must be None or 'tqdm', got {progress!r}")
+
+    def selected(name: str, module: nn.Module) -> bool:
+        return module.training and isinstance(module, _BatchNorm)
+
+    if not find_norm_layers(model, selected, require=False):
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ShortDataWarning)
+            stats = estimate(
+                model, data_loader, num_batches=num_iters, forward=lambda m, b: m(b), layers=selected,
+                device=None, progress=progress == "tqdm", distributed=False, _mode="keep",
+            )
+    except EmptyDataError as exc:
+        raise ShortLoaderError(f"update_bn_stats is meant to run for {num_iters} iterations, but the data loader is empty") from exc
+    if stats.batches < num_iters:
+        raise ShortLoaderError(
+            f"update_bn_stats is meant to run for {num_iters} iterations, but the data loader stops at "
+            f"{stats.batches} iterations; the model was left unchanged."
+        )
+    apply(model, stats)
+
+
+def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | str | None = None) -> None:
+    """Recomputes the statistics of every BatchNorm layer over the whole loader.
+
+    Like ``torch.optim.swa_utils.update_bn``: the model runs in training mode, a
+    tuple/list batch gives its first element, ``device`` moves the input, momentum and
+    training flags are as before afterwards. Unlike it, the statistics are the exact
+    pooled mean and variance (torch averages per-batch variances, dropping the
+    variance of batch means), per-module training flags are restored exactly, and an
+    empty loader or a failing forward leaves the model unchanged.
+
+    Example:
+        >>> import torch
+        >>> from precisebn.compat import update_bn
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        >>> update_bn([(torch.randn(8, 4), torch.zeros(8)) for _ in range(5)], model)
+    """
+
+    def selected(name: str, module: nn.Module) -> bool:
+        return isinstance(module, _BatchNorm)
+
+    if not find_norm_layers(model, selected, require=False):
+        return
+    stats = estimate(
+        model, loader, num_samples="all", layers=selected, device=device, mode="train", distributed=False
+    )
+    apply(model, stats)

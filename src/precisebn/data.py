@@ -1,0 +1,97 @@
+"""Batches: how many samples they hold, moving them to a device, feeding them to a model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .errors import BatchTypeError
+
+__all__ = ["Forward", "batch_size", "default_forward", "model_device", "to_device"]
+
+Forward = Callable[[nn.Module, Any], Any]
+
+
+def default_forward(model: nn.Module, batch: Any) -> Any:
+    """Feeds a batch to ``model`` the usual way.
+
+    A tensor goes in as it is, a tuple or list gives its first element (the
+    ``(inputs, targets)`` convention), a mapping is passed as keyword arguments.
+
+    Raises:
+        BatchTypeError: For any other kind of batch.
+    """
+    if isinstance(batch, Tensor):
+        return model(batch)
+    if isinstance(batch, (tuple, list)):
+        if not batch:
+            raise BatchTypeError("an empty tuple/list batch cannot be fed to the model; check the data.")
+        return model(batch[0])
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    raise BatchTypeError(
+        f"don't know how to feed a batch of type {type(batch).__name__} to the model; "
+        "pass forward=lambda model, batch: model(...) to say how."
+    )
+
+
+def batch_size(batch: Any) -> int | None:
+    """The number of samples in a batch: the first dimension of its input tensor.
+
+    A tensor counts its first dimension; a tuple/list counts its first element if that
+    is a tensor (``(inputs, targets)``) and its length otherwise (a list of per-sample
+    records, as detectron2 uses); a mapping counts its first tensor value. ``None`` when
+    nothing tells.
+
+    Example:
+        >>> import torch
+        >>> batch_size((torch.zeros(8, 3), torch.zeros(8)))
+        8
+        >>> batch_size([{"image": torch.zeros(3, 4, 4)}, {"image": torch.zeros(3, 4, 4)}])
+        2
+    """
+    if isinstance(batch, Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, (tuple, list)):
+        if not batch:
+            return 0
+        first = batch[0]
+        if isinstance(first, (Tensor, tuple)) or (isinstance(first, list) and first and isinstance(first[0], Tensor)):
+            return batch_size(first)
+        return len(batch)
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            if isinstance(value, Tensor):
+                return batch_size(value)
+    return None
+
+
+def to_device(batch: Any, device: torch.device | None) -> Any:
+    """Moves every tensor in a (nested) tuple/list/dict batch to ``device`` without blocking."""
+    if device is None:
+        return batch
+    if isinstance(batch, Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(to_device(b, device) for b in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, Mapping):
+        moved = {k: to_device(v, device) for k, v in batch.items()}
+        try:
+            return type(batch)(moved)  # type: ignore[call-arg]
+        except TypeError:
+            return moved
+    return batch
+
+
+def model_device(model: nn.Module) -> torch.device | None:
+    """The device of the model's first parameter or buffer (``None`` if it has neither)."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return None

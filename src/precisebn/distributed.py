@@ -1,0 +1,209 @@
+"""Exact statistics of the union of all ranks' data, over ``torch.distributed``.
+
+A no-op without an initialised process group of more than one rank. Otherwise, after
+each rank's own passes, three collective calls per recalibration, whatever the
+model's depth or the data's size — all of them after the batch loop:
+
+1. ``all_reduce`` of a small status table (one row per rank: ok/failed, samples,
+   batches, a digest of the selected layers, seconds), so that every rank learns at
+   once whether any rank failed or selected other layers — and if so all raise the
+   same :class:`~precisebn.errors.DistributedError` before anything is written;
+2. ``all_reduce`` (sum) of one flat float64 buffer holding every channel's count
+   ``n_r`` and ``n_r·μ_r`` (and each layer's calls): gives the global count and mean;
+3. ``all_reduce`` (sum) of ``M2_r + n_r·(μ_r − μ)²``: gives the global M2.
+
+Step 3 sums squared deviations from the *global* mean, never raw sums of squares,
+so it is as stable as Chan's pairwise merge. Every rank computes the result from the
+same reduced buffers, so all ranks hold bit-identical statistics.
+
+A rank that fails during its passes (its data or model raises, Ctrl-C, non-finite
+statistics, no data) writes its error to the process group's key-value store and
+joins step 1 at once; the other ranks look at the store at most every
+:data:`POLL_SECONDS` between batches (a host-only lookup, no device sync), stop, and
+join step 1 too — so a failure surfaces on every rank within about a second plus one
+batch, not at the process group's timeout. A rank that dies without raising
+(killed) cannot report; the others then wait for the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+
+import torch
+
+from .errors import DistributedError, InvalidArgumentError
+from .stats import RunningMoments
+
+if TYPE_CHECKING:
+    from .recalibrate import Measurement
+
+__all__ = ["COLLECTIVES", "POLL_SECONDS", "RankContext"]
+
+COLLECTIVES = 3
+"""Collective calls per distributed recalibration (1 status + 2 statistics)."""
+
+POLL_SECONDS = 0.5
+"""How often, at most, a rank checks between batches whether another rank failed."""
+
+_OK, _FAILED, _STOPPED = 0.0, 1.0, 2.0
+_ROW = 5  # status, samples, batches, layer digest, seconds
+
+
+class _PeerFailed(Exception):
+    """Raised inside the batch loop when the store says another rank failed."""
+
+
+def _default_store() -> Any:
+    try:
+        return torch.distributed.distributed_c10d._get_default_store()
+    except Exception:  # private API; without it failures surface after the loop
+        return None
+
+
+class RankContext:
+    """This rank's part in one distributed recalibration."""
+
+    _calls: ClassVar[dict[tuple[int, ...], int]] = {}
+
+    def __init__(self, group: Any, rank: int, world_size: int, device: torch.device, ranks: tuple[int, ...]) -> None:
+        self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
+        n = RankContext._calls.get(ranks, 0) + 1
+        RankContext._calls[ranks] = n
+        self.prefix = f"precisebn/{zlib.crc32(repr(ranks).encode())}/{n}"
+        self.store = _default_store()
+        self._last_poll = time.monotonic()
+
+    @classmethod
+    def resolve(cls, distributed: Any, process_group: Any = None) -> RankContext | None:
+        """The context for this call, or ``None`` when statistics stay local."""
+        if distributed is False:
+            return None
+        if distributed not in ("auto", True):
+            raise InvalidArgumentError(f"distributed must be 'auto', True or False, got {distributed!r}")
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            if distributed is True:
+                raise InvalidArgumentError(
+                    "distributed=True needs an initialised process group; call "
+                    "torch.distributed.init_process_group() first (e.g. under torchrun), or pass "
+                    "distributed='auto'."
+                )
+            return None
+        group = process_group if process_group is not None else dist.group.WORLD
+        world_size = dist.get_world_size(group)
+        if world_size <= 1:
+            return None
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise InvalidArgumentError("this process is not a member of process_group; pass a group it belongs to.")
+        backend = str(dist.get_backend(group))
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        return cls(group, rank, world_size, device, tuple(dist.get_process_group_ranks(group)))
+
+    # -- failure -----------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Raises if another rank has reported a failure (checked every POLL_SECONDS)."""
+        now = time.monotonic()
+        if self.store is None or now - self._last_poll < POLL_SECONDS:
+            return
+        self._last_poll = now
+        if self.store.check([f"{self.prefix}/failed"]):
+            raise _PeerFailed()
+
+    def fail(self, exc: BaseException) -> NoReturn:
+        """Reports this rank's failure, learns everyone's status, raises on every rank."""
+        peer = isinstance(exc, _PeerFailed)
+        if not peer and self.store is not None:
+            try:
+                self.store.set(f"{self.prefix}/error/{self.rank}", f"{type(exc).__name__}: {exc}"[:2000])
+                self.store.set(f"{self.prefix}/failed", str(self.rank))
+            except Exception:
+                pass
+        try:
+            table = self._exchange(_STOPPED if peer else _FAILED, 0, 0, 0, 0.0)
+        except Exception as comm_exc:
+            if peer:
+                raise DistributedError(
+                    f"rank {self.rank}: another rank failed, and the status exchange failed too "
+                    f"({comm_exc}); this rank's model was left unchanged."
+                ) from comm_exc
+            raise exc from None
+        err = self._failure_error(table)
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: keep their meaning here
+            raise exc
+        raise err from (None if peer else exc)
+
+    def _failure_error(self, table: list[list[float]]) -> DistributedError:
+        failed = tuple(r for r, row in enumerate(table) if row[0] == _FAILED)
+        details = []
+        for r in failed:
+            message = "see that rank's log"
+            if self.store is not None:
+                try:
+                    message = self.store.get(f"{self.prefix}/error/{r}").decode()
+                except Exception:
+                    pass
+            details.append(f"rank {r}: {message}")
+        return DistributedError(
+            f"recalibration failed on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} "
+            f"of {self.world_size} ({'; '.join(details)}). No rank's model was changed; fix the cause "
+            "on that rank and call again on every rank.",
+            failed,
+        )
+
+    # -- collectives -------------------------------------------------------------------
+
+    def _exchange(self, status: float, samples: int, batches: int, digest: int, seconds: float) -> list[list[float]]:
+        table = torch.zeros(self.world_size, _ROW, dtype=torch.float64, device=self.device)
+        table[self.rank] = torch.tensor([status, samples, batches, digest, seconds], dtype=torch.float64)
+        torch.distributed.all_reduce(table, group=self.group)  # collective 1
+        return table.tolist()
+
+    def merge(self, local: Measurement) -> Measurement:
+        """Merges every rank's moments exactly; the same result on every rank."""
+        from .recalibrate import Measurement
+
+        layout = "\n".join(f"{layer.name}:{layer.channels}" for layer in local.layers)
+        digest = zlib.crc32(layout.encode())
+        table = self._exchange(_OK, local.samples, local.batches, digest, local.seconds)
+        if any(row[0] != _OK for row in table):
+            raise self._failure_error(table)
+        digests = {int(row[3]) for row in table}
+        if len(digests) > 1:
+            per_rank = ", ".join(f"rank {r}: {int(row[3]):08x}" for r, row in enumerate(table))
+            raise DistributedError(
+                f"ranks selected different normalization layers (layout digests {per_rank}); every rank must "
+                "pass the same model architecture and the same layers= selection. No model was changed."
+            )
+        sizes = [m.mean.numel() for m in local.moments]
+        home = [m.mean.device for m in local.moments]
+        count = torch.cat([m.count.to(self.device) for m in local.moments])
+        mean = torch.cat([m.mean.to(self.device) for m in local.moments])
+        m2 = torch.cat([m.m2.to(self.device) for m in local.moments])
+        calls = torch.tensor(local.calls, dtype=torch.float64, device=self.device)
+        first = torch.cat([count, count * mean, calls])
+        torch.distributed.all_reduce(first, group=self.group)  # collective 2
+        g = count.numel()
+        total, weighted, calls_all = first[:g], first[g : 2 * g], first[2 * g :]
+        safe = torch.where(total > 0, total, torch.ones_like(total))
+        global_mean = torch.where(total > 0, weighted / safe, torch.zeros_like(total))
+        dev = torch.where(count > 0, mean - global_mean, torch.zeros_like(mean))
+        second = m2 + count * dev * dev
+        torch.distributed.all_reduce(second, group=self.group)  # collective 3
+        merged = [
+            RunningMoments(c, mu, s).to(d)
+            for c, mu, s, d in zip(total.split(sizes), global_mean.split(sizes), second.split(sizes), home)
+        ]
+        return Measurement(
+            local.layers,
+            merged,
+            [int(c) for c in calls_all.tolist()],
+            int(sum(row[1] for row in table)),
+            int(sum(row[2] for row in table)),
+            local.mode,
+            seconds=max(row[4] for row in table),
+            world_size=self.world_size,
+        )

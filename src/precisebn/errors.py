@@ -1,0 +1,96 @@
+"""Exceptions and warnings raised by precisebn.
+
+Every error derives from :class:`PreciseBNError` *and* from the built-in exception
+that matches its meaning, so ``except ValueError`` keeps working in code that does
+not know precisebn::
+
+    PreciseBNError (Exception)
+    ├── InvalidArgumentError (ValueError)      an option has a wrong value or type
+    ├── BatchTypeError (TypeError)             a batch the default forward cannot feed
+    ├── EmptyDataError (ValueError)            the data yielded no batch
+    ├── LayerNotFoundError (LookupError)       no layer matches, or an unknown name
+    ├── UninitializedLayerError (RuntimeError) a lazy layer that never ran
+    ├── NonFiniteError (FloatingPointError)    NaN/Inf statistics in a layer
+    ├── StatsMismatchError (ValueError)        statistics that do not fit the model
+    ├── MissingDependencyError (ImportError)   an optional extra is not installed
+    └── DistributedError (RuntimeError)        ranks disagree, or one of them failed
+
+Messages say what was wrong, where (the layer's qualified name, the rank) and what to
+do about it. Whenever one of these is raised by :func:`precisebn.recalibrate` or
+:func:`precisebn.estimate`, the model has been restored bitwise to its state before
+the call.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BatchTypeError",
+    "DistributedError",
+    "EmptyDataError",
+    "InvalidArgumentError",
+    "LayerNotFoundError",
+    "MissingDependencyError",
+    "NonFiniteError",
+    "PreciseBNError",
+    "PreciseBNWarning",
+    "ShortDataWarning",
+    "StatsMismatchError",
+    "UninitializedLayerError",
+]
+
+
+class PreciseBNError(Exception):
+    """Base class of every error raised by precisebn."""
+
+
+class InvalidArgumentError(PreciseBNError, ValueError):
+    """An argument has a value or type that precisebn cannot use."""
+
+
+class BatchTypeError(PreciseBNError, TypeError):
+    """A batch that the default forward does not know how to pass to the model."""
+
+
+class EmptyDataError(PreciseBNError, ValueError):
+    """The data yielded no batch at all (or too few where fewer is an error)."""
+
+
+class LayerNotFoundError(PreciseBNError, LookupError):
+    """No normalization layer matched the selection, or a named layer does not exist."""
+
+
+class UninitializedLayerError(PreciseBNError, RuntimeError):
+    """A lazy normalization layer has not been initialised by a first forward pass."""
+
+
+class NonFiniteError(PreciseBNError, FloatingPointError):
+    """A layer's statistics contain NaN or infinity."""
+
+
+class StatsMismatchError(PreciseBNError, ValueError):
+    """Statistics do not fit the model they are applied to (names or channel counts)."""
+
+
+class MissingDependencyError(PreciseBNError, ImportError):
+    """An optional dependency is missing; the message gives the ``pip install`` line."""
+
+
+class DistributedError(PreciseBNError, RuntimeError):
+    """Ranks disagree about the recalibration, or one of them failed.
+
+    Attributes:
+        failed_ranks: The ranks that reported a failure (empty when the ranks only
+            disagreed).
+    """
+
+    def __init__(self, message: str, failed_ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.failed_ranks = failed_ranks
+
+
+class PreciseBNWarning(UserWarning):
+    """Base class of the warnings precisebn emits."""
+
+
+class ShortDataWarning(PreciseBNWarning):
+    """The data ran out before the requested number of samples or batches."""

@@ -1,0 +1,346 @@
+"""Finding normalization layers, and saving/restoring a model's state around a pass.
+
+:func:`find_norm_layers` decides which modules precisebn recalibrates;
+:func:`recalibration_state` is the one context manager that puts the model into the
+state a recalibration pass needs and restores every flag, momentum, buffer and hook
+in ``finally``, whatever happens inside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+
+from .errors import InvalidArgumentError, LayerNotFoundError, UninitializedLayerError
+
+__all__ = [
+    "LayerSelection",
+    "NormLayer",
+    "RecalibrationState",
+    "find_norm_layers",
+    "has_running_stats",
+    "recalibration_state",
+    "unwrap",
+]
+
+Mode = Literal["norm", "train", "keep"]
+Capture = Literal["layer", "input"]
+LayerSelection = Union[
+    None,
+    str,
+    type,
+    tuple[type, ...],
+    Callable[[str, nn.Module], bool],
+    Iterable[str],
+]
+
+# Layers whose forward is torch's own: with momentum 1.0 their running buffers hold
+# exactly the batch mean and unbiased variance after each call.
+_STANDARD_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward)
+_OWN_FIGURE_DTYPES = (torch.float32, torch.float64)
+_ALIGN = 16  # elements; keeps every scratch slice 64-byte aligned for cuDNN
+
+
+def has_running_stats(module: nn.Module) -> bool:
+    """Whether ``module`` is a normalization layer that keeps running statistics.
+
+    True for every ``BatchNorm*``, ``SyncBatchNorm``, ``LazyBatchNorm*`` and
+    ``InstanceNorm*`` (with ``track_running_stats=True``), subclasses included.
+    FrozenBatchNorm-style modules (not subclasses of ``_NormBase``) are excluded.
+    """
+    return (
+        isinstance(module, _NormBase)
+        and bool(module.track_running_stats)
+        and isinstance(module.running_mean, Tensor)
+        and isinstance(module.running_var, Tensor)
+    )
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a ``DistributedDataParallel``/``DataParallel`` wrapper."""
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    while isinstance(model, wrappers):
+        model = model.module
+    return model
+
+
+def _sync_active(module: nn.Module) -> bool:
+    if not isinstance(module, nn.SyncBatchNorm):
+        return False
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return dist.get_world_size(module.process_group or dist.group.WORLD) > 1
+
+
+@dataclass(frozen=True)
+class NormLayer:
+    """A selected normalization layer.
+
+    Attributes:
+        name: Qualified name in the model (``""`` for the model itself).
+        module: The layer.
+        capture: ``"layer"`` reads the batch statistics the layer computes itself in
+            training mode (the fast path: torch's own BatchNorm forward, float32/64
+            buffers); ``"input"`` reduces the layer's input in float64 (InstanceNorm,
+            subclasses that override ``forward``, half-precision buffers,
+            SyncBatchNorm across processes).
+    """
+
+    name: str
+    module: _NormBase
+    capture: Capture
+
+    @property
+    def channels(self) -> int:
+        return int(self.module.running_mean.shape[0])
+
+    @property
+    def type_name(self) -> str:
+        return type(self.module).__name__
+
+    def channel_dim(self, x: Tensor) -> int:
+        """The channel dimension of an input of this layer."""
+        if isinstance(self.module, nn.modules.instancenorm._InstanceNorm):
+            return 0 if x.dim() == self.module._get_no_batch_dim() else 1
+        return 1 if x.dim() > 1 else 0
+
+
+def _capture_kind(module: _NormBase, capture: Capture | None) -> Capture:
+    if capture is not None:
+        return capture
+    own = (
+        type(module).forward in _STANDARD_FORWARDS
+        and module.running_mean.dtype in _OWN_FIGURE_DTYPES
+        and module.running_var.dtype in _OWN_FIGURE_DTYPES
+        and not _sync_active(module)
+    )
+    return "layer" if own else "input"
+
+
+def _matcher(selection: LayerSelection, candidates: dict[str, nn.Module]) -> Callable[[str, nn.Module], bool]:
+    if selection is None:
+        return lambda name, module: True
+    if isinstance(selection, type) or (
+        isinstance(selection, tuple) and selection and all(isinstance(t, type) for t in selection)
+    ):
+        types = selection
+        return lambda name, module: isinstance(module, types)
+    if callable(selection):
+        return selection  # type: ignore[return-value]
+    names = [selection] if isinstance(selection, str) else list(selection)  # type: ignore[arg-type]
+    if not all(isinstance(n, str) for n in names):
+        raise InvalidArgumentError(
+            "layers= takes qualified layer names, a layer type (or tuple of types), or a "
+            f"predicate (name, module) -> bool; got {selection!r}"
+        )
+    known = dict(candidates)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        hints = []
+        for n in unknown:
+            close = difflib.get_close_matches(n, list(known), n=3)
+            hints.append(f"{n!r}" + (f" (did you mean {', '.join(map(repr, close))}?)" if close else ""))
+        raise LayerNotFoundError(
+            f"layers= names {len(unknown)} module(s) not found in the model: {'; '.join(hints)}. "
+            "Use the qualified names from model.named_modules()."
+        )
+    wanted = set(names)
+    for n in names:
+        if not has_running_stats(known[n]):
+            raise InvalidArgumentError(
+                f"layer {n!r} ({type(known[n]).__name__}) is not a normalization layer with running "
+                "statistics (track_running_stats=True); precisebn cannot recalibrate it."
+            )
+    return lambda name, module: name in wanted
+
+
+def find_norm_layers(
+    model: nn.Module,
+    layers: LayerSelection = None,
+    *,
+    capture: Capture | None = None,
+    require: bool = True,
+) -> list[NormLayer]:
+    """The normalization layers of ``model`` to recalibrate, in module order.
+
+    Args:
+        model: The model to search.
+        layers: ``None`` (every layer with running statistics), qualified names, a
+            type or tuple of types, or a predicate ``(name, module) -> bool``.
+        capture: Force a capture path for every layer (``"layer"`` or ``"input"``);
+            by default each layer gets the fastest exact one.
+        require: Raise :class:`LayerNotFoundError` when nothing is selected.
+
+    Raises:
+        LayerNotFoundError: A named layer does not exist, or nothing is selected.
+        UninitializedLayerError: A selected lazy layer has not run yet.
+    """
+    all_modules = dict(model.named_modules(remove_duplicate=True))
+    match = _matcher(layers, all_modules)
+    found: list[NormLayer] = []
+    for name, module in all_modules.items():
+        if not isinstance(module, _NormBase) or not module.track_running_stats:
+            continue
+        if not match(name, module):
+            continue
+        if isinstance(module.running_mean, nn.parameter.UninitializedBuffer):
+            raise UninitializedLayerError(
+                f"layer {name!r} ({type(module).__name__}) is a lazy layer that has not been "
+                "initialised; run one forward pass first (e.g. model(example_batch)) so that "
+                "its number of channels is known, then recalibrate."
+            )
+        if has_running_stats(module):
+            found.append(NormLayer(name, module, _capture_kind(module, capture)))
+    if require and not found:
+        raise LayerNotFoundError(
+            "no normalization layer with running statistics was selected "
+            f"(model {type(model).__name__}, layers={layers!r}); precisebn recalibrates "
+            "BatchNorm*/SyncBatchNorm/InstanceNorm* layers with track_running_stats=True."
+        )
+    return found
+
+
+@dataclass
+class ScratchGroup:
+    """Flat scratch buffers standing in for the running statistics of layers that
+    share a device and dtype: ``buffer[0]`` holds every layer's running mean,
+    ``buffer[1]`` its running variance, each layer at ``offsets[i]``."""
+
+    buffer: Tensor
+    layer_ids: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RecalibrationState:
+    """What :func:`recalibration_state` set up; valid inside the ``with`` block."""
+
+    layers: list[NormLayer]
+    groups: list[ScratchGroup]
+    views: list[tuple[Tensor, Tensor]]
+    _hooks: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
+
+    def add_pre_hook(self, module: nn.Module, hook: Callable[..., None]) -> None:
+        """Registers a forward pre-hook that is removed when the state is restored."""
+        self._hooks.append(module.register_forward_pre_hook(hook))
+
+
+def _allocate_scratch(layers: Sequence[NormLayer]) -> tuple[list[ScratchGroup], list[tuple[Tensor, Tensor]]]:
+    by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, layer in enumerate(layers):
+        rm = layer.module.running_mean
+        by_key.setdefault((rm.device, rm.dtype), []).append(i)
+    groups: list[ScratchGroup] = []
+    views: list[tuple[Tensor, Tensor] | None] = [None] * len(layers)
+    for (device, dtype), ids in by_key.items():
+        offsets, size = [], 0
+        for i in ids:
+            offsets.append(size)
+            size += -(-layers[i].channels // _ALIGN) * _ALIGN
+        buffer = torch.zeros(2, size, dtype=dtype, device=device)
+        buffer[1].fill_(1.0)
+        for i, off in zip(ids, offsets):
+            c = layers[i].channels
+            views[i] = (buffer[0, off : off + c], buffer[1, off : off + c])
+        groups.append(ScratchGroup(buffer, list(ids), offsets))
+    return groups, [v for v in views if v is not None]
+
+
+@contextlib.contextmanager
+def recalibration_state(model: nn.Module, layers: Sequence[NormLayer], mode: Mode) -> Iterator[RecalibrationState]:
+    """Prepares ``model`` for a statistics pass and restores it bitwise afterwards.
+
+    Inside the block:
+
+    * ``mode="norm"``: the selected layers are in training mode, every other module in
+      eval mode; ``"train"``: every module in training mode except unselected
+      normalization layers, which stay in eval mode so that nothing updates them;
+      ``"keep"``: training flags are left as they are.
+    * Each selected layer's ``running_mean``/``running_var``/``num_batches_tracked``
+      are replaced by scratch tensors (views of one flat buffer per device and dtype),
+      so the layer's own updates never touch the real buffers, and its momentum is 1.0.
+    * Every other buffer of the model is snapshotted.
+
+    On exit — normal, exception or ``KeyboardInterrupt`` — hooks are removed, the
+    original buffer tensors are put back (never written to), snapshotted buffers are
+    copied back, and every momentum and ``training`` flag is restored.
+    """
+    with contextlib.ExitStack() as stack:
+        flags = [(m, m.training) for m in model.modules()]
+        stack.callback(_restore_flags, flags)
+
+        swapped_ids = {id(layer.module) for layer in layers}
+        groups, views = _allocate_scratch(layers)
+        originals = []
+        for layer, (mean_view, var_view) in zip(layers, views):
+            m = layer.module
+            saved = {k: m._buffers[k] for k in ("running_mean", "running_var", "num_batches_tracked") if k in m._buffers}
+            originals.append((m, saved, m.momentum))
+        stack.callback(_restore_buffers, originals)
+
+        snapshot = [
+            (buf, buf.detach().clone())
+            for mod in model.modules()
+            if id(mod) not in swapped_ids
+            for buf in mod._buffers.values()
+            if isinstance(buf, Tensor)
+        ]
+        stack.callback(_restore_snapshot, snapshot)
+
+        state = RecalibrationState(list(layers), groups, views)
+        stack.callback(_remove_hooks, state._hooks)
+
+        for layer, (mean_view, var_view) in zip(layers, views):
+            m = layer.module
+            m._buffers["running_mean"] = mean_view
+            m._buffers["running_var"] = var_view
+            if isinstance(m._buffers.get("num_batches_tracked"), Tensor):
+                m._buffers["num_batches_tracked"] = torch.zeros_like(m._buffers["num_batches_tracked"])
+            m.momentum = 1.0
+        _set_modes(model, swapped_ids, mode)
+        yield state
+
+
+def _set_modes(model: nn.Module, selected: set[int], mode: Mode) -> None:
+    # Flags are assigned directly rather than through Module.train(), which models
+    # may override with side effects (freezing, re-initialising...).
+    if mode == "keep":
+        return
+    for m in model.modules():
+        if id(m) in selected:
+            m.training = True
+        elif isinstance(m, _NormBase) and m.track_running_stats:
+            m.training = False
+        else:
+            m.training = mode == "train"
+
+
+def _restore_flags(flags: list[tuple[nn.Module, bool]]) -> None:
+    for m, training in flags:
+        m.training = training
+
+
+def _restore_buffers(originals: list[tuple[nn.Module, dict[str, Tensor], float | None]]) -> None:
+    for m, saved, momentum in originals:
+        m._buffers.update(saved)
+        m.momentum = momentum
+
+
+def _restore_snapshot(snapshot: list[tuple[Tensor, Tensor]]) -> None:
+    with torch.no_grad():
+        for buf, copy in snapshot:
+            buf.copy_(copy)
+
+
+def _remove_hooks(handles: list[torch.utils.hooks.RemovableHandle]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()

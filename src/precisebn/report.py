@@ -1,0 +1,202 @@
+"""What a recalibration changed: per-layer old and new statistics, and totals."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .files import atomic_path
+
+__all__ = ["LayerReport", "Report"]
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """One layer's statistics before and after.
+
+    Attributes:
+        name: Qualified layer name.
+        layer_type: Class name of the layer.
+        channels: Number of channels.
+        count: Values counted per channel (0: never reached, statistics kept).
+        calls: Forward calls of the layer seen during the passes.
+        old_mean, old_var: The running statistics before (float64, CPU).
+        new_mean, new_var: The running statistics after (float64, CPU; equal to the
+            old ones when the layer was not updated).
+        eps: The layer's epsilon.
+        updated: Whether new statistics were written.
+    """
+
+    name: str
+    layer_type: str
+    channels: int
+    count: int
+    calls: int
+    old_mean: Tensor
+    old_var: Tensor
+    new_mean: Tensor
+    new_var: Tensor
+    eps: float
+    updated: bool
+
+    @property
+    def _shift(self) -> Tensor:
+        return (self.new_mean - self.old_mean).abs() / (self.new_var.clamp_min(0) + self.eps).sqrt()
+
+    @property
+    def mean_shift(self) -> float:
+        """Mean over channels of ``|Δmean| / sqrt(new_var + eps)``: how far, in the new
+        standard deviations, the stored mean moved."""
+        return float(self._shift.mean()) if self.channels else 0.0
+
+    @property
+    def max_mean_shift(self) -> float:
+        """Largest ``|Δmean| / sqrt(new_var + eps)`` over channels."""
+        return float(self._shift.max()) if self.channels else 0.0
+
+    @property
+    def var_ratio(self) -> float:
+        """Geometric mean over channels of ``(new_var + eps) / (old_var + eps)``."""
+        if not self.channels:
+            return 1.0
+        ratio = (self.new_var.clamp_min(0) + self.eps) / (self.old_var.clamp_min(0) + self.eps)
+        return float(ratio.log().mean().exp())
+
+    @property
+    def status(self) -> str:
+        return "updated" if self.updated else "not reached (kept)"
+
+    def to_dict(self, values: bool = True) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": self.name,
+            "type": self.layer_type,
+            "channels": self.channels,
+            "count": self.count,
+            "calls": self.calls,
+            "updated": self.updated,
+            "mean_shift": _finite_or_none(self.mean_shift),
+            "max_mean_shift": _finite_or_none(self.max_mean_shift),
+            "var_ratio": _finite_or_none(self.var_ratio),
+        }
+        if values:
+            for key in ("old_mean", "old_var", "new_mean", "new_var"):
+                d[key] = [_finite_or_none(v) for v in getattr(self, key).tolist()]
+        return d
+
+
+def _finite_or_none(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+@dataclass
+class Report:
+    """The result of :func:`precisebn.recalibrate` / :func:`precisebn.apply`.
+
+    ``str(report)`` is a table, one row per layer; :meth:`to_dict` is JSON-serialisable.
+
+    Attributes:
+        layers: One :class:`LayerReport` per selected layer, in module order.
+        samples: Samples (batch items) used, over all ranks.
+        batches: Batches used, over all ranks.
+        seconds: Wall time of the passes.
+        mode: ``"norm"`` or ``"train"``.
+        world_size: Number of ranks merged.
+    """
+
+    layers: list[LayerReport]
+    samples: int
+    batches: int
+    seconds: float
+    mode: str
+    world_size: int = 1
+
+    def __getitem__(self, name: str) -> LayerReport:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(name)
+
+    @property
+    def updated(self) -> list[str]:
+        """Names of the layers whose statistics were written."""
+        return [r.name for r in self.layers if r.updated]
+
+    @property
+    def not_reached(self) -> list[str]:
+        """Names of the selected layers that no forward pass reached (statistics kept)."""
+        return [r.name for r in self.layers if not r.updated]
+
+    def to_dict(self, values: bool = True) -> dict[str, Any]:
+        """A JSON-serialisable dict; ``values=False`` leaves out per-channel lists."""
+        return {
+            "samples": self.samples,
+            "batches": self.batches,
+            "seconds": self.seconds,
+            "mode": self.mode,
+            "world_size": self.world_size,
+            "layers": [r.to_dict(values) for r in self.layers],
+        }
+
+    def to_json(self, path: str | os.PathLike[str], values: bool = True) -> None:
+        """Writes :meth:`to_dict` as JSON, atomically."""
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(self.to_dict(values), indent=1) + "\n")
+
+    def plot(self, path_or_ax: Any = None) -> Any:
+        """Draws per-layer shifts (needs ``pip install 'precisebn[plot]'``).
+
+        Args:
+            path_or_ax: A file path to save a PNG to, a matplotlib ``Axes`` to draw
+                on, or ``None`` for a new figure.
+
+        Returns:
+            The matplotlib ``Figure``.
+        """
+        from .plotting import plot_report
+
+        return plot_report(self, path_or_ax)
+
+    def __str__(self) -> str:
+        header = ["layer", "type", "ch", "values/ch", "calls", "|Δμ|/σ mean", "max", "var new/old", "status"]
+        rows = [
+            [
+                r.name or "(model)",
+                r.layer_type,
+                str(r.channels),
+                str(r.count),
+                str(r.calls),
+                f"{r.mean_shift:.3g}",
+                f"{r.max_mean_shift:.3g}",
+                f"{r.var_ratio:.3g}",
+                r.status,
+            ]
+            for r in self.layers
+        ]
+        widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
+        right = {2, 3, 4, 5, 6, 7}
+
+        def fmt(row: list[str]) -> str:
+            return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+        lines = [fmt(header), "  ".join("-" * w for w in widths)]
+        lines += [fmt(row) for row in rows]
+        kept = len(self.not_reached)
+        lines.append(
+            f"{len(self.layers) - kept} layers updated, {kept} not reached; {self.samples} samples in "
+            f"{self.batches} batches, {self.seconds:.2f} s, mode={self.mode!r}"
+            + (f", {self.world_size} ranks" if self.world_size > 1 else "")
+        )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"Report({len(self.layers)} layers, samples={self.samples}, batches={self.batches}, seconds={self.seconds:.3g})"
+
+
+def _cpu64(t: Tensor) -> Tensor:
+    return t.detach().to("cpu", torch.float64)

@@ -1,0 +1,149 @@
+"""The estimator: per-channel count, mean and M2 in float64, exactly mergeable.
+
+This module is pure tensor math; it knows nothing about models or layers.
+
+A :class:`RunningMoments` holds, for every channel ``c``, the number of values seen
+``count[c]``, their mean ``mean[c]`` and the sum of squared deviations from that mean
+``m2[c]``, all in float64. Two sets of moments merge exactly (Chan, Golub & LeVeque,
+1983)::
+
+    n  = n_a + n_b
+    δ  = μ_b - μ_a
+    μ  = μ_a + δ · n_b / n
+    M2 = M2_a + M2_b + δ² · n_a · n_b / n
+
+so the result never depends on how the values were split into pieces or in which
+order the pieces arrive (up to float64 rounding), and no ``E[x²] - E[x]²``
+cancellation occurs. The population (biased) variance is ``M2 / n``.
+
+Example:
+    >>> import torch
+    >>> from precisebn.stats import RunningMoments
+    >>> x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])  # 3 samples, 2 channels
+    >>> a = RunningMoments.from_data(x[:1], channel_dim=1)
+    >>> a.merge(RunningMoments.from_data(x[1:], channel_dim=1))
+    >>> a.count.tolist(), a.mean.tolist(), a.var.tolist()
+    ([3.0, 3.0], [3.0, 4.0], [2.6666666666666665, 2.6666666666666665])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["RunningMoments", "chan_merge"]
+
+_F64 = torch.float64
+
+
+def chan_merge(
+    count_a: Tensor, mean_a: Tensor, m2_a: Tensor, count_b: Tensor, mean_b: Tensor, m2_b: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Merges two sets of (count, mean, M2) element-wise; a side with count 0 is ignored.
+
+    All arguments are float64 tensors of one shape (counts may broadcast).
+
+    Returns:
+        The merged ``(count, mean, m2)``.
+    """
+    count = count_a + count_b
+    safe = torch.where(count > 0, count, torch.ones_like(count))
+    weight_b = count_b / safe
+    delta = mean_b - mean_a
+    mean = torch.where(count_a > 0, mean_a + delta * weight_b, mean_b)
+    mean = torch.where(count_b > 0, mean, mean_a)
+    m2 = m2_a + m2_b + delta * delta * (count_a * weight_b)
+    m2 = torch.where((count_a > 0) & (count_b > 0), m2, m2_a + m2_b)
+    return count, mean, m2
+
+
+class RunningMoments:
+    """Count, mean and M2 (sum of squared deviations) per channel, in float64.
+
+    Attributes:
+        count: Number of values seen per channel (float64, exact up to 2**53).
+        mean: Mean per channel.
+        m2: Sum of squared deviations from ``mean`` per channel.
+    """
+
+    __slots__ = ("count", "m2", "mean")
+
+    def __init__(self, count: Tensor, mean: Tensor, m2: Tensor) -> None:
+        self.count = count.to(_F64)
+        self.mean = mean.to(_F64)
+        self.m2 = m2.to(_F64)
+
+    @classmethod
+    def zeros(cls, shape: int | Sequence[int], device: torch.device | str | None = None) -> RunningMoments:
+        """Empty moments (count 0) of the given shape."""
+        z = torch.zeros(shape, dtype=_F64, device=device)
+        return cls(z, z.clone(), z.clone())
+
+    @classmethod
+    def from_data(cls, x: Tensor, channel_dim: int = 1) -> RunningMoments:
+        """Moments of ``x`` per index of ``channel_dim``, pooled over every other dimension.
+
+        The reduction runs in float64 (two-pass), whatever the dtype of ``x``.
+        """
+        if x.dim() == 0:
+            raise ValueError("from_data needs at least one dimension (the channels)")
+        xd = x.detach().to(_F64)
+        dims = [d for d in range(xd.dim()) if d != channel_dim % xd.dim()]
+        channels = xd.shape[channel_dim]
+        count = xd.numel() // channels if channels else 0
+        if count == 0:
+            return cls.zeros(channels, device=x.device)
+        var, mean = torch.var_mean(xd, dim=dims, correction=0) if dims else (torch.zeros_like(xd), xd)
+        return cls(torch.full_like(mean, float(count)), mean, var * count)
+
+    @classmethod
+    def from_batches(cls, counts: Tensor, means: Tensor, m2s: Tensor) -> RunningMoments:
+        """Pools K sets of moments stacked along dimension 0 (shape ``[K, ...]``).
+
+        Rows with count 0 are ignored whatever their mean and M2 hold (even NaN).
+        Uses the two-pass form: the pooled mean first, then the deviations from it.
+        """
+        counts, means, m2s = counts.to(_F64), means.to(_F64), m2s.to(_F64)
+        present = counts > 0
+        zero = torch.zeros((), dtype=_F64, device=counts.device)
+        counts = torch.where(present, counts, zero)
+        means = torch.where(present, means, zero)
+        m2s = torch.where(present, m2s, zero)
+        total = counts.sum(0)
+        safe = torch.where(total > 0, total, torch.ones_like(total))
+        mean = (counts * means).sum(0) / safe
+        dev = means - mean
+        m2 = m2s.sum(0) + (counts * dev * dev).sum(0)
+        return cls(total, mean, m2)
+
+    def merge(self, other: RunningMoments) -> None:
+        """Adds ``other``'s values to these moments, in place."""
+        self.count, self.mean, self.m2 = chan_merge(
+            self.count, self.mean, self.m2, other.count, other.mean, other.m2
+        )
+
+    def update(self, x: Tensor, channel_dim: int = 1) -> None:
+        """Adds the values of a raw tensor (see :meth:`from_data`), in place."""
+        self.merge(RunningMoments.from_data(x, channel_dim))
+
+    @property
+    def var(self) -> Tensor:
+        """Population (biased) variance ``M2 / count``; NaN where count is 0."""
+        return self.m2 / self.count
+
+    @property
+    def unbiased_var(self) -> Tensor:
+        """Sample (unbiased) variance ``M2 / (count - 1)``."""
+        return self.m2 / (self.count - 1)
+
+    def __getitem__(self, index: slice | Tensor) -> RunningMoments:
+        return RunningMoments(self.count[index], self.mean[index], self.m2[index])
+
+    def to(self, device: torch.device | str) -> RunningMoments:
+        """A copy on ``device``."""
+        return RunningMoments(self.count.to(device), self.mean.to(device), self.m2.to(device))
+
+    def __repr__(self) -> str:
+        return f"RunningMoments(channels={tuple(self.mean.shape)}, device={self.mean.device})"

@@ -1,0 +1,135 @@
+"""Shared fixtures. ``float64_truth`` is the ground truth every statistics test compares to."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.instancenorm import _InstanceNorm
+
+
+@dataclass
+class Truth:
+    """float64 statistics of everything one layer received."""
+
+    count: int
+    mean: Tensor
+    var: Tensor  # population (biased)
+    calls: int
+
+
+def _channels_first(module: nn.Module, x: Tensor) -> Tensor:
+    x = x.detach().to(torch.float64)
+    if isinstance(module, _InstanceNorm) and x.dim() == module._get_no_batch_dim():
+        x = x.unsqueeze(0)
+    if x.dim() == 1:
+        x = x.unsqueeze(0)
+    return x.transpose(0, 1).reshape(x.shape[1], -1)
+
+
+def compute_truth(
+    model: nn.Module,
+    batches: Iterable[Any],
+    *,
+    forward: Callable[[nn.Module, Any], Any] | None = None,
+    mode: str = "norm",
+    select: Callable[[str, nn.Module], bool] | None = None,
+    seed: int | None = None,
+) -> dict[str, Truth]:
+    """Runs a deep copy of ``model`` over ``batches`` in the given mode and returns, per
+    selected normalization layer, the float64 mean and population variance of the
+    concatenation of all its inputs — computed here, independently of precisebn."""
+    model = copy.deepcopy(model)
+    forward = forward or (lambda m, b: m(b[0] if isinstance(b, (tuple, list)) else b))
+    select = select or (lambda name, m: True)
+    chosen = {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, _NormBase) and m.track_running_stats and select(name, m)
+    }
+    for m in model.modules():
+        m.training = mode == "train"
+        if isinstance(m, _NormBase) and m.track_running_stats:
+            m.training = False
+    for m in chosen.values():
+        m.training = True
+    seen: dict[str, list[Tensor]] = {name: [] for name in chosen}
+    handles = [
+        m.register_forward_pre_hook(lambda mod, args, name=name: seen[name].append(_channels_first(mod, args[0])))
+        for name, m in chosen.items()
+    ]
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        for batch in batches:
+            forward(model, batch)
+    for h in handles:
+        h.remove()
+    out = {}
+    for name, xs in seen.items():
+        if not xs:
+            out[name] = Truth(0, torch.empty(0), torch.empty(0), 0)
+            continue
+        x = torch.cat(xs, dim=1)
+        out[name] = Truth(x.shape[1], x.mean(1), x.var(1, unbiased=False), len(xs))
+    return out
+
+
+def max_rel_error(estimate: Tensor, truth: Tensor, scale: Tensor | None = None) -> float:
+    """max |estimate - truth| / scale (scale defaults to |truth|), in float64."""
+    est = estimate.detach().to("cpu", torch.float64)
+    scale = truth.abs() if scale is None else scale
+    return float(((est - truth).abs() / scale.clamp_min(1e-300)).max())
+
+
+@pytest.fixture
+def float64_truth() -> Callable[..., dict[str, Truth]]:
+    """``float64_truth(model, batches, forward=None, mode="norm", select=None, seed=None)``."""
+    return compute_truth
+
+
+def state_snapshot(model: nn.Module) -> dict[str, Any]:
+    """Everything that must stay bitwise unchanged: state_dict, flags, momenta, hooks."""
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()},
+        "flags": [m.training for m in model.modules()],
+        "momenta": [getattr(m, "momentum", None) for m in model.modules()],
+        "hooks": [
+            (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks)) for m in model.modules()
+        ],
+        "buffer_ids": [id(b) for b in model.buffers()],
+    }
+
+
+def assert_unchanged(model: nn.Module, snapshot: dict[str, Any]) -> None:
+    now = state_snapshot(model)
+    assert now["flags"] == snapshot["flags"], "training flags changed"
+    assert now["momenta"] == snapshot["momenta"], "momentum changed"
+    assert now["hooks"] == snapshot["hooks"], "hooks left behind"
+    assert now["buffer_ids"] == snapshot["buffer_ids"], "buffer tensors replaced"
+    assert now["state"].keys() == snapshot["state"].keys()
+    for k, v in snapshot["state"].items():
+        w = now["state"][k]
+        assert v.dtype == w.dtype and v.shape == w.shape, k
+        # bitwise: compare raw bytes so that NaN == NaN and -0.0 != 0.0
+        assert torch.equal(_raw(v), _raw(w)), f"{k} changed"
+
+
+def _raw(t: Tensor) -> Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.fixture
+def snapshot() -> Callable[[nn.Module], dict[str, Any]]:
+    return state_snapshot
+
+
+@pytest.fixture
+def unchanged() -> Callable[[nn.Module, dict[str, Any]], None]:
+    return assert_unchanged
