@@ -53,12 +53,13 @@ def compute_truth(
         for name, m in model.named_modules()
         if isinstance(m, _NormBase) and m.track_running_stats and select(name, m)
     }
-    for m in model.modules():
-        m.training = mode == "train"
-        if isinstance(m, _NormBase) and m.track_running_stats:
-            m.training = False
-    for m in chosen.values():
-        m.training = True
+    if mode != "keep":  # "keep": flags as they are (fvcore's convention)
+        for m in model.modules():
+            m.training = mode == "train"
+            if isinstance(m, _NormBase) and m.track_running_stats:
+                m.training = False
+        for m in chosen.values():
+            m.training = True
     seen: dict[str, list[Tensor]] = {name: [] for name in chosen}
     handles = [
         m.register_forward_pre_hook(lambda mod, args, name=name: seen[name].append(_channels_first(mod, args[0])))

@@ -96,7 +96,8 @@ def estimate(
         num_samples: Stop once this many samples (first dimension of the batch's
             input) have been used; the last batch is used whole. Global when
             distributed: each of W ranks uses ``ceil(num_samples / W)``. ``"all"``
-            uses the whole data. Default 8192 when ``num_batches`` is not given either.
+            uses the whole data. Default: when neither limit is given, up to 8192
+            samples (shorter data is then used whole without a warning).
         num_batches: Stop after this many batches (per rank). With both limits the
             first one reached stops.
         forward: ``forward(model, batch)`` runs one batch. Default: a tensor goes in
@@ -152,14 +153,15 @@ def estimate(
             f"data must be an iterable of batches (a DataLoader, a list, a generator), got {type(data).__name__}"
             + ("; wrap a single tensor batch in a list: [batch]" if isinstance(data, torch.Tensor) else "")
         )
-    if num_samples is None and num_batches is None and not use_all:
+    explicit = num_samples is not None or num_batches is not None
+    if not explicit and not use_all:
         num_samples = DEFAULT_NUM_SAMPLES
     ctx = _dist.RankContext.resolve(distributed, process_group)
     if ctx is not None and num_samples is not None:
         num_samples = math.ceil(num_samples / ctx.world_size)
     model = unwrap(model)
     target = torch.device(device) if device is not None else model_device(model)
-    run = _Run(model, data, forward or default_forward, num_samples, num_batches, target, progress, _mode)
+    run = _Run(model, data, forward or default_forward, num_samples, num_batches, target, progress, _mode, explicit)
     try:
         selected = find_norm_layers(model, layers, capture=_capture)
         local = run.measure(selected, abort=ctx.poll if ctx is not None else None)
@@ -186,10 +188,12 @@ class _Run:
         device: torch.device | None,
         progress: bool,
         mode: Mode,
+        warn_short: bool = True,
     ) -> None:
         self.model, self.data, self.forward = model, data, forward
         self.num_samples, self.num_batches = num_samples, num_batches
         self.device, self.progress, self.mode = device, progress, mode
+        self.warn_short = warn_short
 
     def measure(self, selected: list[NormLayer], abort: Any = None) -> Measurement:
         start = time.perf_counter()
@@ -210,6 +214,7 @@ class _Run:
         limit, unit = (self.num_samples, "sample") if self.num_batches is None else (self.num_batches, "batch")
         bar = _progress_bar(self.progress, limit, unit)
         samples = batches = 0
+        limited = False
         try:
             for batch in self.data:
                 size = batch_size(batch)
@@ -229,6 +234,7 @@ class _Run:
                 if (self.num_batches is not None and batches >= self.num_batches) or (
                     self.num_samples is not None and samples >= self.num_samples
                 ):
+                    limited = True
                     break
         finally:
             if bar is not None:
@@ -238,11 +244,10 @@ class _Run:
                 "the data yielded no batch, so there is nothing to measure; pass a non-empty "
                 "iterable of batches (the model was left unchanged)."
             )
-        short = (self.num_batches is not None and batches < self.num_batches and self.num_samples is None) or (
-            self.num_samples is not None and samples < self.num_samples
-        )
-        if short:
-            asked = f"num_samples={self.num_samples}" if self.num_samples is not None else f"num_batches={self.num_batches}"
+        if self.warn_short and not limited and (self.num_samples, self.num_batches) != (None, None):
+            asked = " / ".join(
+                f"{k}={v}" for k, v in (("num_samples", self.num_samples), ("num_batches", self.num_batches)) if v
+            )
             warnings.warn(
                 f"the data ran out after {samples} samples in {batches} batches, fewer than {asked}; "
                 "the statistics use all of them.",
@@ -293,7 +298,7 @@ class Measurement:
             if count > 0:
                 mean, var = m.mean, m.var
             else:
-                mean = var = torch.full_like(m.mean, float("nan"))
+                mean, var = torch.full_like(m.mean, float("nan")), torch.full_like(m.mean, float("nan"))
             layers[layer.name] = LayerStats(mean, var, count, calls, layer.type_name)
         return PopulationStats(layers, self.samples, self.batches, self.mode, self.seconds, self.world_size)
 

@@ -48,14 +48,13 @@ def chan_merge(
     Returns:
         The merged ``(count, mean, m2)``.
     """
+    has_a, has_b = count_a > 0, count_b > 0
     count = count_a + count_b
-    safe = torch.where(count > 0, count, torch.ones_like(count))
-    weight_b = count_b / safe
+    weight_b = count_b / torch.where(count > 0, count, torch.ones_like(count))
     delta = mean_b - mean_a
-    mean = torch.where(count_a > 0, mean_a + delta * weight_b, mean_b)
-    mean = torch.where(count_b > 0, mean, mean_a)
-    m2 = m2_a + m2_b + delta * delta * (count_a * weight_b)
-    m2 = torch.where((count_a > 0) & (count_b > 0), m2, m2_a + m2_b)
+    both = has_a & has_b
+    mean = torch.where(both, mean_a + delta * weight_b, torch.where(has_b, mean_b, mean_a))
+    m2 = torch.where(both, m2_a + m2_b + delta * delta * (count_a * weight_b), torch.where(has_b, m2_b, m2_a))
     return count, mean, m2
 
 

@@ -1,0 +1,214 @@
+"""Scenarios run on every rank of a real multi-process (gloo, CPU) group.
+
+Each scenario returns a dict of tensors/numbers per rank; ``test_distributed.py``
+starts the processes, collects the dicts and checks them against the float64 truth
+over the union of all ranks' data.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+import precisebn
+from precisebn.errors import DistributedError
+
+Result = dict[str, Any]
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 5),
+        nn.BatchNorm1d(5),
+    )
+
+
+def shard(rank: int, world_size: int) -> list[torch.Tensor]:
+    """Uneven shards: rank r has 2 + r batches of growing size; the last rank one batch of 2."""
+    g = torch.Generator().manual_seed(100 + rank)
+    if rank == world_size - 1:
+        return [torch.randn(2, 3, 6, 6, generator=g) * 2 + rank]
+    return [torch.randn(3 + i + rank, 3, 6, 6, generator=g) * 2 + rank for i in range(2 + rank)]
+
+
+def buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _error(exc: BaseException) -> Result:
+    return {
+        "error": type(exc).__name__,
+        "message": str(exc),
+        "failed_ranks": list(getattr(exc, "failed_ranks", ())),
+        "raised_at": time.time(),
+    }
+
+
+# -- scenarios --------------------------------------------------------------------------
+
+
+def union(rank: int, world_size: int) -> Result:
+    model = make_model()
+    report = precisebn.recalibrate(model, shard(rank, world_size), num_samples="all")
+    return {
+        "state": buffers(model),
+        "samples": report.samples,
+        "batches": report.batches,
+        "counts": {r.name: r.count for r in report.layers},
+        "calls": {r.name: r.calls for r in report.layers},
+        "world_size": report.world_size,
+    }
+
+
+def independent(rank: int, world_size: int) -> Result:
+    model = make_model()
+    report = precisebn.recalibrate(model, shard(rank, world_size), distributed=False)
+    return {"state": buffers(model), "world_size": report.world_size, "samples": report.samples}
+
+
+def global_num_samples(rank: int, world_size: int) -> Result:
+    stream = (torch.randn(4, 3, 6, 6) for _ in itertools.count())
+    stats = precisebn.estimate(make_model(), stream, num_samples=20)
+    return {"samples": stats.samples, "batches": stats.batches}
+
+
+def ddp(rank: int, world_size: int) -> Result:
+    model = nn.parallel.DistributedDataParallel(make_model(), broadcast_buffers=True)
+    precisebn.recalibrate(model, shard(rank, world_size), num_samples="all")
+    after_recalibrate = buffers(model.module)
+    model.eval()
+    model(torch.randn(2, 3, 6, 6))  # DDP broadcasts rank 0's buffers before this forward
+    return {"state": after_recalibrate, "kept_after_ddp_forward": same_state(after_recalibrate, buffers(model.module))}
+
+
+def layer_mismatch(rank: int, world_size: int) -> Result:
+    model = make_model()
+    before = buffers(model)
+    try:
+        precisebn.recalibrate(model, shard(rank, world_size), layers=None if rank == 0 else ["1"])
+    except DistributedError as exc:
+        return {**_error(exc), "unchanged": same_state(before, buffers(model))}
+    return {"error": None}
+
+
+def empty_rank(rank: int, world_size: int) -> Result:
+    model = make_model()
+    before = buffers(model)
+    try:
+        precisebn.recalibrate(model, [] if rank == 1 else shard(rank, world_size))
+    except DistributedError as exc:
+        return {**_error(exc), "unchanged": same_state(before, buffers(model))}
+    return {"error": None}
+
+
+def non_finite(rank: int, world_size: int) -> Result:
+    model = make_model()
+    before = buffers(model)
+    data = shard(rank, world_size)
+    if rank == 0:
+        data[0][0, 0, 0, 0] = float("inf")
+    try:
+        precisebn.recalibrate(model, data)
+    except DistributedError as exc:
+        return {**_error(exc), "unchanged": same_state(before, buffers(model))}
+    return {"error": None}
+
+
+def ctrl_c(rank: int, world_size: int) -> Result:
+    model = make_model()
+    before = buffers(model)
+    calls = itertools.count()
+
+    def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if rank == 0 and next(calls) == 1:
+            raise KeyboardInterrupt
+        return m(x)
+
+    try:
+        precisebn.recalibrate(model, shard(rank, world_size) * 3, forward=forward)
+    except (DistributedError, KeyboardInterrupt) as exc:
+        return {**_error(exc), "unchanged": same_state(before, buffers(model))}
+    return {"error": None}
+
+
+SLOW_BATCHES = 400
+SLOW_SECONDS = 0.02
+
+
+def failure_surfaces_fast(rank: int, world_size: int) -> Result:
+    """Rank 1's loader raises after 2 batches; the others have SLOW_BATCHES slow batches."""
+    model = make_model()
+    before = buffers(model)
+    failed_at = []
+
+    def data() -> Iterator[torch.Tensor]:
+        g = torch.Generator().manual_seed(rank)
+        for i in itertools.count():
+            if rank == 1 and i == 2:
+                failed_at.append(time.time())
+                raise OSError("disk read error on rank 1")
+            if i == SLOW_BATCHES:
+                return
+            yield torch.randn(4, 3, 6, 6, generator=g)
+
+    def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(SLOW_SECONDS)
+        return m(x)
+
+    start = time.time()
+    try:
+        precisebn.recalibrate(model, data(), forward=forward, num_samples="all")
+    except DistributedError as exc:
+        out = {**_error(exc), "unchanged": same_state(before, buffers(model)), "start": start}
+        out["failed_at"] = failed_at[0] if failed_at else None
+        out["cause"] = type(exc.__cause__).__name__ if exc.__cause__ else None
+        return out
+    return {"error": None}
+
+
+SCENARIOS: dict[str, Callable[[int, int], Result]] = {
+    f.__name__: f
+    for f in (union, independent, global_num_samples, ddp, layer_mismatch, empty_rank, non_finite, ctrl_c,
+              failure_surfaces_fast)
+}
+
+
+def main(rank: int, world_size: int, init_method: str, names: list[str], out_dir: str) -> None:
+    """Process entry point: join the group, run the scenarios in order, save the results."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
+    )
+    results: dict[str, Result] = {}
+    try:
+        for name in names:
+            try:
+                results[name] = SCENARIOS[name](rank, world_size)
+            except Exception as exc:
+                results[name] = {"error": "unexpected " + type(exc).__name__, "message": traceback.format_exc()}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(","), sys.argv[5])

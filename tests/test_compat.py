@@ -1,0 +1,140 @@
+"""Drop-in replacements for fvcore's update_bn_stats and torch's update_bn."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
+from torch import nn
+from torch.optim import swa_utils
+
+from precisebn import compat
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from fvcore.nn import precise_bn as fvcore_precise_bn
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Dropout(0.3), nn.ReLU(), nn.Linear(6, 5), nn.BatchNorm1d(5)
+    )
+
+
+def data(n: int = 8, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(int(s), 4, generator=g) * 3 + 2 for s in torch.randint(3, 9, (n,), generator=g)]
+
+
+def test_signatures_match_the_originals() -> None:
+    def params(f):
+        return [(p.name, p.default) for p in inspect.signature(f).parameters.values()]
+
+    assert params(compat.update_bn_stats) == params(fvcore_precise_bn.update_bn_stats)
+    assert params(compat.update_bn) == params(swa_utils.update_bn)
+
+
+def test_update_bn_stats_touches_only_training_bn_and_keeps_flags() -> None:
+    model = net().train()
+    model[5].eval()  # fvcore leaves eval-mode BN layers alone
+    flags = [m.training for m in model.modules()]
+    frozen = model[5].running_var.clone()
+    batches = data()
+    truth = compute_truth(model, batches, mode="keep", select=lambda n, m: m.training, seed=7)
+    torch.manual_seed(7)  # dropout is on (train mode): same mask as the truth
+    compat.update_bn_stats(model, batches, num_iters=len(batches))
+    assert [m.training for m in model.modules()] == flags
+    assert torch.equal(model[5].running_var, frozen)
+    t = truth["1"]
+    assert max_rel_error(model[1].running_mean, t.mean, t.var.sqrt()) <= 1e-5
+    assert max_rel_error(model[1].running_var, t.var) <= 1e-5
+
+
+def test_update_bn_stats_passes_batches_raw() -> None:
+    class ListModel(nn.Module):  # detectron2-style: the model takes the list of records
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(3)
+
+        def forward(self, records: list[dict]) -> torch.Tensor:
+            return self.bn(torch.stack([r["x"] for r in records]))
+
+    records = [[{"x": torch.randn(3) + i} for i in range(4)] for _ in range(3)]
+    model = ListModel().train()
+    compat.update_bn_stats(model, records, num_iters=3)
+    xs = torch.stack([r["x"] for batch in records for r in batch]).double()
+    assert max_rel_error(model.bn.running_var, xs.var(0, unbiased=False)) <= 1e-5
+
+
+@pytest.mark.parametrize("loader", [[], [torch.randn(4, 4)] * 3], ids=["empty", "short"])
+def test_update_bn_stats_short_loader_raises_assertion_and_leaves_model(loader) -> None:
+    model = net().train()
+    before = state_snapshot(model)
+    with pytest.raises(AssertionError, match="meant to run for 5 iterations"):
+        compat.update_bn_stats(model, loader, num_iters=5)
+    assert_unchanged(model, before)
+
+
+def test_update_bn_stats_exact_where_fvcore_is_not() -> None:
+    """|mean|/std = 1e4 in float32 (facts.md): fvcore's variance is off by orders of magnitude."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(32, 8, generator=g, dtype=torch.float64) + 1e4).float() for _ in range(20)]
+    truth = compute_truth(nn.BatchNorm1d(8), batches)[""]
+    ours, theirs = nn.BatchNorm1d(8).train(), nn.BatchNorm1d(8).train()
+    compat.update_bn_stats(ours, batches, num_iters=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fvcore_precise_bn.update_bn_stats(theirs, batches, num_iters=20)
+    assert max_rel_error(ours.running_var, truth.var) <= 1e-3
+    assert max_rel_error(theirs.running_var, truth.var) > 1.0
+
+
+def test_update_bn_uses_whole_loader_in_train_mode() -> None:
+    model = net().eval()
+    model[1].momentum = 0.2
+    model[3].training = True  # odd per-module flags come back exactly (torch restores only the top)
+    flags = [m.training for m in model.modules()]
+    batches = [(x, torch.zeros(len(x))) for x in data(12)]
+    truth = compute_truth(model, batches, mode="train", seed=3)
+    torch.manual_seed(3)
+    compat.update_bn(batches, model, device="cpu")
+    assert [m.training for m in model.modules()] == flags
+    assert model[1].momentum == 0.2 and model[5].momentum == 0.1
+    for name in ("1", "5"):
+        t = truth[name]
+        assert max_rel_error(model.get_submodule(name).running_var, t.var) <= 1e-5
+        assert max_rel_error(model.get_submodule(name).running_mean, t.mean, t.var.sqrt()) <= 1e-5
+
+
+def test_update_bn_keeps_the_variance_of_batch_means() -> None:
+    # torch averages per-batch variances; with shifted batches that misses most of the variance
+    batches = [torch.randn(16, 2) + 10 * i for i in range(4)]
+    truth = compute_truth(nn.BatchNorm1d(2), batches)[""]
+    ours, theirs = nn.BatchNorm1d(2), nn.BatchNorm1d(2)
+    compat.update_bn(batches, ours)
+    swa_utils.update_bn(batches, theirs)
+    assert max_rel_error(ours.running_var, truth.var) <= 1e-5
+    assert max_rel_error(theirs.running_var, truth.var) > 0.5
+
+
+def test_update_bn_failure_leaves_model_untouched() -> None:
+    model = net()
+    before = state_snapshot(model)
+
+    def loader():
+        yield torch.randn(4, 4)
+        raise RuntimeError("broken loader")
+
+    with pytest.raises(RuntimeError, match="broken loader"):
+        compat.update_bn(loader(), model)
+    assert_unchanged(model, before)
+
+
+def test_models_without_batchnorm_are_a_no_op() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.InstanceNorm1d(2, track_running_stats=True))
+    compat.update_bn([torch.randn(2, 2)], model)
+    compat.update_bn_stats(model.train(), [torch.randn(2, 2)], num_iters=1)

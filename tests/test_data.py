@@ -1,0 +1,51 @@
+"""Batch handling."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+from precisebn.data import batch_size, default_forward, model_device, to_device
+from precisebn.errors import BatchTypeError
+
+
+def test_batch_size() -> None:
+    x = torch.zeros(7, 3)
+    assert batch_size(x) == 7
+    assert batch_size((x, torch.zeros(7))) == 7
+    assert batch_size([x]) == 7
+    assert batch_size({"a": "meta", "x": x}) == 7
+    assert batch_size({"x": [x, x]}) == 7
+    assert batch_size([{"image": torch.zeros(3, 5, 5)}] * 4) == 4  # detectron2-style list of records
+    assert batch_size(torch.tensor(1.0)) == 1
+    assert batch_size(object()) is None
+
+
+def test_to_device_keeps_structure() -> None:
+    Pair = namedtuple("Pair", "x y")
+    batch = {"p": Pair(torch.zeros(2), [torch.ones(1), "s"]), "o": OrderedDict(a=torch.zeros(1))}
+    moved = to_device(batch, torch.device("cpu"))
+    assert isinstance(moved["p"], Pair) and moved["p"].y[1] == "s"
+    assert isinstance(moved["o"], OrderedDict)
+    assert to_device(batch, None) is batch
+
+
+def test_default_forward() -> None:
+    model = nn.Identity()
+    x = torch.randn(2)
+    assert default_forward(model, x) is x
+    assert default_forward(model, (x, 1)) is x
+    assert default_forward(lambda input: input, {"input": x}) is x  # type: ignore[arg-type]
+    with pytest.raises(BatchTypeError, match="forward="):
+        default_forward(model, 3)
+    with pytest.raises(BatchTypeError):
+        default_forward(model, ())
+
+
+def test_model_device() -> None:
+    assert model_device(nn.Linear(2, 2)) == torch.device("cpu")
+    assert model_device(nn.BatchNorm1d(2, affine=False)) == torch.device("cpu")
+    assert model_device(nn.ReLU()) is None

@@ -1,0 +1,148 @@
+"""Real multi-process runs (gloo on CPU): exact union statistics, identical on every rank,
+all-or-nothing failures that surface fast. Each run is bounded by a timeout."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compute_truth, max_rel_error
+
+import dist_scenarios as sc
+from precisebn import distributed
+
+WORKER = Path(__file__).with_name("dist_scenarios.py")
+
+
+def run_ranks(world_size: int, names: list[str], tmp_path: Path, *, tcp: bool = False, timeout: float = 120) -> list[dict]:
+    if tcp:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    else:
+        init = f"file://{tmp_path / 'store'}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(r), str(world_size), init, ",".join(names), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world_size)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"ranks did not finish within {timeout} s (a hang): {names}")
+    for r, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{out}"
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
+
+
+def union_truth(world_size: int) -> dict:
+    batches = [b for r in range(world_size) for b in sc.shard(r, world_size)]
+    return compute_truth(sc.make_model(), batches)
+
+
+def check_union(results: list[dict], world_size: int) -> float:
+    """Every rank holds the same bits, equal to the float64 truth of the union; returns the max error."""
+    truth = union_truth(world_size)
+    first = results[0]["union"]
+    worst = 0.0
+    for r, res in enumerate(results):
+        u = res["union"]
+        assert "error" not in u, u
+        for k, v in first["state"].items():
+            assert torch.equal(u["state"][k], v), f"rank {r} differs from rank 0 in {k}"
+        assert u["world_size"] == world_size
+        assert u["samples"] == sum(len(b) for q in range(world_size) for b in sc.shard(q, world_size))
+        assert u["batches"] == sum(len(sc.shard(q, world_size)) for q in range(world_size))
+    for name, t in truth.items():
+        assert first["counts"][name] == t.count
+        assert first["calls"][name] == t.calls
+        scale = torch.maximum(t.mean.abs(), t.var.sqrt())
+        worst = max(
+            worst,
+            max_rel_error(first["state"][f"{name}.running_mean"], t.mean, scale),
+            max_rel_error(first["state"][f"{name}.running_var"], t.var),
+        )
+    assert worst <= 1e-5
+    return worst
+
+
+def test_two_ranks(tmp_path: Path) -> None:
+    names = ["union", "independent", "global_num_samples", "ddp", "layer_mismatch", "empty_rank", "non_finite", "ctrl_c"]
+    results = run_ranks(2, names, tmp_path)
+    check_union(results, 2)
+
+    # distributed=False: each rank only its own shard
+    for r, res in enumerate(results):
+        own = compute_truth(sc.make_model(), sc.shard(r, 2))
+        state = res["independent"]["state"]
+        assert res["independent"]["world_size"] == 1
+        assert max_rel_error(state["1.running_var"], own["1"].var) <= 1e-5
+    assert not torch.equal(results[0]["independent"]["state"]["1.running_var"],
+                           results[1]["independent"]["state"]["1.running_var"])
+
+    # num_samples is global: 20 over 2 ranks -> 10 each -> 3 batches of 4 per rank
+    for res in results:
+        assert res["global_num_samples"] == {"samples": 24, "batches": 6}
+
+    # DDP wrapper: union statistics, and DDP's buffer broadcast keeps them
+    truth = union_truth(2)
+    for res in results:
+        d = res["ddp"]
+        assert d["kept_after_ddp_forward"]
+        assert max_rel_error(d["state"]["6.running_var"], truth["6"].var) <= 1e-5
+        assert torch.equal(d["state"]["6.running_var"], results[0]["ddp"]["state"]["6.running_var"])
+
+    for res in results:
+        m = res["layer_mismatch"]
+        assert m["error"] == "DistributedError" and "different normalization layers" in m["message"] and m["unchanged"]
+        e = res["empty_rank"]
+        assert e["error"] == "DistributedError" and e["failed_ranks"] == [1] and e["unchanged"]
+        assert "rank 1: EmptyDataError" in e["message"]
+        n = res["non_finite"]
+        assert n["error"] == "DistributedError" and n["failed_ranks"] == [0] and n["unchanged"]
+        assert "NonFiniteError" in n["message"] and "'1'" in n["message"]
+    assert results[0]["ctrl_c"]["error"] == "KeyboardInterrupt" and results[0]["ctrl_c"]["unchanged"]
+    assert results[1]["ctrl_c"]["error"] == "DistributedError" and results[1]["ctrl_c"]["failed_ranks"] == [0]
+    assert results[1]["ctrl_c"]["unchanged"]
+
+
+def test_three_uneven_ranks(tmp_path: Path) -> None:
+    results = run_ranks(3, ["union", "empty_rank"], tmp_path)
+    check_union(results, 3)
+    for res in results:
+        assert res["empty_rank"]["failed_ranks"] == [1] and res["empty_rank"]["unchanged"]
+
+
+def test_failure_on_one_rank_surfaces_fast_everywhere(tmp_path: Path) -> None:
+    results = run_ranks(2, ["failure_surfaces_fast"], tmp_path, tcp=True)
+    failed_at = results[1]["failure_surfaces_fast"]["failed_at"]
+    full_loop = sc.SLOW_BATCHES * sc.SLOW_SECONDS
+    for r, res in enumerate(results):
+        f = res["failure_surfaces_fast"]
+        assert f["error"] == "DistributedError", f
+        assert f["failed_ranks"] == [1] and "OSError: disk read error on rank 1" in f["message"]
+        assert f["unchanged"]
+        latency = f["raised_at"] - failed_at
+        assert latency < full_loop / 2, f"rank {r} took {latency:.2f} s to raise (its loop alone: {full_loop} s)"
+    assert results[1]["failure_surfaces_fast"]["cause"] == "OSError"
+
+
+def test_no_process_group_is_a_no_op() -> None:
+    assert distributed.RankContext.resolve("auto") is None
+    assert distributed.RankContext.resolve(False) is None
+    with pytest.raises(ValueError, match="init_process_group"):
+        distributed.RankContext.resolve(True)
+    with pytest.raises(ValueError, match="distributed must be"):
+        distributed.RankContext.resolve("yes")

@@ -1,0 +1,77 @@
+"""Finding layers, and the one context manager that restores everything."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_unchanged, state_snapshot
+from torch import nn
+
+from precisebn.layers import find_norm_layers, has_running_stats, recalibration_state, unwrap
+
+
+def test_has_running_stats() -> None:
+    assert has_running_stats(nn.BatchNorm2d(3))
+    assert has_running_stats(nn.SyncBatchNorm(3))
+    assert has_running_stats(nn.InstanceNorm2d(3, track_running_stats=True))
+    assert not has_running_stats(nn.InstanceNorm2d(3))
+    assert not has_running_stats(nn.BatchNorm2d(3, track_running_stats=False))
+    assert not has_running_stats(nn.LayerNorm(3))
+    assert not has_running_stats(nn.GroupNorm(1, 3))
+
+
+def test_shared_layer_is_found_once() -> None:
+    bn = nn.BatchNorm1d(3)
+    model = nn.Sequential(bn, nn.ReLU(), bn)
+    assert [layer.name for layer in find_norm_layers(model)] == ["0"]
+
+
+@pytest.mark.parametrize("mode", ["norm", "train", "keep"])
+def test_state_inside_and_restored_after(mode: str) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Dropout(), nn.BatchNorm1d(3), nn.Identity())
+    model[0].training = False
+    model[3].momentum = None
+    before = state_snapshot(model)
+    layers = find_norm_layers(model, ["1"])
+    with recalibration_state(model, layers, mode) as state:  # type: ignore[arg-type]
+        assert model[1].momentum == 1.0
+        assert model[1].running_mean is state.views[0][0]
+        if mode == "norm":
+            assert [m.training for m in model] == [False, True, False, False, False]
+        elif mode == "train":
+            assert [m.training for m in model] == [True, True, True, False, True]
+        state.add_pre_hook(model[1], lambda m, a: None)
+        model(torch.randn(4, 3))
+    assert_unchanged(model, before)
+
+
+def test_restored_when_the_block_raises() -> None:
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3))
+    before = state_snapshot(model)
+    with pytest.raises(KeyboardInterrupt), recalibration_state(model, find_norm_layers(model), "norm") as state:
+        state.add_pre_hook(model[0], lambda m, a: None)
+        model(torch.randn(4, 3) * 100)
+        raise KeyboardInterrupt
+    assert_unchanged(model, before)
+
+
+def test_train_override_is_not_called() -> None:
+    class Stubborn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(2)
+            self.calls = 0
+
+        def train(self, mode: bool = True) -> Stubborn:
+            self.calls += 1
+            return super().train(mode)
+
+    model = Stubborn()
+    with recalibration_state(model, find_norm_layers(model), "norm"):
+        pass
+    assert model.calls == 0
+
+
+def test_unwrap_data_parallel() -> None:
+    inner = nn.BatchNorm1d(2)
+    assert unwrap(nn.DataParallel(inner)) is inner

@@ -1,0 +1,101 @@
+"""PopulationStats: the mapping, the file format, and round trips."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import precisebn
+from precisebn.errors import InvalidArgumentError
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 3), nn.BatchNorm1d(3), nn.BatchNorm1d(9))
+
+
+def batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(6, 4, generator=g) for _ in range(3)]
+
+
+def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model[3](model[2](model[1](model[0](x))))  # layer "4" is never reached
+
+
+def test_save_load_round_trip(tmp_path) -> None:
+    stats = precisebn.estimate(net(), batches(), forward=forward)
+    path = tmp_path / "stats.safetensors"
+    stats.save(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["stats.safetensors"]  # no temporary file left
+    loaded = precisebn.PopulationStats.load(path)
+    assert list(loaded) == list(stats) == ["1", "3", "4"]
+    for name in stats:
+        a, b = stats[name], loaded[name]
+        assert (a.count, a.calls, a.layer_type) == (b.count, b.calls, b.layer_type)
+        assert torch.equal(a.mean, b.mean) or (a.count == 0 and b.mean.isnan().all())
+        assert torch.equal(a.var, b.var) or (a.count == 0 and b.var.isnan().all())
+    assert (loaded.samples, loaded.batches, loaded.mode, loaded.world_size) == (18, 3, "norm", 1)
+    assert loaded.versions["torch"] == torch.__version__
+    assert loaded.versions["precisebn"] == precisebn.__version__
+    assert not loaded["4"].reached
+
+
+def test_loaded_statistics_apply_like_recalibrate(tmp_path) -> None:
+    a, b = net(), net()
+    precisebn.estimate(a, batches(), forward=forward).save(tmp_path / "s.safetensors")
+    precisebn.apply(a, precisebn.PopulationStats.load(tmp_path / "s.safetensors"))
+    precisebn.recalibrate(b, batches(), forward=forward)
+    for (k, v), w in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(v, w), k
+
+
+def test_file_has_no_pickle_and_documented_keys(tmp_path) -> None:
+    from safetensors import safe_open
+
+    path = tmp_path / "s.safetensors"
+    precisebn.estimate(net(), batches(), forward=forward).save(path)
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == {"1.mean", "1.var", "3.mean", "3.var", "4.mean", "4.var"}
+        assert f.get_tensor("1.mean").dtype == torch.float64
+        header = json.loads(f.metadata()["precisebn"])
+    assert header["layers"]["1"] == {"count": 18, "calls": 3, "type": "BatchNorm1d"}
+
+
+def test_load_rejects_other_files(tmp_path) -> None:
+    other = tmp_path / "weights.safetensors"
+    save_file({"w": torch.zeros(2)}, str(other))
+    with pytest.raises(InvalidArgumentError, match="not precisebn statistics"):
+        precisebn.PopulationStats.load(other)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(InvalidArgumentError, match="cannot read"):
+        precisebn.PopulationStats.load(junk)
+    with pytest.raises(FileNotFoundError):
+        precisebn.PopulationStats.load(tmp_path / "missing.safetensors")
+
+
+def test_failed_save_leaves_no_file(tmp_path, monkeypatch) -> None:
+    import safetensors.torch
+
+    def broken(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    stats = precisebn.estimate(net(), batches(), forward=forward)
+    with pytest.raises(OSError, match="disk full"):
+        stats.save(tmp_path / "s.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mapping_and_repr() -> None:
+    stats = precisebn.estimate(net(), batches(), forward=forward)
+    assert len(stats) == 3 and "1" in stats
+    assert "3 layers" in repr(stats)
+    assert stats.to("cpu")["1"].mean.device.type == "cpu"

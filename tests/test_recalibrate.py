@@ -1,0 +1,409 @@
+"""estimate / apply / recalibrate: options, modes, real models, and the transactional promise."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torchvision
+from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
+from torch import nn
+
+import precisebn
+from precisebn.errors import (
+    BatchTypeError,
+    EmptyDataError,
+    InvalidArgumentError,
+    LayerNotFoundError,
+    NonFiniteError,
+    ShortDataWarning,
+    StatsMismatchError,
+    UninitializedLayerError,
+)
+
+
+def small_net(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Dropout(dropout),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 6),
+        nn.BatchNorm1d(6),
+    )
+
+
+def images(n_batches: int = 6, size: int = 4, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(size, 3, 8, 8, generator=g) * 2 + 1 for _ in range(n_batches)]
+
+
+def assert_matches_truth(model: nn.Module, truth: dict, tol: float = 1e-5) -> None:
+    for name, t in truth.items():
+        layer = model.get_submodule(name)
+        scale = torch.maximum(t.mean.abs(), t.var.sqrt())
+        assert max_rel_error(layer.running_mean, t.mean, scale) <= tol, name
+        assert max_rel_error(layer.running_var, t.var) <= tol, name
+
+
+# -- real torchvision models ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("factory", "shape"),
+    [
+        (torchvision.models.resnet18, (4, 3, 64, 64)),
+        (torchvision.models.mobilenet_v3_small, (4, 3, 64, 64)),
+        (torchvision.models.video.r3d_18, (2, 3, 2, 24, 24)),
+    ],
+    ids=["resnet18", "mobilenet_v3_small", "r3d_18"],
+)
+def test_torchvision_models_match_float64_truth(factory, shape) -> None:
+    torch.manual_seed(0)
+    model = factory(weights=None)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(*shape, generator=g) for _ in range(3)]
+    truth = compute_truth(model, batches)
+    report = precisebn.recalibrate(model, batches)
+    assert len(report.layers) == len(truth) > 10
+    assert report.not_reached == []
+    assert_matches_truth(model, truth)
+    for row in report.layers:
+        assert row.count == truth[row.name].count
+
+
+# -- modes -------------------------------------------------------------------------------
+
+
+def test_norm_mode_turns_dropout_off_and_restores_flags() -> None:
+    model = small_net(dropout=0.5)
+    model.train()
+    model[3].eval()  # an odd mix of flags that must come back exactly
+    model[5].eval()
+    flags = [m.training for m in model.modules()]
+    batches = images()
+    truth = compute_truth(model, batches, mode="norm")  # dropout off
+    precisebn.recalibrate(model, batches)
+    assert_matches_truth(model, truth)
+    assert [m.training for m in model.modules()] == flags
+
+
+def test_train_mode_runs_everything_in_training_mode() -> None:
+    model = small_net(dropout=0.5).eval()
+    batches = images()
+    truth = compute_truth(model, batches, mode="train", seed=123)
+    torch.manual_seed(123)
+    precisebn.recalibrate(model, batches, mode="train")
+    assert_matches_truth(model, truth)
+    norm_truth = compute_truth(model, batches, mode="norm")
+    # dropout on changes what the later layers see: the two modes really differ
+    assert max_rel_error(norm_truth["9"].var, truth["9"].var) > 1e-3
+    assert not any(m.training for m in model.modules())
+
+
+def test_momentum_and_num_batches_tracked_unchanged() -> None:
+    model = small_net()
+    model[1].momentum = None
+    model[5].momentum = 0.3
+    model[1].num_batches_tracked.fill_(17)
+    precisebn.recalibrate(model, images())
+    assert model[1].momentum is None and model[5].momentum == 0.3
+    assert model[1].num_batches_tracked.item() == 17
+    assert model[5].num_batches_tracked.item() == 0
+
+
+# -- layer selection -----------------------------------------------------------------------
+
+
+class Frozen(nn.Module):
+    """torchvision's FrozenBatchNorm2d: buffers, but no running statistics to update."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.inner = torchvision.ops.FrozenBatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [["1"], nn.BatchNorm2d, (nn.BatchNorm2d,), lambda name, m: isinstance(m, nn.BatchNorm2d) and name == "1"],
+    ids=["names", "type", "types", "predicate"],
+)
+def test_layer_selection(layers) -> None:
+    model = small_net()
+    model.add_module("frozen", Frozen(6))
+    before = state_snapshot(model)
+    report = precisebn.recalibrate(model, images(), layers=layers)
+    changed = {k for k, v in before["state"].items() if not torch.equal(v, model.state_dict()[k])}
+    expected = {"1"} if not isinstance(layers, (type, tuple)) else {"1", "5"}
+    assert {r.name for r in report.layers} == expected
+    assert {k.rsplit(".", 1)[0] for k in changed} == expected
+    assert all(k.endswith(("running_mean", "running_var")) for k in changed)
+
+
+def test_unknown_layer_name_is_a_clear_error() -> None:
+    with pytest.raises(LayerNotFoundError, match=r"'bn9'"):
+        precisebn.estimate(small_net(), images(), layers=["bn9"])
+    with pytest.raises(InvalidArgumentError, match="not a normalization layer"):
+        precisebn.estimate(small_net(), images(), layers=["0"])
+    with pytest.raises(LayerNotFoundError, match="no normalization layer"):
+        precisebn.estimate(nn.Linear(3, 3), [torch.randn(2, 3)])
+
+
+def test_uninitialised_lazy_layer_is_a_clear_error() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.LazyBatchNorm1d())
+    with pytest.raises(UninitializedLayerError, match="run one forward pass first"):
+        precisebn.estimate(model, [torch.randn(4, 3)])
+
+
+def test_layer_never_reached_keeps_statistics() -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = nn.BatchNorm1d(3)
+            self.unused = nn.BatchNorm1d(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    model = Branchy()
+    model.unused.running_mean.fill_(0.25)
+    report = precisebn.recalibrate(model, [torch.randn(8, 3) + 2])
+    assert report.not_reached == ["unused"]
+    assert "not reached" in str(report)
+    assert model.unused.running_mean.tolist() == [0.25] * 3
+    assert report["unused"].count == 0 and not report["unused"].updated
+
+
+# -- data --------------------------------------------------------------------------------------
+
+
+class KwargsNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, features: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.bn(features * scale)
+
+
+def test_batch_kinds() -> None:
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(5, 3, generator=g) for _ in range(3)]
+    layer = nn.BatchNorm1d(3)
+    truth = compute_truth(layer, xs)[""]
+    as_tuples = precisebn.estimate(layer, [(x, torch.zeros(5)) for x in xs])[""]
+    as_generator = precisebn.estimate(layer, (x for x in xs))[""]
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat(xs)), batch_size=5)
+    as_loader = precisebn.estimate(layer, loader)[""]
+    for s in (as_tuples, as_generator, as_loader):
+        assert s.count == 15
+        assert max_rel_error(s.var, truth.var) <= 1e-5
+    dicts = [{"features": x, "scale": torch.tensor(2.0)} for x in xs]
+    as_dicts = precisebn.estimate(KwargsNet(), dicts)["bn"]
+    assert max_rel_error(as_dicts.var, 4 * truth.var) <= 1e-5
+
+
+def test_custom_forward_and_nested_device_move() -> None:
+    seen = []
+
+    def forward(model: nn.Module, batch: dict) -> torch.Tensor:
+        seen.append(batch["inputs"][0].device)
+        return model(batch["inputs"][0])
+
+    batches = [{"inputs": [torch.randn(4, 3)], "meta": "x"} for _ in range(2)]
+    stats = precisebn.estimate(nn.BatchNorm1d(3), batches, forward=forward, device="cpu")
+    assert stats.samples == 8 and seen == [torch.device("cpu")] * 2
+
+
+def test_unknown_batch_type_points_at_forward() -> None:
+    with pytest.raises(BatchTypeError, match="forward="):
+        precisebn.estimate(nn.BatchNorm1d(3), [object()], num_batches=1)
+
+
+@pytest.mark.parametrize("bad", [torch.randn(4, 3), 3, "data"])
+def test_data_must_be_an_iterable_of_batches(bad) -> None:
+    with pytest.raises(InvalidArgumentError, match="iterable of batches"):
+        precisebn.estimate(nn.BatchNorm1d(3), bad)
+
+
+def test_num_samples_stops_after_enough_samples_and_uses_last_batch_whole() -> None:
+    consumed = []
+
+    def stream() -> Iterator[torch.Tensor]:
+        for i in itertools.count():
+            consumed.append(i)
+            yield torch.randn(10, 3)
+
+    stats = precisebn.estimate(nn.BatchNorm1d(3), stream(), num_samples=25)
+    assert (stats.samples, stats.batches) == (30, 3)
+    assert consumed == [0, 1, 2]  # no batch fetched beyond the limit
+    assert precisebn.estimate(nn.BatchNorm1d(3), stream(), num_batches=4).batches == 4
+    both = precisebn.estimate(nn.BatchNorm1d(3), stream(), num_samples=100, num_batches=2)
+    assert both.batches == 2
+
+
+def test_default_is_8192_samples() -> None:
+    def stream() -> Iterator[torch.Tensor]:
+        while True:
+            yield torch.randn(1000, 2)
+
+    stats = precisebn.estimate(nn.BatchNorm1d(2), stream())
+    assert stats.samples == 9000
+
+
+def test_short_data_warns_once_with_the_numbers() -> None:
+    with pytest.warns(ShortDataWarning, match=r"after 12 samples in 3 batches, fewer than num_samples=100") as rec:
+        stats = precisebn.estimate(nn.BatchNorm1d(3), [torch.randn(4, 3)] * 3, num_samples=100)
+    assert len(rec) == 1 and stats.samples == 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        precisebn.estimate(nn.BatchNorm1d(3), [torch.randn(4, 3)] * 3)  # default limit: no warning
+        precisebn.estimate(nn.BatchNorm1d(3), [torch.randn(4, 3)] * 3, num_samples="all")
+
+
+@pytest.mark.parametrize(("kw", "value"), [("num_samples", 0), ("num_batches", -1), ("num_samples", 2.5), ("mode", "eval")])
+def test_bad_options(kw: str, value) -> None:
+    with pytest.raises(InvalidArgumentError, match=kw):
+        precisebn.estimate(nn.BatchNorm1d(3), [torch.randn(4, 3)], **{kw: value})
+
+
+# -- transactional ---------------------------------------------------------------------------
+
+
+class Boom(Exception):
+    pass
+
+
+def failing_loader(after: int, exc: BaseException) -> Iterator[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    for _ in range(after):
+        yield torch.randn(4, 3, 8, 8, generator=g)
+    raise exc
+
+
+class FailingForward:
+    def __init__(self, at: int, exc: BaseException) -> None:
+        self.at, self.exc, self.n = at, exc, 0
+
+    def __call__(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        self.n += 1
+        if self.n == self.at:
+            raise self.exc
+        return model(batch)
+
+
+def test_empty_data_leaves_model_untouched() -> None:
+    model = small_net()
+    before = state_snapshot(model)
+    with pytest.raises(EmptyDataError, match="no batch"):
+        precisebn.recalibrate(model, [])
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("exc", [Boom("loader broke"), KeyboardInterrupt()], ids=["exception", "ctrl-c"])
+def test_loader_failure_leaves_model_untouched(exc: BaseException) -> None:
+    model = small_net().train()
+    model[5].eval()
+    model[1].momentum = None
+    before = state_snapshot(model)
+    with pytest.raises(type(exc)):
+        precisebn.recalibrate(model, failing_loader(3, exc), mode="train")
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("exc", [Boom("model broke"), KeyboardInterrupt()], ids=["exception", "ctrl-c"])
+def test_forward_failure_leaves_model_untouched(exc: BaseException) -> None:
+    model = small_net()
+    before = state_snapshot(model)
+    with pytest.raises(type(exc)):
+        precisebn.recalibrate(model, images(), forward=FailingForward(4, exc))
+    assert_unchanged(model, before)
+
+
+def test_non_finite_statistics_name_the_layer_and_leave_model_untouched() -> None:
+    model = small_net()
+    batches = images()
+    batches[2][1, :, 3, 3] = float("nan")
+    before = state_snapshot(model)
+    with pytest.raises(NonFiniteError, match=r"'1' \(BatchNorm2d") as info:
+        precisebn.recalibrate(model, batches)
+    assert isinstance(info.value, FloatingPointError)
+    assert_unchanged(model, before)
+
+
+def test_bad_batch_shape_inside_model_leaves_model_untouched() -> None:
+    model = small_net()
+    before = state_snapshot(model)
+    with pytest.raises(RuntimeError):
+        precisebn.recalibrate(model, [*images(2), torch.randn(4, 5, 8, 8)])
+    assert_unchanged(model, before)
+
+
+def test_estimate_leaves_buffer_updating_modules_untouched_in_train_mode() -> None:
+    model = small_net()
+    model[8] = nn.utils.spectral_norm(model[8])  # updates its weight_u buffer in training mode
+    before = state_snapshot(model)
+    precisebn.estimate(model, images(), mode="train")
+    assert_unchanged(model, before)
+
+
+def test_model_switching_modes_inside_forward_is_an_error() -> None:
+    model = small_net()
+    before = state_snapshot(model)
+
+    def forward(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        m.eval()
+        return m(batch)
+
+    with pytest.raises(InvalidArgumentError, match="eval mode"):
+        precisebn.recalibrate(model, images(), forward=forward)
+    assert_unchanged(model, before)
+
+
+# -- apply -------------------------------------------------------------------------------------
+
+
+def test_apply_writes_in_place_and_equals_recalibrate() -> None:
+    a, b = small_net(), small_net()
+    batches = images()
+    buffer = a[1].running_mean
+    stats = precisebn.estimate(a, batches)
+    report = precisebn.apply(a, stats)
+    precisebn.recalibrate(b, batches)
+    assert a[1].running_mean is buffer
+    for (k, v), w in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(v, w), k
+    assert report.samples == stats.samples == 24
+
+
+def test_apply_rejects_statistics_of_another_model() -> None:
+    stats = precisebn.estimate(small_net(), images())
+    other = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    before = state_snapshot(other)
+    with pytest.raises(StatsMismatchError, match="channels"):
+        precisebn.apply(other, stats)
+    assert_unchanged(other, before)
+
+
+def test_data_parallel_wrapper_is_looked_through() -> None:
+    model = small_net()
+    plain = copy.deepcopy(model)
+    batches = images()
+    stats = precisebn.estimate(nn.DataParallel(model), batches)
+    assert set(stats) == {"1", "5", "9"}
+    precisebn.recalibrate(plain, batches)
+    precisebn.apply(nn.DataParallel(model), stats)
+    for v, w in zip(model.state_dict().values(), plain.state_dict().values()):
+        assert torch.equal(v, w)

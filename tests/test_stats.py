@@ -1,0 +1,116 @@
+"""The estimator against float64 statistics of the concatenated data."""
+
+from __future__ import annotations
+
+import random
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+from precisebn.stats import RunningMoments, chan_merge
+
+
+def reference(x: torch.Tensor, channel_dim: int = 1) -> tuple[int, torch.Tensor, torch.Tensor]:
+    xd = x.double().movedim(channel_dim, 0).reshape(x.shape[channel_dim], -1)
+    return xd.shape[1], xd.mean(1), xd.var(1, unbiased=False)
+
+
+@pytest.mark.parametrize("shape", [(32, 5), (8, 5, 7), (4, 5, 3, 3), (2, 5, 2, 3, 3)])
+def test_from_data_matches_float64(shape: tuple[int, ...]) -> None:
+    x = torch.randn(*shape) * 3 + 7
+    m = RunningMoments.from_data(x, channel_dim=1)
+    n, mean, var = reference(x)
+    assert m.count.tolist() == [float(n)] * 5
+    torch.testing.assert_close(m.mean, mean, rtol=1e-12, atol=0)
+    torch.testing.assert_close(m.var, var, rtol=1e-12, atol=0)
+    assert m.mean.dtype == torch.float64
+
+
+def test_channel_dim_zero() -> None:
+    x = torch.randn(6, 40)
+    m = RunningMoments.from_data(x, channel_dim=0)
+    n, mean, var = reference(x, 0)
+    assert int(m.count[0]) == n == 40
+    torch.testing.assert_close(m.var, var, rtol=1e-12, atol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 9), min_size=1, max_size=8),
+    offset=st.sampled_from([0.0, 1.0, 1e4, -1e6]),
+    seed=st.integers(0, 2**16),
+)
+def test_merge_is_invariant_to_split_and_order(sizes: list[int], offset: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    pieces = [torch.randn(n, 3, 2, generator=g, dtype=torch.float64) + offset for n in sizes]
+    whole = torch.cat(pieces)
+    n, mean, var = reference(whole)
+    random.Random(seed).shuffle(pieces)
+    acc = RunningMoments.zeros(3)
+    for p in pieces:
+        acc.update(p, channel_dim=1)
+    scale = var.sqrt()
+    assert int(acc.count[0]) == n
+    assert float(((acc.mean - mean).abs() / scale).max()) < 1e-9
+    assert float(((acc.var - var).abs() / var).max()) < 1e-9
+    # pooling all pieces at once gives the same as merging them one by one
+    parts = [RunningMoments.from_data(p) for p in pieces]
+    pooled = RunningMoments.from_batches(
+        torch.stack([p.count for p in parts]), torch.stack([p.mean for p in parts]), torch.stack([p.m2 for p in parts])
+    )
+    torch.testing.assert_close(pooled.mean, acc.mean, rtol=1e-12, atol=1e-12 * abs(offset))
+    torch.testing.assert_close(pooled.var, acc.var, rtol=1e-9, atol=0)
+
+
+def test_large_offset_does_not_cancel() -> None:
+    # |mean|/std = 1e8: E[x²] - E[x]² in float64 loses every digit here; the merge must not.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, 2, generator=g, dtype=torch.float64) * 1e-3 + 1e5
+    acc = RunningMoments.zeros(2)
+    for chunk in x.split(7):
+        acc.update(chunk)
+    _, mean, var = reference(x)
+    naive = (x * x).mean(0) - x.mean(0) ** 2
+    assert float(((naive - var).abs() / var).max()) > 1e-2  # the naive formula really fails here
+    assert float(((acc.var - var).abs() / var).max()) < 1e-6
+
+
+def test_zero_count_side_is_ignored_even_if_nan() -> None:
+    a = RunningMoments(torch.tensor([0.0, 3.0]), torch.tensor([float("nan"), 2.0]), torch.tensor([float("nan"), 6.0]))
+    b = RunningMoments(torch.tensor([2.0, 0.0]), torch.tensor([5.0, float("inf")]), torch.tensor([2.0, float("nan")]))
+    a.merge(b)
+    assert a.count.tolist() == [2.0, 3.0]
+    assert a.mean.tolist() == [5.0, 2.0]
+    assert a.m2.tolist() == [2.0, 6.0]
+
+
+def test_from_batches_ignores_absent_rows() -> None:
+    counts = torch.tensor([[4.0], [0.0], [4.0]])
+    means = torch.tensor([[1.0], [float("nan")], [3.0]])
+    m2 = torch.tensor([[4.0], [float("nan")], [4.0]])
+    m = RunningMoments.from_batches(counts, means, m2)
+    # two groups of 4 values, means 1 and 3, each with M2 4 -> pooled mean 2, M2 = 8 + 8*1
+    assert m.count.tolist() == [8.0]
+    assert m.mean.tolist() == [2.0]
+    assert m.m2.tolist() == [16.0]
+
+
+def test_chan_merge_formula() -> None:
+    x = torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0], dtype=torch.float64)
+    a, b = x[:2], x[2:]
+    two, three = torch.tensor(2.0, dtype=torch.float64), torch.tensor(3.0, dtype=torch.float64)
+    out = chan_merge(two, a.mean(), ((a - a.mean()) ** 2).sum(), three, b.mean(), ((b - b.mean()) ** 2).sum())
+    assert out[0].item() == 5.0
+    assert out[1].item() == pytest.approx(x.mean().item(), rel=1e-15)
+    assert out[2].item() == pytest.approx(((x - x.mean()) ** 2).sum().item(), rel=1e-14)
+
+
+def test_unbiased_var_and_slicing() -> None:
+    x = torch.randn(10, 4)
+    m = RunningMoments.from_data(x)
+    torch.testing.assert_close(m.unbiased_var, x.double().var(0, unbiased=True))
+    sub = m[1:3]
+    assert sub.mean.shape == (2,)
+    assert torch.equal(sub.mean, m.mean[1:3])
