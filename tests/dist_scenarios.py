@@ -187,8 +187,17 @@ def failure_surfaces_fast(rank: int, world_size: int) -> Result:
 
 SCENARIOS: dict[str, Callable[[int, int], Result]] = {
     f.__name__: f
-    for f in (union, independent, global_num_samples, ddp, layer_mismatch, empty_rank, non_finite, ctrl_c,
-              failure_surfaces_fast)
+    for f in (
+        union,
+        independent,
+        global_num_samples,
+        ddp,
+        layer_mismatch,
+        empty_rank,
+        non_finite,
+        ctrl_c,
+        failure_surfaces_fast,
+    )
 }
 
 

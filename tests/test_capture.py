@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+
 import hypothesis.strategies as st
 import pytest
 import torch
-from conftest import compute_truth, max_rel_error
 from hypothesis import given, settings
 from torch import nn
 
 import precisebn
+from conftest import compute_truth, max_rel_error
 from precisebn import capture
 
 TOL = 1e-5  # the contract for float32 layers
@@ -101,7 +103,9 @@ def test_capture_paths() -> None:
 @pytest.mark.parametrize("path", ["layer", "input"])
 def test_both_capture_paths_agree_with_truth(path: str) -> None:
     torch.manual_seed(1)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.LazyLinear(5), nn.BatchNorm1d(5))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.LazyLinear(5), nn.BatchNorm1d(5)
+    )
     model(torch.randn(2, 3, 6, 6))
     batches = [torch.randn(n, 3, 6, 6) for n in (3, 7, 2)]
     truth = compute_truth(model, batches)
@@ -183,7 +187,7 @@ def test_invariant_to_batch_split_and_order(cuts: list[int], seed: int, reverse:
     data = torch.randn(48, 5, 3, generator=g) * 4 + 10
     layer = nn.BatchNorm1d(5)
     bounds = [0, *sorted(cuts), 48]
-    batches = [data[a:b] for a, b in zip(bounds, bounds[1:])]  # (n, 5, 3): 3n values per channel
+    batches = [data[a:b] for a, b in itertools.pairwise(bounds)]  # (n, 5, 3): 3n values per channel
     if reverse:
         batches = batches[::-1]
     whole = precisebn.estimate(layer, [data])[""]

@@ -7,10 +7,10 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
 from torch import nn
 from torch.optim import swa_utils
 
+from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
 from precisebn import compat
 
 with warnings.catch_warnings():

@@ -10,15 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compute_truth, max_rel_error
 
 import dist_scenarios as sc
+from conftest import compute_truth, max_rel_error
 from precisebn import distributed
 
 WORKER = Path(__file__).with_name("dist_scenarios.py")
 
 
-def run_ranks(world_size: int, names: list[str], tmp_path: Path, *, tcp: bool = False, timeout: float = 120) -> list[dict]:
+def run_ranks(
+    world_size: int, names: list[str], tmp_path: Path, *, tcp: bool = False, timeout: float = 120
+) -> list[dict]:
     if tcp:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -79,7 +81,16 @@ def check_union(results: list[dict], world_size: int) -> float:
 
 
 def test_two_ranks(tmp_path: Path) -> None:
-    names = ["union", "independent", "global_num_samples", "ddp", "layer_mismatch", "empty_rank", "non_finite", "ctrl_c"]
+    names = [
+        "union",
+        "independent",
+        "global_num_samples",
+        "ddp",
+        "layer_mismatch",
+        "empty_rank",
+        "non_finite",
+        "ctrl_c",
+    ]
     results = run_ranks(2, names, tmp_path)
     check_union(results, 2)
 
@@ -89,8 +100,9 @@ def test_two_ranks(tmp_path: Path) -> None:
         state = res["independent"]["state"]
         assert res["independent"]["world_size"] == 1
         assert max_rel_error(state["1.running_var"], own["1"].var) <= 1e-5
-    assert not torch.equal(results[0]["independent"]["state"]["1.running_var"],
-                           results[1]["independent"]["state"]["1.running_var"])
+    assert not torch.equal(
+        results[0]["independent"]["state"]["1.running_var"], results[1]["independent"]["state"]["1.running_var"]
+    )
 
     # num_samples is global: 20 over 2 ranks -> 10 each -> 3 batches of 4 per rank
     for res in results:

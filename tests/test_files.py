@@ -23,9 +23,14 @@ def test_replaces_existing_file_in_one_step(tmp_path) -> None:
 def test_failure_keeps_old_content_and_leaves_no_temporary(tmp_path) -> None:
     target = tmp_path / "out.txt"
     target.write_text("old")
-    with pytest.raises(RuntimeError), atomic_path(target) as tmp:
-        tmp.write_text("half")
-        raise RuntimeError("interrupted")
+
+    def interrupted_write() -> None:
+        with atomic_path(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError):
+        interrupted_write()
     assert target.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]
 

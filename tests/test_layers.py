@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_unchanged, state_snapshot
 from torch import nn
 
+from conftest import assert_unchanged, state_snapshot
 from precisebn.layers import find_norm_layers, has_running_stats, recalibration_state, unwrap
 
 
@@ -48,10 +48,15 @@ def test_state_inside_and_restored_after(mode: str) -> None:
 def test_restored_when_the_block_raises() -> None:
     model = nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3))
     before = state_snapshot(model)
-    with pytest.raises(KeyboardInterrupt), recalibration_state(model, find_norm_layers(model), "norm") as state:
-        state.add_pre_hook(model[0], lambda m, a: None)
-        model(torch.randn(4, 3) * 100)
-        raise KeyboardInterrupt
+
+    def interrupted() -> None:
+        with recalibration_state(model, find_norm_layers(model), "norm") as state:
+            state.add_pre_hook(model[0], lambda m, a: None)
+            model(torch.randn(4, 3) * 100)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupted()
     assert_unchanged(model, before)
 
 

@@ -31,7 +31,8 @@ def test_import_needs_only_torch() -> None:
         "import sys, torch;"
         "before = {m.split('.')[0] for m in sys.modules};"
         "import precisebn, precisebn.compat, precisebn.stats;"
-        "heavy = {'lightning', 'pytorch_lightning', 'matplotlib', 'sklearn', 'torchvision', 'tqdm', 'safetensors', 'PIL'};"
+        "heavy = {'lightning', 'pytorch_lightning', 'matplotlib', 'sklearn', 'torchvision', 'tqdm',"
+        " 'safetensors', 'PIL'};"
         "print(sorted(heavy & ({m.split('.')[0] for m in sys.modules} - before)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

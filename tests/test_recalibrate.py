@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torchvision
-from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
 from torch import nn
 
 import precisebn
+from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
 from precisebn.errors import (
     BatchTypeError,
     EmptyDataError,
@@ -273,7 +273,9 @@ def test_short_data_warns_once_with_the_numbers() -> None:
         precisebn.estimate(nn.BatchNorm1d(3), [torch.randn(4, 3)] * 3, num_samples="all")
 
 
-@pytest.mark.parametrize(("kw", "value"), [("num_samples", 0), ("num_batches", -1), ("num_samples", 2.5), ("mode", "eval")])
+@pytest.mark.parametrize(
+    ("kw", "value"), [("num_samples", 0), ("num_batches", -1), ("num_samples", 2.5), ("mode", "eval")]
+)
 def test_bad_options(kw: str, value) -> None:
     with pytest.raises(InvalidArgumentError, match=kw):
         precisebn.estimate(nn.BatchNorm1d(3), [torch.randn(4, 3)], **{kw: value})

@@ -44,8 +44,20 @@ def test_to_dict_is_json_serialisable_and_complete(tmp_path) -> None:
     d = json.loads(json.dumps(r.to_dict()))
     assert d["samples"] == 32 and d["batches"] == 4 and d["mode"] == "norm"
     row = d["layers"][0]
-    assert set(row) >= {"name", "type", "channels", "count", "calls", "old_mean", "old_var", "new_mean", "new_var",
-                        "mean_shift", "var_ratio", "updated"}
+    assert set(row) >= {
+        "name",
+        "type",
+        "channels",
+        "count",
+        "calls",
+        "old_mean",
+        "old_var",
+        "new_mean",
+        "new_var",
+        "mean_shift",
+        "var_ratio",
+        "updated",
+    }
     assert row["count"] == 32 and row["calls"] == 4 and len(row["new_var"]) == 4
     r.to_json(tmp_path / "r.json", values=False)
     saved = json.loads((tmp_path / "r.json").read_text())

@@ -23,6 +23,5 @@ def require(module: str, extra: str, purpose: str) -> ModuleType:
     except ImportError as exc:
         top = module.split(".")[0]
         raise MissingDependencyError(
-            f"{purpose} needs the optional package {top!r}, which is not installed: "
-            f"pip install 'precisebn[{extra}]'"
+            f"{purpose} needs the optional package {top!r}, which is not installed: pip install 'precisebn[{extra}]'"
         ) from exc

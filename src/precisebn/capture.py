@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import InvalidArgumentError
-from .layers import NormLayer, RecalibrationState
+from .layers import RecalibrationState
 from .stats import RunningMoments
 
 __all__ = ["CHUNK", "Collector"]
@@ -37,6 +37,13 @@ CHUNK = 64  # batches pooled at once; bounds the clones held to CHUNK x channels
 
 def _accumulation_device(device: torch.device) -> torch.device:
     return torch.device("cpu") if device.type == "mps" else device  # no float64 on MPS
+
+
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
+    """Copies a small host tensor to ``device`` without making the host wait."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 class Collector:
@@ -66,7 +73,13 @@ class Collector:
                     position_layer[off : off + self.layers[i].channels] = i
             acc = _accumulation_device(group.buffer.device)
             self._groups.append(
-                _Group(group.buffer, group.layer_ids, group.offsets, position_layer.to(acc), RunningMoments.zeros(size, acc))
+                _Group(
+                    group.buffer,
+                    group.layer_ids,
+                    group.offsets,
+                    position_layer.to(acc),
+                    RunningMoments.zeros(size, acc),
+                )
             )
         self._own = {i: g for g in self._groups for i in g.layer_ids}
         for i, layer in enumerate(self.layers):
@@ -92,7 +105,7 @@ class Collector:
             )
         return x
 
-    def _own_hook(self, i: int, mean_view: Tensor, var_view: Tensor):  # noqa: ANN202
+    def _own_hook(self, i: int, mean_view: Tensor, var_view: Tensor):
         channels = self.layers[i].channels
 
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -105,7 +118,7 @@ class Collector:
 
         return hook
 
-    def _input_hook(self, i: int):  # noqa: ANN202
+    def _input_hook(self, i: int):
         layer = self.layers[i]
 
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -140,11 +153,7 @@ class Collector:
         counts_host = torch.tensor(self._rows, dtype=torch.float64)
         for g in self._groups:
             acc = g.moments.count.device
-            if acc.type == "cuda":
-                counts = counts_host.pin_memory().to(acc, non_blocking=True)
-            else:
-                counts = counts_host.to(acc)
-            count = counts[:, g.position_layer]
+            count = _to_device(counts_host, acc)[:, g.position_layer]
             snaps = torch.stack(g.pending).to(acc, torch.float64)
             g.pending.clear()
             m2 = snaps[:, 1] * (count - 1)
@@ -159,7 +168,7 @@ class Collector:
         self._extras.clear()
         for i, items in by_layer.items():
             acc = _accumulation_device(items[0][1].device)
-            count = torch.tensor([n for n, _, _ in items], dtype=torch.float64, device=acc)[:, None]
+            count = _to_device(torch.tensor([n for n, _, _ in items], dtype=torch.float64), acc)[:, None]
             means = torch.stack([m for _, m, _ in items]).to(acc, torch.float64)
             m2 = torch.stack([v for _, _, v in items]).to(acc, torch.float64) * (count - 1)
             pooled = RunningMoments.from_batches(count.expand_as(means), means, m2)

@@ -73,11 +73,20 @@ def update_bn_stats(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ShortDataWarning)
             stats = estimate(
-                model, data_loader, num_batches=num_iters, forward=lambda m, b: m(b), layers=selected,
-                device=None, progress=progress == "tqdm", distributed=False, _mode="keep",
+                model,
+                data_loader,
+                num_batches=num_iters,
+                forward=lambda m, b: m(b),
+                layers=selected,
+                device=None,
+                progress=progress == "tqdm",
+                distributed=False,
+                _mode="keep",
             )
     except EmptyDataError as exc:
-        raise ShortLoaderError(f"update_bn_stats is meant to run for {num_iters} iterations, but the data loader is empty") from exc
+        raise ShortLoaderError(
+            f"update_bn_stats is meant to run for {num_iters} iterations, but the data loader is empty"
+        ) from exc
     if stats.batches < num_iters:
         raise ShortLoaderError(
             f"update_bn_stats is meant to run for {num_iters} iterations, but the data loader stops at "
@@ -108,7 +117,5 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
 
     if not find_norm_layers(model, selected, require=False):
         return
-    stats = estimate(
-        model, loader, num_samples="all", layers=selected, device=device, mode="train", distributed=False
-    )
+    stats = estimate(model, loader, num_samples="all", layers=selected, device=device, mode="train", distributed=False)
     apply(model, stats)

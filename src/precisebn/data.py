@@ -64,7 +64,9 @@ def batch_size(batch: Any) -> int | None:
         return len(batch)
     if isinstance(batch, Mapping):
         for value in batch.values():
-            if isinstance(value, Tensor) or (isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor)):
+            if isinstance(value, Tensor) or (
+                isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor)
+            ):
                 return batch_size(value)
     return None
 

@@ -12,7 +12,7 @@ import contextlib
 import difflib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -32,14 +32,7 @@ __all__ = [
 
 Mode = Literal["norm", "train", "keep"]
 Capture = Literal["layer", "input"]
-LayerSelection = Union[
-    None,
-    str,
-    type,
-    tuple[type, ...],
-    Callable[[str, nn.Module], bool],
-    Iterable[str],
-]
+LayerSelection = str | type | tuple[type, ...] | Callable[[str, nn.Module], bool] | Iterable[str] | None
 
 # Layers whose forward is torch's own: with momentum 1.0 their running buffers hold
 # exactly the batch mean and unbiased variance after each call.
@@ -280,9 +273,11 @@ def recalibration_state(model: nn.Module, layers: Sequence[NormLayer], mode: Mod
         swapped_ids = {id(layer.module) for layer in layers}
         groups, views = _allocate_scratch(layers)
         originals = []
-        for layer, (mean_view, var_view) in zip(layers, views):
+        for layer in layers:
             m = layer.module
-            saved = {k: m._buffers[k] for k in ("running_mean", "running_var", "num_batches_tracked") if k in m._buffers}
+            saved = {
+                k: m._buffers[k] for k in ("running_mean", "running_var", "num_batches_tracked") if k in m._buffers
+            }
             originals.append((m, saved, m.momentum))
         stack.callback(_restore_buffers, originals)
 

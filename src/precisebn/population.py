@@ -93,7 +93,9 @@ class PopulationStats(Mapping[str, LayerStats]):
             k: LayerStats(v.mean.to(device), v.var.to(device), v.count, v.calls, v.layer_type)
             for k, v in self.layers.items()
         }
-        return PopulationStats(moved, self.samples, self.batches, self.mode, self.seconds, self.world_size, dict(self.versions))
+        return PopulationStats(
+            moved, self.samples, self.batches, self.mode, self.seconds, self.world_size, dict(self.versions)
+        )
 
     def _header(self) -> dict[str, object]:
         return {

@@ -32,7 +32,16 @@ from . import distributed as _dist
 from .capture import Collector
 from .data import Forward, batch_size, default_forward, model_device, to_device
 from .errors import EmptyDataError, InvalidArgumentError, NonFiniteError, ShortDataWarning, StatsMismatchError
-from .layers import Capture, LayerSelection, Mode, NormLayer, find_norm_layers, has_running_stats, recalibration_state, unwrap
+from .layers import (
+    Capture,
+    LayerSelection,
+    Mode,
+    NormLayer,
+    find_norm_layers,
+    has_running_stats,
+    recalibration_state,
+    unwrap,
+)
 from .population import LayerStats, PopulationStats
 from .report import LayerReport, Report, _cpu64
 from .stats import RunningMoments
@@ -53,7 +62,9 @@ def _check_count(name: str, value: Any) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgumentError(
-            f"{name} must be a positive integer or None" + (" or 'all'" if name == "num_samples" else "") + f", got {value!r}"
+            f"{name} must be a positive integer or None"
+            + (" or 'all'" if name == "num_samples" else "")
+            + f", got {value!r}"
         )
     return value
 
@@ -206,7 +217,10 @@ class _Run:
         result.seconds = time.perf_counter() - start
         logger.info(
             "precisebn: measured %d layers on %d samples in %d batches (%.2f s)",
-            len(selected), samples, batches, result.seconds,
+            len(selected),
+            samples,
+            batches,
+            result.seconds,
         )
         return result
 
@@ -277,7 +291,9 @@ class Measurement:
         Returns:
             The number of values per channel of each layer.
         """
-        summary = [torch.stack([m.count[:1].sum(), (m.mean.isfinite() & m.m2.isfinite()).all().double()]) for m in self.moments]
+        summary = [
+            torch.stack([m.count[:1].sum(), (m.mean.isfinite() & m.m2.isfinite()).all().double()]) for m in self.moments
+        ]
         by_device: dict[torch.device, list[int]] = {}
         for i, row in enumerate(summary):
             by_device.setdefault(row.device, []).append(i)
@@ -307,7 +323,8 @@ def _non_finite_message(bad: list[NormLayer], moments: list[RunningMoments]) -> 
     parts = []
     for layer, m in zip(bad[:5], moments[:5]):
         channels = (~(m.mean.isfinite() & m.m2.isfinite())).nonzero().flatten().tolist()
-        parts.append(f"{layer.name!r} ({layer.type_name}, {len(channels)} of {layer.channels} channels, first channel {channels[0]})")
+        where = f"{len(channels)} of {layer.channels} channels, first channel {channels[0]}"
+        parts.append(f"{layer.name!r} ({layer.type_name}, {where})")
     more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
     return (
         f"non-finite statistics (NaN or Inf) in layer {', '.join(parts)}{more}: the inputs of these layers "
@@ -350,7 +367,8 @@ def apply(model: nn.Module, stats: PopulationStats) -> Report:
             problems.append(f"{name!r} has {m.running_mean.shape[0]} channels, the statistics {s.channels}")
     if problems:
         raise StatsMismatchError(
-            "the statistics do not fit this model: " + "; ".join(problems[:5])
+            "the statistics do not fit this model: "
+            + "; ".join(problems[:5])
             + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             + ". Apply statistics to the model (architecture) they were estimated on. Nothing was written."
         )
@@ -370,9 +388,17 @@ def apply(model: nn.Module, stats: PopulationStats) -> Report:
         raise
     rows = [
         LayerReport(
-            name, s.layer_type, s.channels, s.count, s.calls,
-            _cpu64(mean), _cpu64(var), _cpu64(m.running_mean), _cpu64(m.running_var),
-            float(m.eps), s.reached,
+            name,
+            s.layer_type,
+            s.channels,
+            s.count,
+            s.calls,
+            _cpu64(mean),
+            _cpu64(var),
+            _cpu64(m.running_mean),
+            _cpu64(m.running_var),
+            float(m.eps),
+            s.reached,
         )
         for (name, m, s), (mean, var) in zip(entries, old)
     ]
@@ -416,7 +442,16 @@ def recalibrate(
         (32, 6272)
     """
     stats = estimate(
-        model, data, num_samples=num_samples, num_batches=num_batches, forward=forward, mode=mode,
-        layers=layers, device=device, progress=progress, distributed=distributed, process_group=process_group,
+        model,
+        data,
+        num_samples=num_samples,
+        num_batches=num_batches,
+        forward=forward,
+        mode=mode,
+        layers=layers,
+        device=device,
+        progress=progress,
+        distributed=distributed,
+        process_group=process_group,
     )
     return apply(model, stats)

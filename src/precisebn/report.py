@@ -182,7 +182,9 @@ class Report:
         right = {2, 3, 4, 5, 6, 7}
 
         def fmt(row: list[str]) -> str:
-            return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+            return "  ".join(
+                c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+            ).rstrip()
 
         lines = [fmt(header), "  ".join("-" * w for w in widths)]
         lines += [fmt(row) for row in rows]
@@ -195,7 +197,10 @@ class Report:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"Report({len(self.layers)} layers, samples={self.samples}, batches={self.batches}, seconds={self.seconds:.3g})"
+        return (
+            f"Report({len(self.layers)} layers, samples={self.samples}, batches={self.batches}, "
+            f"seconds={self.seconds:.3g})"
+        )
 
 
 def _cpu64(t: Tensor) -> Tensor:

@@ -119,9 +119,7 @@ class RunningMoments:
 
     def merge(self, other: RunningMoments) -> None:
         """Adds ``other``'s values to these moments, in place."""
-        self.count, self.mean, self.m2 = chan_merge(
-            self.count, self.mean, self.m2, other.count, other.mean, other.m2
-        )
+        self.count, self.mean, self.m2 = chan_merge(self.count, self.mean, self.m2, other.count, other.mean, other.m2)
 
     def update(self, x: Tensor, channel_dim: int = 1) -> None:
         """Adds the values of a raw tensor (see :meth:`from_data`), in place."""
