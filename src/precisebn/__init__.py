@@ -13,10 +13,12 @@ from .errors import PreciseBNError
 from .population import PopulationStats
 from .recalibrate import apply, estimate, recalibrate
 from .report import Report
+from .scheduler import PreciseBNScheduler
 
 __all__ = [
     "PopulationStats",
     "PreciseBNError",
+    "PreciseBNScheduler",
     "Report",
     "__version__",
     "apply",
