@@ -80,3 +80,9 @@ def test_train_override_is_not_called() -> None:
 def test_unwrap_data_parallel() -> None:
     inner = nn.BatchNorm1d(2)
     assert unwrap(nn.DataParallel(inner)) is inner
+
+
+def test_unwrap_compiled_module() -> None:
+    inner = nn.Sequential(nn.BatchNorm1d(2))
+    compiled = torch.compile(inner)
+    assert unwrap(compiled) is inner

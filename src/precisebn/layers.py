@@ -57,11 +57,16 @@ def has_running_stats(module: nn.Module) -> bool:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside a ``DistributedDataParallel``/``DataParallel`` wrapper."""
+    """The module inside ``DistributedDataParallel``/``DataParallel`` and ``torch.compile``
+    wrappers (recalibration runs eagerly on the original module)."""
     wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    while isinstance(model, wrappers):
-        model = model.module
-    return model
+    while True:
+        if isinstance(model, wrappers):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
 
 
 def _sync_active(module: nn.Module) -> bool:
