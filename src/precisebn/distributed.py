@@ -29,15 +29,13 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import torch
 
 from .errors import DistributedError, InvalidArgumentError
+from .measure import Measurement
 from .stats import RunningMoments
-
-if TYPE_CHECKING:
-    from .recalibrate import Measurement
 
 __all__ = ["COLLECTIVES", "POLL_SECONDS", "RankContext"]
 
@@ -164,8 +162,6 @@ class RankContext:
 
     def merge(self, local: Measurement) -> Measurement:
         """Merges every rank's moments exactly; the same result on every rank."""
-        from .recalibrate import Measurement
-
         layout = "\n".join(f"{layer.name}:{layer.channels}" for layer in local.layers)
         digest = zlib.crc32(layout.encode())
         table = self._exchange(_OK, local.samples, local.batches, digest, local.seconds)

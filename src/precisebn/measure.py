@@ -1,0 +1,180 @@
+"""One statistics pass over the data on this process, and what it measured."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .capture import Collector
+from .data import Forward, batch_size, to_device
+from .errors import EmptyDataError, InvalidArgumentError, NonFiniteError, ShortDataWarning
+from .layers import Mode, NormLayer, recalibration_state
+from .population import LayerStats, PopulationStats
+from .stats import RunningMoments
+
+__all__ = ["Measurement", "Pass"]
+
+logger = logging.getLogger("precisebn")
+
+
+def _progress_bar(enabled: bool, total: int | None, unit: str) -> Any:
+    if not enabled:
+        return None
+    from ._optional import require
+
+    tqdm = require("tqdm", "progress", "progress=True")
+    return tqdm.tqdm(total=total, unit=unit, desc="precisebn", dynamic_ncols=True)
+
+
+class Pass:
+    """Forward passes over the data with every selected layer measured (this process only)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: Iterable[Any],
+        forward: Forward,
+        num_samples: int | None,
+        num_batches: int | None,
+        device: torch.device | None,
+        progress: bool,
+        mode: Mode,
+        warn_short: bool = True,
+    ) -> None:
+        self.model, self.data, self.forward = model, data, forward
+        self.num_samples, self.num_batches = num_samples, num_batches
+        self.device, self.progress, self.mode = device, progress, mode
+        self.warn_short = warn_short
+
+    def measure(self, selected: list[NormLayer], abort: Any = None) -> Measurement:
+        start = time.perf_counter()
+        with torch.no_grad(), recalibration_state(self.model, selected, self.mode) as state:
+            collector = Collector(state)
+            samples, batches = self._loop(collector, abort)
+            moments = collector.finish()
+        result = Measurement(selected, moments, list(collector.calls), samples, batches, self.mode)
+        result.check()
+        result.seconds = time.perf_counter() - start
+        logger.info(
+            "precisebn: measured %d layers on %d samples in %d batches (%.2f s)",
+            len(selected),
+            samples,
+            batches,
+            result.seconds,
+        )
+        return result
+
+    def _loop(self, collector: Collector, abort: Any) -> tuple[int, int]:
+        limit, unit = (self.num_samples, "sample") if self.num_batches is None else (self.num_batches, "batch")
+        bar = _progress_bar(self.progress, limit, unit)
+        samples = batches = 0
+        limited = False
+        try:
+            for batch in self.data:
+                size = batch_size(batch)
+                if size is None and self.num_samples is not None:
+                    raise InvalidArgumentError(
+                        f"cannot tell how many samples a batch of type {type(batch).__name__} holds; "
+                        "pass num_batches= instead of num_samples=."
+                    )
+                self.forward(self.model, to_device(batch, self.device))
+                collector.end_batch()
+                batches += 1
+                samples += size or 0
+                if bar is not None:
+                    bar.update(size if unit == "sample" else 1)
+                if abort is not None:
+                    abort()
+                if (self.num_batches is not None and batches >= self.num_batches) or (
+                    self.num_samples is not None and samples >= self.num_samples
+                ):
+                    limited = True
+                    break
+        finally:
+            if bar is not None:
+                bar.close()
+        if batches == 0:
+            raise EmptyDataError(
+                "the data yielded no batch, so there is nothing to measure; pass a non-empty "
+                "iterable of batches (the model was left unchanged)."
+            )
+        if self.warn_short and not limited and (self.num_samples, self.num_batches) != (None, None):
+            asked = " / ".join(
+                f"{k}={v}" for k, v in (("num_samples", self.num_samples), ("num_batches", self.num_batches)) if v
+            )
+            warnings.warn(
+                f"the data ran out after {samples} samples in {batches} batches, fewer than {asked}; "
+                "the statistics use all of them.",
+                ShortDataWarning,
+                stacklevel=4,
+            )
+        return samples, batches
+
+
+@dataclass
+class Measurement:
+    """Per-layer moments of one rank's passes (or of all ranks, once merged)."""
+
+    layers: list[NormLayer]
+    moments: list[RunningMoments]
+    calls: list[int]
+    samples: int
+    batches: int
+    mode: str
+    seconds: float = 0.0
+    world_size: int = 1
+    _counts: list[int] | None = None
+
+    def check(self) -> list[int]:
+        """Reads counts and finiteness (one host read per device); raises on NaN/Inf.
+
+        Returns:
+            The number of values per channel of each layer.
+        """
+        summary = [
+            torch.stack([m.count[:1].sum(), (m.mean.isfinite() & m.m2.isfinite()).all().double()]) for m in self.moments
+        ]
+        by_device: dict[torch.device, list[int]] = {}
+        for i, row in enumerate(summary):
+            by_device.setdefault(row.device, []).append(i)
+        host: list[list[float]] = [[0.0, 1.0]] * len(summary)
+        for ids in by_device.values():
+            for i, row in zip(ids, torch.stack([summary[i] for i in ids]).tolist()):
+                host[i] = row
+        bad = [i for i, (count, finite) in enumerate(host) if count > 0 and not finite]
+        if bad:
+            raise NonFiniteError(_non_finite_message([self.layers[i] for i in bad], [self.moments[i] for i in bad]))
+        self._counts = [int(count) for count, _ in host]
+        return self._counts
+
+    def to_population(self) -> PopulationStats:
+        counts = self._counts if self._counts is not None else self.check()
+        layers = {}
+        for layer, m, count, calls in zip(self.layers, self.moments, counts, self.calls):
+            if count > 0:
+                mean, var = m.mean, m.var
+            else:
+                mean, var = torch.full_like(m.mean, float("nan")), torch.full_like(m.mean, float("nan"))
+            layers[layer.name] = LayerStats(mean, var, count, calls, layer.type_name)
+        return PopulationStats(layers, self.samples, self.batches, self.mode, self.seconds, self.world_size)
+
+
+def _non_finite_message(bad: list[NormLayer], moments: list[RunningMoments]) -> str:
+    parts = []
+    for layer, m in zip(bad[:5], moments[:5]):
+        channels = (~(m.mean.isfinite() & m.m2.isfinite())).nonzero().flatten().tolist()
+        where = f"{len(channels)} of {layer.channels} channels, first channel {channels[0]}"
+        parts.append(f"{layer.name!r} ({layer.type_name}, {where})")
+    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    return (
+        f"non-finite statistics (NaN or Inf) in layer {', '.join(parts)}{more}: the inputs of these layers "
+        "contain NaN/Inf values. Check the data and the model's weights (a diverged checkpoint?). "
+        "The model was left unchanged."
+    )
