@@ -17,13 +17,12 @@ from torch import nn
 from torch.optim import swa_utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import compute_truth, max_rel_error  # noqa: E402
-
-import precisebn  # noqa: E402
+import precisebn
+from conftest import compute_truth, max_rel_error
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from fvcore.nn import update_bn_stats  # noqa: E402
+    from fvcore.nn import update_bn_stats
 
 
 def worst(model: nn.Module, truth: dict) -> tuple[float, float]:

@@ -33,7 +33,7 @@ from .measure import Pass
 from .population import PopulationStats
 from .report import LayerReport, Report, _cpu64
 
-__all__ = ["DEFAULT_NUM_SAMPLES", "apply", "estimate", "recalibrate"]
+__all__ = ["DEFAULT_NUM_SAMPLES", "apply", "check_options", "estimate", "recalibrate"]
 
 logger = logging.getLogger("precisebn")
 
@@ -44,16 +44,22 @@ mmcls' default; Wu & Johnson 2021 find 10³–10⁴ samples enough)."""
 _MODES = ("norm", "train")
 
 
-def _check_count(name: str, value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(
-            f"{name} must be a positive integer or None"
-            + (" or 'all'" if name == "num_samples" else "")
-            + f", got {value!r}"
-        )
-    return value
+def check_options(*, num_samples: Any = None, num_batches: Any = None, forward: Any = None, mode: Any = "norm") -> None:
+    """Raises :class:`~precisebn.errors.InvalidArgumentError` for an option that
+    :func:`estimate` would refuse (for callers that take options long before using them)."""
+    for name, value in (("num_samples", num_samples), ("num_batches", num_batches)):
+        if value is None or (name == "num_samples" and value == "all"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(
+                f"{name} must be a positive integer or None"
+                + (" or 'all'" if name == "num_samples" else "")
+                + f", got {value!r}"
+            )
+    if forward is not None and not callable(forward):
+        raise InvalidArgumentError(f"forward must be a callable forward(model, batch), got {forward!r}")
+    if mode not in _MODES:
+        raise InvalidArgumentError(f"mode must be 'norm' or 'train', got {mode!r}")
 
 
 def estimate(
@@ -126,15 +132,11 @@ def estimate(
         >>> bool(model[1].running_var.eq(1).all())  # the model is untouched
         True
     """
+    check_options(num_samples=num_samples, num_batches=num_batches, forward=forward, mode=mode)
     use_all = num_samples == "all"
-    num_samples = None if use_all else _check_count("num_samples", num_samples)
-    num_batches = _check_count("num_batches", num_batches)
-    if _mode is None:
-        if mode not in _MODES:
-            raise InvalidArgumentError(f"mode must be 'norm' or 'train', got {mode!r}")
-        _mode = mode
-    if forward is not None and not callable(forward):
-        raise InvalidArgumentError(f"forward must be a callable forward(model, batch), got {forward!r}")
+    if use_all:
+        num_samples = None
+    _mode = _mode or mode
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(data, (torch.Tensor, str, bytes)) or not isinstance(data, Iterable):

@@ -1,0 +1,429 @@
+"""The Lightning callbacks' behaviour, written once for both Lightning packages.
+
+The classes here are mixins that use the Trainer through its public attributes (two
+private names: the LightningModule's ``_on_before_batch_transfer``, which Lightning's
+training loop calls the same way, and ``WeightAveraging._average_model``, the averaged
+model its subclasses work on); :mod:`precisebn.integrations.lightning` combines them with ``lightning.pytorch``'s
+``Callback``/``WeightAveraging`` and :mod:`precisebn.integrations.pytorch_lightning`
+with the legacy ``pytorch_lightning`` package's. Importing this module imports neither.
+
+Hook points (Lightning runs callbacks in list order but always moves checkpoint
+callbacks to the end, and runs validation at the end of an epoch before
+``on_train_epoch_end``):
+
+* ``on_validation_start`` — before every validation loop of ``fit`` (not the sanity
+  check, not ``trainer.validate``): the validation loop sees the new statistics.
+* ``on_save_checkpoint`` — every checkpoint written during ``fit`` (ModelCheckpoint at
+  any trigger, ``save_last``, ``trainer.save_checkpoint``). The checkpoint's
+  ``state_dict`` was taken just before, but ``Module.state_dict()`` holds references
+  to the buffers, and precisebn writes the statistics in place, so the saved
+  ``running_mean``/``running_var`` are the new ones; the callback also refreshes its
+  own entry in ``checkpoint["callbacks"]``.
+* ``on_train_batch_end`` / ``on_train_epoch_end`` — the optional ``every_n_train_steps``
+  / ``every_n_epochs`` schedules; they run before ModelCheckpoint's saves in the same
+  hooks, which then reuse the computation.
+
+The guard is :class:`~precisebn.PreciseBNScheduler`'s: one computation per
+``trainer.global_step``. A training batch that ends without an optimizer step after a
+computation at the same step (gradient accumulation) moves the running statistics, so
+it invalidates that computation.
+
+The averaging companion recomputes the averaged copy's statistics in
+``on_validation_start`` (before ``WeightAveraging`` swaps the averaged weights in, in
+``on_validation_epoch_start``), in ``on_save_checkpoint`` (before ``WeightAveraging``
+puts the averaged state into the checkpoint) and in ``on_train_end`` (before it copies
+the averaged weights and buffers into the module); its guard is the averaged model's
+``n_averaged``, which changes exactly when the average does.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ..data import Forward
+from ..errors import InvalidArgumentError, PreciseBNWarning
+from ..layers import LayerSelection
+from ..recalibrate import check_options
+from ..report import Report
+from ..scheduler import Data, PreciseBNScheduler, check_data, fresh_batches
+
+__all__ = ["AveragingMixin", "PreciseBNMixin"]
+
+
+def _check_every(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{name} must be a positive integer or None, got {value!r}")
+    return value
+
+
+def _fitting(trainer: Any) -> bool:
+    """Inside ``trainer.fit()``, outside the sanity check, and not handling an exception.
+
+    Lightning marks the run ``"interrupted"`` before calling ``on_exception``, so a
+    checkpoint saved on an exception (``ModelCheckpoint(save_on_exception=True)``) starts
+    no forward passes on a failing run — nor a collective call that the other ranks
+    would never join.
+    """
+    state = trainer.state
+    return state.fn == "fit" and state.status == "running" and not trainer.sanity_checking
+
+
+def _training_loader(trainer: Any) -> Iterable[Any]:
+    loader = trainer.train_dataloader
+    if loader is None:
+        raise InvalidArgumentError(
+            "the Trainer has no training dataloader to measure on; pass data= (an iterable of batches, or a "
+            "zero-argument callable returning one) to the callback."
+        )
+    if isinstance(loader, (Mapping, list, tuple)):
+        raise InvalidArgumentError(
+            f"the Trainer has several training dataloaders ({type(loader).__name__} of {len(loader)}); pass "
+            "data= (the batches to measure on) and, if the module cannot take them as they are, forward="
+        )
+    return loader
+
+
+def _copies_state_dict(strategy: Any) -> bool:
+    """Whether the strategy builds the checkpoint's ``state_dict`` other than as
+    ``lightning_module.state_dict()`` (sharded strategies gather copies)."""
+    for cls in type(strategy).__mro__:
+        if "lightning_module_state_dict" in vars(cls):
+            return cls.__name__ != "Strategy"
+    return False
+
+
+class _Recalibrator:
+    """Options and the computation shared by both callbacks."""
+
+    _log_prefix = "precisebn"
+
+    def _init_options(
+        self,
+        *,
+        num_samples: int | Literal["all"] | None,
+        num_batches: int | None,
+        data: Data | None,
+        forward: Forward | None,
+        mode: Literal["norm", "train"],
+        layers: LayerSelection,
+        progress: bool,
+        log: bool,
+    ) -> None:
+        check_options(num_samples=num_samples, num_batches=num_batches, forward=forward, mode=mode)
+        if data is not None:
+            check_data(data)
+        self.num_samples = num_samples
+        self.num_batches = num_batches
+        self.data = data
+        self.forward = forward
+        self.mode = mode
+        self.layers = layers
+        self.progress = progress
+        self.log = log
+        self._scheduler: PreciseBNScheduler | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._last_report: Report | None = None
+
+    def _make_scheduler(self, trainer: Any, model: nn.Module) -> PreciseBNScheduler:
+        scheduler = PreciseBNScheduler(
+            model,
+            functools.partial(self._batches, trainer),
+            num_samples=self.num_samples,
+            num_batches=self.num_batches,
+            forward=self.forward,
+            mode=self.mode,
+            layers=self.layers,
+            progress=self.progress and trainer.is_global_zero,
+        )
+        if self._pending_state is not None:
+            scheduler.load_state_dict(self._pending_state)
+            self._pending_state = None
+        return scheduler
+
+    def _batches(self, trainer: Any) -> Iterator[Any]:
+        """The batches of one computation, moved as the Trainer moves training batches."""
+        source = self.data if self.data is not None else _training_loader(trainer)
+        module = trainer.lightning_module
+        # What the training loop does to each batch: the (datamodule's or module's)
+        # on_before_batch_transfer, then transfer_batch_to_device and on_after_batch_transfer.
+        before = getattr(module, "_on_before_batch_transfer", None)
+        for batch in fresh_batches(source):
+            if before is not None:
+                batch = before(batch, dataloader_idx=0)
+            yield trainer.strategy.batch_to_device(batch)
+
+    def _compute(self, trainer: Any, step: int) -> Report | None:
+        """Recalibrates unless current for ``step``; logs the figures of a computation."""
+        scheduler = self._scheduler
+        if scheduler is None or scheduler.is_current(step):
+            return None
+        # Validation (and checkpoints saved at its end) run under inference_mode; leave it
+        # so that what the computation creates (the report's tensors included) is made of
+        # ordinary tensors that user code may modify later.
+        with torch.inference_mode(False), trainer.precision_plugin.forward_context():
+            report = scheduler.update(step)
+        if report is not None:
+            self._last_report = report
+            if self.log:
+                self._log_report(trainer, report)
+        return report
+
+    def _log_report(self, trainer: Any, report: Report) -> None:
+        if not trainer.loggers or not trainer.is_global_zero:
+            return
+        rows = [r for r in report.layers if r.updated]
+        prefix = self._log_prefix
+        metrics = {f"{prefix}/seconds": report.seconds, f"{prefix}/samples": float(report.samples)}
+        shifts = [r.mean_shift for r in rows if math.isfinite(r.mean_shift)]
+        ratios = [r.var_ratio for r in rows if math.isfinite(r.var_ratio) and r.var_ratio > 0]
+        if shifts:
+            metrics[f"{prefix}/mean_shift"] = sum(shifts) / len(shifts)
+            metrics[f"{prefix}/max_mean_shift"] = max(r.max_mean_shift for r in rows)
+        if ratios:
+            metrics[f"{prefix}/var_ratio"] = math.exp(sum(math.log(v) for v in ratios) / len(ratios))
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.save()
+
+    def _warn_uncovered_saves(self, trainer: Any) -> None:
+        if not trainer.is_global_zero:
+            return
+        weights_only = [cb for cb in trainer.checkpoint_callbacks if getattr(cb, "save_weights_only", False)]
+        if weights_only:
+            warnings.warn(
+                f"{type(self).__name__}: ModelCheckpoint(save_weights_only=True) saves without calling the "
+                "callbacks' on_save_checkpoint, so precisebn cannot recalibrate right before those saves; they "
+                "hold the statistics of the last recalibration (before validation, or every_n_train_steps / "
+                "every_n_epochs).",
+                PreciseBNWarning,
+                stacklevel=2,
+            )
+        if _copies_state_dict(trainer.strategy):
+            warnings.warn(
+                f"{type(self).__name__}: strategy {type(trainer.strategy).__name__} builds checkpoints from "
+                "copies of the weights, so statistics recalibrated while a checkpoint is saved may not reach it; "
+                "precisebn supports single-device and DDP-style strategies.",
+                PreciseBNWarning,
+                stacklevel=2,
+            )
+
+    def _scheduler_state(self) -> dict[str, Any]:
+        if self._scheduler is not None:
+            return self._scheduler.state_dict()
+        return dict(self._pending_state or {"last_step": None, "stale": False, "computations": 0})
+
+    def _load_scheduler_state(self, state: dict[str, Any]) -> None:
+        if self._scheduler is not None:
+            self._scheduler.load_state_dict(state)
+        else:
+            self._pending_state = dict(state)
+
+    def _refresh_own_state(self, checkpoint: dict[str, Any]) -> None:
+        # The callbacks' states were collected before on_save_checkpoint runs.
+        states = checkpoint.get("callbacks")
+        if isinstance(states, dict) and self.state_key in states:  # type: ignore[attr-defined]
+            states[self.state_key] = self.state_dict()  # type: ignore[attr-defined]
+
+    @property
+    def last_step(self) -> int | None:
+        """The ``global_step`` of the last recalibration."""
+        return self._scheduler.last_step if self._scheduler is not None else self._scheduler_state()["last_step"]
+
+    @property
+    def computations(self) -> int:
+        """How many recalibrations ran (including those before a restored checkpoint)."""
+        return self._scheduler.computations if self._scheduler is not None else self._scheduler_state()["computations"]
+
+    @property
+    def last_report(self) -> Report | None:
+        """The :class:`~precisebn.Report` of the last recalibration in this process."""
+        return self._last_report
+
+
+class PreciseBNMixin(_Recalibrator):
+    """The behaviour of ``PreciseBN`` (see :class:`precisebn.integrations.lightning.PreciseBN`)."""
+
+    def __init__(
+        self,
+        num_samples: int | Literal["all"] | None = None,
+        *,
+        num_batches: int | None = None,
+        data: Data | None = None,
+        forward: Forward | None = None,
+        mode: Literal["norm", "train"] = "norm",
+        layers: LayerSelection = None,
+        on_validation: bool = True,
+        on_checkpoint: bool = True,
+        every_n_train_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        progress: bool = False,
+        log: bool = True,
+    ) -> None:
+        super().__init__()
+        self._init_options(
+            num_samples=num_samples,
+            num_batches=num_batches,
+            data=data,
+            forward=forward,
+            mode=mode,
+            layers=layers,
+            progress=progress,
+            log=log,
+        )
+        self.on_validation = on_validation
+        self.on_checkpoint = on_checkpoint
+        self.every_n_train_steps = _check_every("every_n_train_steps", every_n_train_steps)
+        self.every_n_epochs = _check_every("every_n_epochs", every_n_epochs)
+        self._last_scheduled_step: int | None = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # type: ignore[misc]
+        if stage == "fit":
+            self._scheduler = self._make_scheduler(trainer, pl_module)
+            if self.on_checkpoint:
+                self._warn_uncovered_saves(trainer)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit" and self._scheduler is not None:
+            # Keep the state, drop the references to the Trainer and the module.
+            self._pending_state, self._scheduler = self._scheduler.state_dict(), None
+        super().teardown(trainer, pl_module, stage)  # type: ignore[misc]
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        scheduler = self._scheduler
+        if scheduler is not None and scheduler.last_step == step:
+            scheduler.invalidate()  # a batch ran without stepping the optimizer since the computation
+        n = self.every_n_train_steps
+        if n is not None and step > 0 and step % n == 0 and step != self._last_scheduled_step and _fitting(trainer):
+            self._last_scheduled_step = step
+            self._compute(trainer, step)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # type: ignore[misc]
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.on_validation and _fitting(trainer):
+            self._compute(trainer, trainer.global_step)
+        super().on_validation_start(trainer, pl_module)  # type: ignore[misc]
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        n = self.every_n_epochs
+        if n is not None and (trainer.current_epoch + 1) % n == 0 and _fitting(trainer):
+            self._compute(trainer, trainer.global_step)
+        super().on_train_epoch_end(trainer, pl_module)  # type: ignore[misc]
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if self.on_checkpoint and _fitting(trainer) and self._compute(trainer, trainer.global_step) is not None:
+            self._refresh_own_state(checkpoint)
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)  # type: ignore[misc]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._scheduler_state()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._load_scheduler_state(state_dict)
+
+
+class AveragingMixin(_Recalibrator):
+    """The behaviour of ``PreciseWeightAveraging``, on top of Lightning's ``WeightAveraging``."""
+
+    _log_prefix = "precisebn_averaged"
+
+    def __init__(
+        self,
+        num_samples: int | Literal["all"] | None = None,
+        *,
+        num_batches: int | None = None,
+        data: Data | None = None,
+        forward: Forward | None = None,
+        mode: Literal["norm", "train"] = "norm",
+        layers: LayerSelection = None,
+        swa_epoch_start: int | None = None,
+        device: torch.device | str | int | None = None,
+        use_buffers: bool = False,
+        progress: bool = False,
+        log: bool = True,
+        **averaging: Any,
+    ) -> None:
+        super().__init__(device=device, use_buffers=use_buffers, **averaging)  # type: ignore[call-arg]
+        self._init_options(
+            num_samples=num_samples,
+            num_batches=num_batches,
+            data=data,
+            forward=forward,
+            mode=mode,
+            layers=layers,
+            progress=progress,
+            log=log,
+        )
+        if swa_epoch_start is not None and (
+            isinstance(swa_epoch_start, bool) or not isinstance(swa_epoch_start, int) or swa_epoch_start < 0
+        ):
+            raise InvalidArgumentError(
+                f"swa_epoch_start must be a non-negative integer or None, got {swa_epoch_start!r}"
+            )
+        self.swa_epoch_start = swa_epoch_start
+
+    def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
+        if self.swa_epoch_start is not None:
+            return epoch_idx is not None and epoch_idx >= self.swa_epoch_start
+        return super().should_update(step_idx=step_idx, epoch_idx=epoch_idx)  # type: ignore[misc]
+
+    @property
+    def averaged_model(self) -> nn.Module | None:
+        """The ``torch.optim.swa_utils.AveragedModel`` (``None`` outside ``fit``)."""
+        return self._average_model  # type: ignore[attr-defined,no-any-return]
+
+    def _averaged_version(self) -> int:
+        # The averaged weights change only when AveragedModel.update_parameters()
+        # counts one more model (one host read of a scalar, at most once per trigger).
+        return int(self._average_model.n_averaged)  # type: ignore[attr-defined]
+
+    def _compute_averaged(self, trainer: Any) -> Report | None:
+        if self._average_model is None or not _fitting(trainer):  # type: ignore[attr-defined]
+            return None
+        return self._compute(trainer, self._averaged_version())
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # type: ignore[misc]
+        if stage == "fit":
+            self._scheduler = self._make_scheduler(trainer, self._average_model.module)  # type: ignore[attr-defined]
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit" and self._scheduler is not None:
+            self._pending_state, self._scheduler = self._scheduler.state_dict(), None
+        super().teardown(trainer, pl_module, stage)  # type: ignore[misc]
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        # Before WeightAveraging swaps the averaged weights in (on_validation_epoch_start).
+        self._compute_averaged(trainer)
+        super().on_validation_start(trainer, pl_module)  # type: ignore[misc]
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        # Before WeightAveraging puts the averaged model's state into the checkpoint.
+        if self._compute_averaged(trainer) is not None:
+            self._refresh_own_state(checkpoint)
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)  # type: ignore[misc]
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        # Before WeightAveraging copies the averaged weights and buffers into the module.
+        self._compute_averaged(trainer)
+        super().on_train_end(trainer, pl_module)  # type: ignore[misc]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "precisebn": self._scheduler_state()}  # type: ignore[misc]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        ours = state.pop("precisebn", None)
+        if ours is not None:
+            self._load_scheduler_state(ours)
+        super().load_state_dict(state)  # type: ignore[misc]

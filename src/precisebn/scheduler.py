@@ -1,0 +1,265 @@
+"""Recalibrating at fixed moments of a training loop, at most once per training step.
+
+:class:`PreciseBNScheduler` is the framework-free piece: call ``update(step)``
+wherever exact statistics are needed (before evaluating, before saving) and it
+recalibrates only when the step differs from the last one it computed, so an
+evaluation and a checkpoint at the same step share one computation (as the
+original Caffe2 helper did). The Lightning callbacks in
+:mod:`precisebn.integrations.lightning` are built on it.
+
+A recalibration never changes the course of training: the forward passes run under
+``torch.no_grad()`` with the model's flags, momenta and other buffers restored (see
+:func:`precisebn.recalibrate`), and by default the random number generators
+(torch's on the CPU and on the model's CUDA devices, Python's ``random``, NumPy's
+global one) are put back as they were, so that a shuffling loader, random
+augmentations or dropout during the passes do not shift what training draws next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import random
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .data import Forward
+from .errors import InvalidArgumentError
+from .layers import LayerSelection
+from .recalibrate import check_options, recalibrate
+from .report import Report
+
+__all__ = ["PreciseBNScheduler"]
+
+Data = Iterable[Any] | Callable[[], Iterable[Any]]
+"""Batches for one recalibration: a re-iterable (a DataLoader, a list) or a
+zero-argument callable that returns a fresh iterable each time."""
+
+
+class PreciseBNScheduler:
+    """Recomputes a model's precise statistics at most once per training step.
+
+    :meth:`update` recalibrates (:func:`precisebn.recalibrate`) when the step it is
+    given differs from the step of the last computation, and otherwise does nothing:
+    the two lines before ``evaluate()`` and before ``torch.save`` cost one
+    computation when they fall on the same step::
+
+        scheduler = precisebn.PreciseBNScheduler(model, train_loader, num_samples=4096)
+        for step, (x, y) in enumerate(batches, start=1):
+            ...  # forward, backward, optimizer step
+            if step % eval_every == 0:
+                scheduler.update(step)
+                evaluate(model)
+            if step % save_every == 0:
+                scheduler.update(step)  # free when the evaluation just ran at this step
+                torch.save(model.state_dict(), "checkpoint.pt")
+
+    Distributed: every rank must call :meth:`update` with the same step (the default
+    ``distributed="auto"`` merges all ranks' statistics, so all ranks take part or
+    none does); all ranks end with identical statistics.
+
+    Args:
+        model: The model to recalibrate (a DDP/DataParallel wrapper, or a
+            ``torch.optim.swa_utils.AveragedModel``, is fine).
+        data: The batches to measure on, iterated afresh at every computation: a
+            DataLoader, a list, or a zero-argument callable that returns a fresh
+            iterable (for streams). A one-shot iterator (a generator) is refused,
+            since a second computation would find it empty. A DataLoader with
+            ``persistent_workers=True`` is iterated through a twin loader with
+            non-persistent workers, so that a computation in the middle of an
+            epoch does not reset the training loop's iterator.
+        num_samples, num_batches, forward, mode, layers, device, progress,
+            distributed, process_group: As for :func:`precisebn.recalibrate`.
+        preserve_rng: Put the random number generators back as they were after
+            each computation (default), so that training draws the same random
+            numbers as without the recalibration.
+
+    Example:
+        >>> import torch, precisebn
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        >>> data = [torch.randn(8, 3) for _ in range(4)]
+        >>> scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all")
+        >>> [scheduler.update(step) is not None for step in (10, 10, 20, 20, 20)]
+        [True, False, True, False, False]
+        >>> scheduler.computations, scheduler.last_step
+        (2, 20)
+        >>> scheduler.update(20, force=True).samples
+        32
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: Data,
+        *,
+        num_samples: int | Literal["all"] | None = None,
+        num_batches: int | None = None,
+        forward: Forward | None = None,
+        mode: Literal["norm", "train"] = "norm",
+        layers: LayerSelection = None,
+        device: torch.device | str | None = None,
+        progress: bool = False,
+        distributed: Literal["auto"] | bool = "auto",
+        process_group: Any = None,
+        preserve_rng: bool = True,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        check_data(data)
+        check_options(num_samples=num_samples, num_batches=num_batches, forward=forward, mode=mode)
+        self.model = model
+        self.data = data
+        self.preserve_rng = preserve_rng
+        self._options: dict[str, Any] = {
+            "num_samples": num_samples,
+            "num_batches": num_batches,
+            "forward": forward,
+            "mode": mode,
+            "layers": layers,
+            "device": device,
+            "progress": progress,
+            "distributed": distributed,
+            "process_group": process_group,
+        }
+        self._last_step: int | None = None
+        self._stale = False
+        self._computations = 0
+        self._last_report: Report | None = None
+
+    @property
+    def last_step(self) -> int | None:
+        """The step of the last computation (``None`` before the first one)."""
+        return self._last_step
+
+    @property
+    def computations(self) -> int:
+        """How many times the statistics were computed (restored by :meth:`load_state_dict`)."""
+        return self._computations
+
+    @property
+    def last_report(self) -> Report | None:
+        """The :class:`~precisebn.Report` of the last computation in this process."""
+        return self._last_report
+
+    def is_current(self, step: int) -> bool:
+        """Whether the statistics were computed at ``step`` and nothing invalidated them since."""
+        return self._last_step == operator.index(step) and not self._stale
+
+    def update(self, step: int, *, force: bool = False) -> Report | None:
+        """Recalibrates unless the statistics were already computed at ``step``.
+
+        Args:
+            step: The current training step (any integer that changes whenever the
+                weights do, e.g. the number of optimizer steps taken).
+            force: Recalibrate even if the statistics are current for ``step``.
+
+        Returns:
+            The :class:`~precisebn.Report` of the computation, or ``None`` when
+            nothing was done.
+
+        Raises:
+            PreciseBNError: Whatever :func:`precisebn.recalibrate` raises; the model is
+                then unchanged and the step is not recorded, so the next call tries again.
+        """
+        step = operator.index(step)
+        if not force and self.is_current(step):
+            return None
+        rng = preserved_rng(self.model) if self.preserve_rng else contextlib.nullcontext()
+        with rng:
+            report = recalibrate(self.model, fresh_batches(self.data), **self._options)
+        self._last_step, self._stale, self._last_report = step, False, report
+        self._computations += 1
+        return report
+
+    def invalidate(self) -> None:
+        """Marks the statistics as out of date, so that the next :meth:`update` recomputes
+        even at the same step (e.g. after training forward passes that did not step the
+        optimizer, which moved the running statistics)."""
+        self._stale = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """What to save with a checkpoint: the last step and the number of computations."""
+        return {"last_step": self._last_step, "stale": self._stale, "computations": self._computations}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what :meth:`state_dict` returned (together with the model's weights
+        and statistics saved at the same time)."""
+        last = state.get("last_step")
+        self._last_step = None if last is None else int(last)
+        self._stale = bool(state.get("stale", False))
+        self._computations = int(state.get("computations", 0))
+
+    def __repr__(self) -> str:
+        return (
+            f"PreciseBNScheduler(model={type(self.model).__name__}, last_step={self._last_step}, "
+            f"computations={self._computations})"
+        )
+
+
+# -- helpers shared with the Lightning integrations -------------------------------------
+
+
+def check_data(data: Any) -> None:
+    """Refuses data that cannot be iterated afresh for every computation."""
+    if isinstance(data, Iterator):
+        raise InvalidArgumentError(
+            f"data is a one-shot iterator ({type(data).__name__}), which a second recalibration would find "
+            "empty; pass a DataLoader or a list, or a zero-argument callable that returns a fresh iterable "
+            "(e.g. data=lambda: make_stream())."
+        )
+    if isinstance(data, (torch.Tensor, str, bytes)) or not (isinstance(data, Iterable) or callable(data)):
+        raise InvalidArgumentError(
+            "data must be a re-iterable of batches (a DataLoader, a list) or a zero-argument callable "
+            f"returning one, got {type(data).__name__}"
+        )
+
+
+def fresh_batches(data: Data) -> Iterable[Any]:
+    """The iterable to use for one computation (see :class:`PreciseBNScheduler`'s ``data``)."""
+    if callable(data) and not isinstance(data, Iterable):
+        data = data()
+    loader_type = torch.utils.data.DataLoader
+    if isinstance(data, loader_type) and data.persistent_workers and data.num_workers > 0:
+        return _twin_loader(data)
+    return data
+
+
+def _twin_loader(loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
+    # DataLoader.__iter__ with persistent workers resets and returns the loader's one
+    # shared iterator, which would restart an epoch that is being iterated by training.
+    common: dict[str, Any] = {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "prefetch_factor": loader.prefetch_factor,
+        "persistent_workers": False,
+    }
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset) or loader.batch_sampler is None:
+        return torch.utils.data.DataLoader(
+            loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **common
+        )
+    return torch.utils.data.DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **common)
+
+
+@contextlib.contextmanager
+def preserved_rng(model: nn.Module) -> Iterator[None]:
+    """Restores torch's CPU and CUDA generators (of the model's devices), Python's
+    ``random`` and NumPy's global generator on exit."""
+    cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.device.type == "cuda"})
+    python_state = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)

@@ -1,0 +1,455 @@
+"""The Lightning callbacks, driven by a real ``lightning.pytorch.Trainer`` on CPU.
+
+Every statistics check loads the weights the Trainer had at that moment (a snapshot
+taken in ``validation_step``, or a checkpoint file) into a fresh module and compares
+the running statistics with the float64 ground truth over the training data.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L  # the 'lightning' extra, part of precisebn[dev]
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+from precisebn.errors import InvalidArgumentError, MissingDependencyError, PreciseBNWarning
+from precisebn.integrations.lightning import PreciseBN, PreciseWeightAveraging
+
+BN = "net.1"
+SHIFT = torch.tensor([3.0, -1.0, 0.0, 2.0])
+SCALE = torch.tensor([1.0, 2.0, 0.5, 3.0])
+
+
+def make_data(n: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g) * SCALE + SHIFT
+    y = x @ torch.tensor([0.5, -1.0, 2.0, 0.3]) + 0.1 * torch.randn(n, generator=g)
+    return x, y
+
+
+def loader(x: torch.Tensor, y: torch.Tensor, batch_size: int = 16, shuffle: bool = False) -> Any:
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)
+
+
+class TinyNet(L.LightningModule):
+    """Linear -> BatchNorm1d -> ReLU -> Dropout -> Linear; records losses and, at the
+    first validation batch, the weights and statistics validation runs with."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        layers = [torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Dropout(dropout)]
+        self.net = torch.nn.Sequential(*layers, torch.nn.Linear(8, 1))
+        self.losses: list[torch.Tensor] = []
+        self.validated: list[tuple[int, dict[str, torch.Tensor]]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).squeeze(1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0 and not self.trainer.sanity_checking:
+            self.validated.append((self.trainer.global_step, {k: v.clone() for k, v in self.state_dict().items()}))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
+
+
+class RankDump(L.Callback):
+    """Saves each rank's final weights and statistics (for the multi-process test)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        torch.save(pl_module.state_dict(), Path(self.directory) / f"rank{trainer.global_rank}.pt")
+
+
+class Probe(L.Callback):
+    """Snapshots what a recalibration must not touch, at the hooks PreciseBN uses."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def _snap(self, trainer: Any, pl_module: Any, hook: str) -> None:
+        params = list(pl_module.parameters())
+        self.events.append(
+            {
+                "hook": hook,
+                "step": trainer.global_step,
+                "grads": [None if p.grad is None else p.grad.clone() for p in params],
+                "params": [p.detach().clone() for p in params],
+                "optimizer": copy.deepcopy(trainer.optimizers[0].state_dict()),
+                "flags": [m.training for m in pl_module.modules()],
+                "grad_enabled": torch.is_grad_enabled(),
+                "inference": torch.is_inference_mode_enabled(),
+                "rng": torch.get_rng_state(),
+                "stats": pl_module.net[1].running_mean.clone(),
+            }
+        )
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._snap(trainer, pl_module, "validation")
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self._snap(trainer, pl_module, "checkpoint")
+
+
+def make_trainer(tmp_path: Path, **kwargs: Any) -> Any:
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 3,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "default_root_dir": tmp_path,
+    }
+    options.update(kwargs)
+    return L.Trainer(**options)
+
+
+def precision_errors(float64_truth: Any, state: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[float, float]:
+    """Largest |mean - truth|/σ and |var - truth|/var of the statistics in ``state``,
+    against the float64 truth of the inputs the weights in ``state`` give on ``x``."""
+    net = TinyNet()
+    net.load_state_dict(state)
+    truth = float64_truth(net, [x])[BN]
+    mean = state[f"{BN}.running_mean"].double()
+    var = state[f"{BN}.running_var"].double()
+    return (
+        float(((mean - truth.mean).abs() / truth.var.sqrt()).max()),
+        float(((var - truth.var).abs() / truth.var).max()),
+    )
+
+
+def assert_precise(float64_truth: Any, state: dict[str, torch.Tensor], x: torch.Tensor) -> None:
+    mean_error, var_error = precision_errors(float64_truth, state, x)
+    assert mean_error < 1e-5 and var_error < 1e-5, (mean_error, var_error)
+
+
+def logged_steps(path: Path, key: str = "precisebn/seconds") -> list[int]:
+    with open(path / "metrics.csv") as f:
+        return [int(row["step"]) for row in csv.DictReader(f) if row.get(key)]
+
+
+def test_before_validation_and_checkpoint_once_per_step(tmp_path: Path, float64_truth: Any) -> None:
+    x, y = make_data()
+    precise = PreciseBN(num_samples="all")
+    by_steps = ModelCheckpoint(dirpath=tmp_path / "steps", every_n_train_steps=3, save_top_k=-1)
+    by_epochs = ModelCheckpoint(dirpath=tmp_path / "epochs", save_top_k=-1)  # at the end of each validation
+    logger = CSVLogger(tmp_path, name="log", version=0)
+    model = TinyNet()
+    trainer = make_trainer(tmp_path, callbacks=[precise, by_steps, by_epochs], enable_checkpointing=True, logger=logger)
+    trainer.fit(model, loader(x, y), loader(x[:32], y[:32]))  # 4 steps per epoch, 12 in all
+
+    # Checkpoints at steps 3, 6, 9, 12 (before validation at 12) and after each validation
+    # (4, 8, 12); validations at 4, 8, 12: six distinct steps, six computations.
+    assert precise.computations == 6
+    assert logged_steps(tmp_path / "log" / "version_0") == [3, 4, 6, 8, 9, 12]
+    assert precise.last_step == 12
+    assert [step for step, _ in model.validated] == [4, 8, 12]
+    for _, state in model.validated:
+        assert_precise(float64_truth, state, x)
+    files = sorted((tmp_path / "steps").glob("*.ckpt")) + sorted((tmp_path / "epochs").glob("*.ckpt"))
+    assert len(files) == 7
+    for path in files:
+        checkpoint = torch.load(path, weights_only=False)
+        assert_precise(float64_truth, checkpoint["state_dict"], x)
+        assert checkpoint["callbacks"]["PreciseBN"]["last_step"] == checkpoint["global_step"]
+    with open(tmp_path / "log" / "version_0" / "metrics.csv") as f:
+        row = next(r for r in csv.DictReader(f) if r.get("precisebn/seconds"))
+    assert float(row["precisebn/samples"]) == 64
+    assert float(row["precisebn/mean_shift"]) > 0 and float(row["precisebn/var_ratio"]) > 0
+
+
+def test_training_is_untouched(tmp_path: Path) -> None:
+    x, y = make_data()
+
+    def run(callbacks: list[Any], directory: Path) -> TinyNet:
+        torch.manual_seed(0)
+        model = TinyNet(dropout=0.5)
+        every3 = ModelCheckpoint(dirpath=directory, every_n_train_steps=3, save_top_k=-1)
+        trainer = make_trainer(directory, max_epochs=2, callbacks=[*callbacks, every3], enable_checkpointing=True)
+        trainer.fit(model, loader(x, y, batch_size=8, shuffle=True), loader(x[:16], y[:16]))
+        return model
+
+    before, after = Probe(), Probe()
+    precise = PreciseBN(num_samples=40, mode="train")  # dropout active, shuffled loader: both draw random numbers
+    with_callback = run([before, precise, after], tmp_path / "with")
+    without = run([], tmp_path / "without")
+
+    assert len(with_callback.losses) == 16
+    assert torch.equal(torch.stack(with_callback.losses), torch.stack(without.losses))
+    for p, q in zip(with_callback.parameters(), without.parameters()):
+        assert torch.equal(p, q)
+    assert len(before.events) == len(after.events) > precise.computations >= 6
+    recomputed = 0
+    for b, a in zip(before.events, after.events):
+        assert b["hook"] == a["hook"] and b["step"] == a["step"]
+        assert len(b["grads"]) == len(a["grads"]) and all(
+            (g is None and h is None) or torch.equal(g, h) for g, h in zip(b["grads"], a["grads"])
+        )
+        assert all(torch.equal(p, q) for p, q in zip(b["params"], a["params"]))
+        assert b["optimizer"]["param_groups"] == a["optimizer"]["param_groups"]
+        for i, s in b["optimizer"]["state"].items():
+            assert torch.equal(s["momentum_buffer"], a["optimizer"]["state"][i]["momentum_buffer"])
+        assert b["flags"] == a["flags"]
+        assert (b["grad_enabled"], b["inference"]) == (a["grad_enabled"], a["inference"])
+        assert torch.equal(b["rng"], a["rng"])
+        recomputed += not torch.equal(b["stats"], a["stats"])
+    assert recomputed == precise.computations  # the probes did see every computation
+    assert {e["hook"] for e in before.events} == {"validation", "checkpoint"}
+    assert any(all(e["flags"]) for e in before.events) and any(not e["flags"][0] for e in before.events)
+
+
+def test_resumes_from_a_checkpoint(tmp_path: Path, float64_truth: Any) -> None:
+    x, y = make_data()
+    first = PreciseBN(num_samples="all")
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    make_trainer(tmp_path, max_epochs=2, callbacks=[first, checkpoints], enable_checkpointing=True).fit(
+        TinyNet(), loader(x, y), loader(x[:16], y[:16])
+    )
+    assert (first.computations, first.last_step) == (2, 8)
+
+    class AtStart(L.Callback):
+        seen: tuple[Any, ...] = ()
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            AtStart.seen = (resumed.last_step, resumed.computations)
+
+    resumed = PreciseBN(num_samples="all")
+    model = TinyNet()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    callbacks = [resumed, AtStart(), checkpoints]
+    trainer = make_trainer(tmp_path, max_epochs=3, callbacks=callbacks, enable_checkpointing=True)
+    trainer.fit(model, loader(x, y), loader(x[:16], y[:16]), ckpt_path=tmp_path / "last.ckpt")
+    assert AtStart.seen == (8, 2)
+    assert (resumed.computations, resumed.last_step) == (3, 12)
+    assert [step for step, _ in model.validated] == [12]
+    assert_precise(float64_truth, model.validated[0][1], x)
+    last = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 12
+    assert_precise(float64_truth, last["state_dict"], x)
+
+
+def test_schedules_and_gradient_accumulation(tmp_path: Path, float64_truth: Any) -> None:
+    x, y = make_data()
+    # 8 batches of 8, 2 per optimizer step: steps 1..4. A computation after every optimizer
+    # step (batches 2, 4, 6, 8); validations after batches 3 and 6. Batch 3 ran a training
+    # forward pass at step 1 without stepping, which moved the running statistics, so the
+    # validation after it computes again; the one after batch 6 shares step 3's computation,
+    # and the epoch end at step 4 shares step 4's.
+    precise = PreciseBN(num_samples="all", every_n_train_steps=1, every_n_epochs=1, on_checkpoint=False)
+    model = TinyNet()
+    trainer = make_trainer(tmp_path, max_epochs=1, callbacks=[precise], accumulate_grad_batches=2, val_check_interval=3)
+    trainer.fit(model, loader(x, y, batch_size=8), loader(x[:16], y[:16]))
+    assert trainer.global_step == 4
+    assert [step for step, _ in model.validated] == [1, 3]
+    assert precise.computations == 5
+
+    every2 = PreciseBN(num_samples="all", every_n_epochs=2, on_validation=False, on_checkpoint=False)
+    model = TinyNet()
+    make_trainer(tmp_path, max_epochs=4, callbacks=[every2]).fit(model, loader(x, y))  # no validation
+    assert (every2.computations, every2.last_step) == (2, 16)
+    assert_precise(float64_truth, model.state_dict(), x)
+    for _, state in model.validated:
+        assert_precise(float64_truth, state, x)
+
+
+def test_user_data_forward_and_batch_transfer(tmp_path: Path, float64_truth: Any) -> None:
+    x, y = make_data()
+
+    class DictNet(TinyNet):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self(batch["x"]), batch["y"])
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            super().validation_step((batch["x"], batch["y"]), batch_idx)
+
+        def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+            return {**batch, "x": batch["x"] * 2}  # applied to training and to precisebn's batches alike
+
+    held_out = [{"x": x[i : i + 10], "y": y[i : i + 10]} for i in range(0, 40, 10)]
+    precise = PreciseBN(data=held_out, forward=lambda module, batch: module(batch["x"]), num_samples="all")
+    model = DictNet()
+    records = [{"x": x[i], "y": y[i]} for i in range(64)]
+    train = torch.utils.data.DataLoader(records, batch_size=16)  # collated into {"x": ..., "y": ...}
+    make_trainer(tmp_path, max_epochs=1, callbacks=[precise]).fit(model, train, train)
+    assert precise.computations == 1 and precise.last_report.samples == 40
+    assert_precise(float64_truth, model.validated[0][1], 2 * x[:40])
+    mean_error, _ = precision_errors(float64_truth, model.validated[0][1], 2 * x)
+    assert mean_error > 1e-3  # the held-out data, not the training data, was used
+
+
+def test_options_are_checked_early(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="every_n_epochs"):
+        PreciseBN(every_n_epochs=0)
+    with pytest.raises(InvalidArgumentError, match="mode"):
+        PreciseBN(mode="eval")
+    with pytest.raises(InvalidArgumentError, match="one-shot iterator"):
+        PreciseBN(data=(b for b in [torch.zeros(2, 4)]))
+    with pytest.raises(InvalidArgumentError, match="swa_epoch_start"):
+        PreciseWeightAveraging(swa_epoch_start=-1)
+
+    class TwoLoaders(TinyNet):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return super().training_step(batch["a"], batch_idx)
+
+    x, y = make_data(16)
+    trainer = make_trainer(tmp_path, max_epochs=1, callbacks=[PreciseBN(num_samples="all")], limit_val_batches=1)
+    with pytest.raises(InvalidArgumentError, match="several training dataloaders"):
+        trainer.fit(TwoLoaders(), {"a": loader(x, y), "b": loader(x, y)}, loader(x, y))
+
+    weights_only = ModelCheckpoint(dirpath=tmp_path, save_weights_only=True)
+    trainer = make_trainer(tmp_path, max_steps=1, callbacks=[PreciseBN(), weights_only], enable_checkpointing=True)
+    with pytest.warns(PreciseBNWarning, match="save_weights_only"):
+        trainer.fit(TinyNet(), loader(x, y))
+
+
+def test_no_computation_for_a_checkpoint_saved_on_an_exception(tmp_path: Path) -> None:
+    class Failing(TinyNet):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.trainer.global_step == 3:
+                raise RuntimeError("diverged")
+            return super().training_step(batch, batch_idx)
+
+    x, y = make_data()
+    precise = PreciseBN(num_samples="all")
+    on_exception = ModelCheckpoint(dirpath=tmp_path, save_on_exception=True)
+    trainer = make_trainer(tmp_path, callbacks=[precise, on_exception], enable_checkpointing=True)
+    with pytest.raises(RuntimeError, match="diverged"):
+        trainer.fit(Failing(), loader(x, y))
+    assert len(list(tmp_path.glob("*.ckpt"))) == 1  # the exception's checkpoint was written...
+    assert precise.computations == 0  # ...without forward passes on the failing run
+
+
+@pytest.mark.parametrize(("averaging", "checkpointing"), [("swa", True), ("swa", False), ("ema", True)])
+def test_precise_weight_averaging(tmp_path: Path, float64_truth: Any, averaging: str, checkpointing: bool) -> None:
+    x, y = make_data()
+
+    class Stream(torch.utils.data.IterableDataset):  # StochasticWeightAveraging refuses these
+        def __iter__(self) -> Any:
+            return iter(zip(x, y))
+
+    if averaging == "swa":
+        callback = PreciseWeightAveraging(num_samples="all", swa_epoch_start=1)
+    else:
+        callback = PreciseWeightAveraging(num_samples="all", multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    checkpoints = [ModelCheckpoint(dirpath=tmp_path, save_top_k=-1)] if checkpointing else []
+    model = TinyNet()
+    callbacks = [callback, *checkpoints]
+    trainer = make_trainer(tmp_path, max_epochs=3, callbacks=callbacks, enable_checkpointing=checkpointing)
+    trainer.fit(model, torch.utils.data.DataLoader(Stream(), batch_size=16), loader(x[:16], y[:16]))
+
+    assert trainer.global_step == 12 and trainer.current_epoch == 3  # no extra epoch
+    # SWA: validations see 0, 0, 1 averaged models and training ends with 2 (computed for the
+    # epoch-end checkpoint, or else at the end of training): three computations. EMA: a new
+    # average at every step, one computation per validation, and the end of training
+    # shares the last one.
+    assert callback.computations == 3
+    averaged = callback.averaged_model.module
+    for p, q in zip(model.parameters(), averaged.parameters()):
+        assert torch.equal(p, q)
+    assert_precise(float64_truth, model.state_dict(), x)
+    for _, state in model.validated:  # validation ran on the averaged weights
+        assert_precise(float64_truth, state, x)
+    files = sorted(tmp_path.glob("*.ckpt"))
+    assert len(files) == (3 if checkpointing else 0)
+    for path in files:
+        checkpoint = torch.load(path, weights_only=False)
+        assert_precise(float64_truth, checkpoint["state_dict"], x)  # the averaged weights
+    if averaging == "swa":
+        expected = (model.validated[0][1]["net.0.weight"], model.validated[1][1]["net.0.weight"])
+        assert torch.equal(*expected)  # no average before the end of epoch 1
+
+
+def test_legacy_pytorch_lightning_package(tmp_path: Path, float64_truth: Any) -> None:
+    import pytorch_lightning as pl  # installed with lightning (which depends on it)
+
+    from precisebn.integrations.pytorch_lightning import PreciseBN as LegacyPreciseBN
+
+    class LegacyNet(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = TinyNet().net
+            self.validated: list[dict[str, torch.Tensor]] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x).squeeze(1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 0 and not self.trainer.sanity_checking:
+                self.validated.append({k: v.clone() for k, v in self.state_dict().items()})
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.02)
+
+    x, y = make_data()
+    precise = LegacyPreciseBN(num_samples="all")
+    model = LegacyNet()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        callbacks=[precise],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, loader(x, y), loader(x[:16], y[:16]))
+    assert precise.computations == 2 and len(model.validated) == 2
+    for state in model.validated:
+        assert_precise(float64_truth, state, x)
+
+
+def test_missing_lightning_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("lightning", "lightning.pytorch", "precisebn.integrations.lightning"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "lightning", None)  # makes `import lightning` raise ImportError
+    with pytest.raises(MissingDependencyError, match=r"pip install 'precisebn\[lightning\]'"):
+        importlib.import_module("precisebn.integrations.lightning")
+    monkeypatch.delitem(sys.modules, "precisebn.integrations.pytorch_lightning", raising=False)
+    monkeypatch.setitem(sys.modules, "pytorch_lightning", None)
+    with pytest.raises(MissingDependencyError, match="pip install pytorch-lightning"):
+        importlib.import_module("precisebn.integrations.pytorch_lightning")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_ddp_spawn_two_ranks_identical_union_statistics(tmp_path: Path, float64_truth: Any) -> None:
+    x, y = make_data(128)  # 64 samples, 4 steps of 16 per rank
+    trainer = make_trainer(
+        tmp_path,
+        strategy="ddp_spawn",
+        devices=2,
+        max_epochs=1,
+        num_sanity_val_steps=0,
+        callbacks=[PreciseBN(num_samples="all"), RankDump(str(tmp_path))],
+    )
+    trainer.fit(TinyNet(), loader(x, y), loader(x[:32], y[:32]))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert ranks[0].keys() == ranks[1].keys()
+    for key in ranks[0]:
+        assert torch.equal(ranks[0][key], ranks[1][key]), key
+    assert_precise(float64_truth, ranks[0], x)  # the union of both ranks' shards
+    mean_error, _ = precision_errors(float64_truth, ranks[0], x[::2])
+    assert mean_error > 1e-4  # not one rank's shard alone

@@ -1,0 +1,164 @@
+"""PreciseBNScheduler: one computation per step, exact statistics, training left alone."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import precisebn
+from precisebn.errors import EmptyDataError, InvalidArgumentError
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Dropout(0.5), nn.Linear(6, 3), nn.BatchNorm1d(3)
+    )
+
+
+def make_batches(n: int = 6, size: int = 8, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 5, generator=g) * 3 + 2, torch.randn(size, 3, generator=g)) for _ in range(n)]
+
+
+def assert_precise(model: nn.Module, truth: dict[str, Any]) -> None:
+    for name, t in truth.items():
+        layer = model.get_submodule(name)
+        mean_error = ((layer.running_mean.double() - t.mean).abs() / t.var.sqrt()).max()
+        var_error = ((layer.running_var.double() - t.var).abs() / t.var).max()
+        assert mean_error < 1e-5 and var_error < 1e-5, (name, float(mean_error), float(var_error))
+
+
+def test_one_computation_per_step_in_a_training_loop(float64_truth: Any) -> None:
+    model, data = make_model(), make_batches()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all")
+    # Each step may ask several times (evaluation, checkpoint...); steps may repeat or go back.
+    steps = [1, 1, 2, 2, 2, 5, 5, 3, 3]
+    done = []
+    for step in steps:
+        if step != scheduler.last_step:
+            x, y = data[step % len(data)]  # weights change between distinct steps
+            loss = nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        report = scheduler.update(step)
+        done.append(report is not None)
+        if report is not None:
+            assert_precise(model, float64_truth(model, data))
+    assert done == [True, False, True, False, False, True, False, True, False]
+    assert scheduler.computations == 4 and scheduler.last_step == 3
+    assert scheduler.last_report is not None and scheduler.last_report.samples == 48
+
+
+def test_force_and_invalidate_recompute_at_the_same_step() -> None:
+    model, data = make_model(), make_batches(2)
+    scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all")
+    assert scheduler.update(7) is not None
+    assert scheduler.update(7) is None and scheduler.is_current(7)
+    assert scheduler.update(7, force=True) is not None
+    scheduler.invalidate()
+    assert not scheduler.is_current(7)
+    assert scheduler.update(7) is not None
+    assert scheduler.update(7) is None
+    assert scheduler.computations == 3
+
+
+def test_state_dict_round_trip() -> None:
+    model, data = make_model(), make_batches(2)
+    first = precisebn.PreciseBNScheduler(model, data)
+    first.update(4)
+    resumed = precisebn.PreciseBNScheduler(model, data)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.update(4) is None  # the checkpoint at step 4 already holds these statistics
+    assert (resumed.last_step, resumed.computations) == (4, 1)
+    assert resumed.update(5) is not None and resumed.computations == 2
+
+
+def test_failure_records_nothing_and_leaves_the_model(snapshot: Any, unchanged: Any) -> None:
+    model = make_model()
+    fail = {"on": True}
+
+    def data() -> Any:
+        if fail["on"]:
+            yield make_batches(1)[0]
+            raise RuntimeError("disk on fire")
+        yield from make_batches(2)
+
+    scheduler = precisebn.PreciseBNScheduler(model, data)
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        scheduler.update(3)
+    unchanged(model, before)
+    assert (scheduler.last_step, scheduler.computations) == (None, 0)
+    fail["on"] = False
+    assert scheduler.update(3) is not None  # the callable gives fresh batches every time
+    assert scheduler.update(3) is None
+
+
+def test_random_number_generators_are_put_back() -> None:
+    model, data = make_model(), make_batches()
+    dataset = torch.utils.data.TensorDataset(*map(torch.cat, zip(*data)))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True)
+
+    def draws() -> tuple[Any, ...]:
+        return torch.rand(3), random.random(), np.random.rand()
+
+    def seed() -> None:
+        torch.manual_seed(5)
+        random.seed(5)
+        np.random.seed(5)
+
+    seed()
+    expected = draws()
+    scheduler = precisebn.PreciseBNScheduler(model, loader, num_samples=24, mode="train")  # shuffles, dropout on
+    seed()
+    scheduler.update(1)
+    got = draws()
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+    leaky = precisebn.PreciseBNScheduler(model, loader, num_samples=24, mode="train", preserve_rng=False)
+    seed()
+    leaky.update(1)
+    assert not torch.equal(torch.rand(3), expected[0])  # the passes did draw random numbers
+
+
+def test_persistent_workers_do_not_restart_the_training_epoch() -> None:
+    x = torch.arange(48, dtype=torch.float32).reshape(12, 4)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x), batch_size=3, num_workers=1, persistent_workers=True
+    )
+    model = nn.Sequential(nn.BatchNorm1d(4))
+    scheduler = precisebn.PreciseBNScheduler(model, loader, num_samples="all")
+    epoch = iter(loader)
+    seen = [next(epoch)[0]]
+    scheduler.update(1)  # in the middle of the epoch
+    seen += [b[0] for b in epoch]
+    assert torch.equal(torch.cat(seen), x)
+    assert scheduler.last_report.samples == 12
+
+
+def test_bad_arguments_are_refused_at_construction() -> None:
+    model, data = make_model(), make_batches(1)
+    with pytest.raises(InvalidArgumentError, match="one-shot iterator"):
+        precisebn.PreciseBNScheduler(model, iter(data))
+    with pytest.raises(InvalidArgumentError, match="re-iterable"):
+        precisebn.PreciseBNScheduler(model, torch.zeros(4, 5))
+    with pytest.raises(InvalidArgumentError, match="mode"):
+        precisebn.PreciseBNScheduler(model, data, mode="eval")
+    with pytest.raises(InvalidArgumentError, match="num_samples"):
+        precisebn.PreciseBNScheduler(model, data, num_samples=0)
+    with pytest.raises(InvalidArgumentError, match="forward"):
+        precisebn.PreciseBNScheduler(model, data, forward="model")
+    with pytest.raises(InvalidArgumentError, match=r"torch\.nn\.Module"):
+        precisebn.PreciseBNScheduler(data, data)
+    scheduler = precisebn.PreciseBNScheduler(model, list)
+    with pytest.raises(EmptyDataError):
+        scheduler.update(1)
+    with pytest.raises(TypeError):
+        scheduler.update(1.5)  # type: ignore[arg-type]
