@@ -82,12 +82,10 @@ def test_load_rejects_other_files(tmp_path) -> None:
 def test_failed_save_leaves_no_file(tmp_path, monkeypatch) -> None:
     import safetensors.torch
 
-    def broken(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"partial")
+    def broken(tensors, metadata=None):
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    monkeypatch.setattr(safetensors.torch, "save", broken)
     stats = precisebn.estimate(net(), batches(), forward=forward)
     with pytest.raises(OSError, match="disk full"):
         stats.save(tmp_path / "s.safetensors")
@@ -99,3 +97,13 @@ def test_mapping_and_repr() -> None:
     assert len(stats) == 3 and "1" in stats
     assert "3 layers" in repr(stats)
     assert stats.to("cpu")["1"].mean.device.type == "cpu"
+
+
+def test_saved_file_has_normal_permissions(tmp_path) -> None:
+    import os
+    import stat
+
+    precisebn.estimate(net(), batches(), forward=forward).save(tmp_path / "s.safetensors")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(tmp_path / "s.safetensors").st_mode) == 0o666 & ~umask

@@ -409,3 +409,11 @@ def test_data_parallel_wrapper_is_looked_through() -> None:
     precisebn.apply(nn.DataParallel(model), stats)
     for v, w in zip(model.state_dict().values(), plain.state_dict().values()):
         assert torch.equal(v, w)
+
+
+def test_single_value_per_channel_is_a_clear_error() -> None:
+    model = small_net()
+    before = state_snapshot(model)
+    with pytest.raises(InvalidArgumentError, match=r"layer '9' \(BatchNorm1d\) received one value per channel"):
+        precisebn.recalibrate(model, [*images(2), torch.randn(1, 3, 8, 8)])
+    assert_unchanged(model, before)

@@ -90,6 +90,14 @@ class Collector:
 
     # -- hooks -------------------------------------------------------------------------
 
+    def _too_few(self, i: int, x: Tensor) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"layer {self.layers[i].name!r} ({self.layers[i].type_name}) received one value per channel "
+            f"(input of shape {tuple(x.shape)}): BatchNorm in training mode needs at least two to compute a "
+            "batch variance. Use batches of two or more samples (e.g. DataLoader(drop_last=True) when the "
+            "last batch holds a single sample)."
+        )
+
     def _check(self, i: int, module: nn.Module, args: tuple[Any, ...]) -> Tensor:
         if not module.training:
             raise InvalidArgumentError(
@@ -110,10 +118,13 @@ class Collector:
 
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             x = self._check(i, module, args)
+            n = x.numel() // channels
+            if n == 1:
+                raise self._too_few(i, x)
             row = self._row
             if row[i]:  # second call in this batch: keep the first call's figures
                 self._extras.append((i, row[i], mean_view.clone(), var_view.clone()))
-            row[i] = x.numel() // channels
+            row[i] = n
             self.calls[i] += 1
 
         return hook

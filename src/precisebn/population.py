@@ -120,8 +120,8 @@ class PopulationStats(Mapping[str, LayerStats]):
             tensors[f"{name}.mean"] = s.mean.detach().to("cpu", torch.float64).contiguous()
             tensors[f"{name}.var"] = s.var.detach().to("cpu", torch.float64).contiguous()
         metadata = {"format": FORMAT, "precisebn": json.dumps(self._header())}
-        with atomic_path(path) as tmp:
-            st.save_file(tensors, str(tmp), metadata=metadata)
+        with atomic_path(path) as tmp:  # save() to bytes: save_file() would recreate tmp as 0600
+            tmp.write_bytes(st.save(tensors, metadata=metadata))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> PopulationStats:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._table import format_table
 from .files import atomic_path
 
 __all__ = ["LayerReport", "Report"]
@@ -178,17 +179,8 @@ class Report:
             ]
             for r in self.layers
         ]
-        widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
-        right = {2, 3, 4, 5, 6, 7}
-
-        def fmt(row: list[str]) -> str:
-            return "  ".join(
-                c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
-            ).rstrip()
-
-        lines = [fmt(header), "  ".join("-" * w for w in widths)]
-        lines += [fmt(row) for row in rows]
         kept = len(self.not_reached)
+        lines = [format_table(header, rows, right={2, 3, 4, 5, 6, 7})]
         lines.append(
             f"{len(self.layers) - kept} layers updated, {kept} not reached; {self.samples} samples in "
             f"{self.batches} batches, {self.seconds:.2f} s, mode={self.mode!r}"

@@ -1,0 +1,248 @@
+"""Reading and writing model checkpoints (``.pt``/``.pth`` and ``.safetensors``) for the CLI.
+
+A checkpoint is a state_dict (names → tensors), saved by ``torch.save`` — alone or
+under a ``"state_dict"``/``"model"`` key of a larger dict (epoch, optimizer...) — or
+by ``safetensors``. :func:`load_checkpoint` reads it with ``weights_only=True``
+unless told to trust the file; :func:`save_checkpoint` writes a copy with some
+tensors replaced, in the same format and layout, atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from ._optional import require
+from .errors import InvalidArgumentError, StatsMismatchError
+from .files import atomic_path
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "checkpoint_format",
+    "load_checkpoint",
+    "load_into",
+    "save_checkpoint",
+]
+
+Format = Literal["torch", "safetensors"]
+_CONTAINER_KEYS = ("state_dict", "model")
+
+
+class CheckpointError(InvalidArgumentError):
+    """A checkpoint file that cannot be read, or does not hold a state_dict."""
+
+
+class CheckpointMismatchError(StatsMismatchError):
+    """A checkpoint whose names or shapes do not fit the model."""
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint.
+
+    Attributes:
+        path: The file.
+        format: ``"torch"`` or ``"safetensors"``.
+        state_dict: The tensors, by name, as stored.
+        container: The enclosing dict when the state_dict sat under ``key``.
+        key: ``"state_dict"`` or ``"model"``, or ``None``.
+        metadata: The safetensors header metadata (kept on save).
+    """
+
+    path: Path
+    format: Format
+    state_dict: dict[str, Tensor]
+    container: dict[str, Any] | None = None
+    key: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def checkpoint_format(path: str | os.PathLike[str]) -> Format:
+    """``"safetensors"`` for a ``.safetensors`` file, ``"torch"`` otherwise.
+
+    Example:
+        >>> checkpoint_format("model.safetensors"), checkpoint_format("model.pth")
+        ('safetensors', 'torch')
+    """
+    return "safetensors" if Path(path).suffix.lower() == ".safetensors" else "torch"
+
+
+def load_checkpoint(path: str | os.PathLike[str], *, trust: bool = False) -> Checkpoint:
+    """Reads a state_dict from a ``torch.save`` or safetensors file.
+
+    Args:
+        path: The file.
+        trust: Unpickle arbitrary Python objects (``weights_only=False``). Only for
+            files from a trusted source: unpickling can run code.
+
+    Raises:
+        CheckpointError: The file is missing, unreadable, or holds no state_dict.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist; check the path.")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a file; pass a .pt/.pth/.safetensors file.")
+    if checkpoint_format(path) == "safetensors":
+        return _load_safetensors(path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's FutureWarnings about weights_only
+            obj = torch.load(path, map_location="cpu", weights_only=not trust)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        if found and not trust:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} holds Python objects besides tensors (first: {found.group(1)}), "
+                "which a safe (weights_only) load refuses. Save model.state_dict() instead, or, only if you "
+                "trust the file's source, pass --trust-checkpoint (unpickling can run arbitrary code)."
+            ) from None
+        raise _unreadable(path, exc) from None
+    except Exception as exc:  # zip/pickle errors of every kind: KeyError, EOFError, OSError, RuntimeError...
+        raise _unreadable(path, exc) from None
+    sd, container, key = _find_state_dict(obj, path)
+    return Checkpoint(path, "torch", sd, container, key)
+
+
+def _unreadable(path: Path, exc: BaseException) -> CheckpointError:
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if "Weights only load failed" in first or not first:
+        first = "not a valid pickle/zip file"
+    return CheckpointError(
+        f"cannot read checkpoint {str(path)!r} as a PyTorch file ({type(exc).__name__}: {first[:200]}). "
+        "Is it complete, and written by torch.save or safetensors?"
+    )
+
+
+def _load_safetensors(path: Path) -> Checkpoint:
+    require("safetensors", "io", "reading .safetensors checkpoints")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            sd = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    except Exception as exc:  # safetensors' own SafetensorError
+        raise CheckpointError(
+            f"cannot read checkpoint {str(path)!r} as safetensors ({exc}). Is the file complete? A PyTorch "
+            "pickle needs a .pt/.pth name."
+        ) from None
+    if not sd:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds no tensors.")
+    return Checkpoint(path, "safetensors", sd, metadata=metadata)
+
+
+def _is_state_dict(obj: Any) -> bool:
+    return (
+        isinstance(obj, Mapping)
+        and bool(obj)
+        and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items())
+    )
+
+
+def _find_state_dict(obj: Any, path: Path) -> tuple[dict[str, Tensor], dict[str, Any] | None, str | None]:
+    if _is_state_dict(obj):
+        return dict(obj), None, None
+    if isinstance(obj, Mapping):
+        for key in _CONTAINER_KEYS:
+            if _is_state_dict(obj.get(key)):
+                return dict(obj[key]), dict(obj), key
+    if isinstance(obj, nn.Module):
+        what = f"a whole pickled model ({type(obj).__name__})"
+    elif isinstance(obj, Mapping):
+        keys = ", ".join(repr(k) for k in list(obj)[:8]) + (", ..." if len(obj) > 8 else "")
+        what = f"a dict without a state_dict (keys: {keys or 'none'})"
+    else:
+        what = f"a {type(obj).__name__}"
+    raise CheckpointError(
+        f"checkpoint {str(path)!r} holds {what}; precisebn needs a state_dict (names → tensors), alone or "
+        f"under a {' or '.join(map(repr, _CONTAINER_KEYS))} key. Save it with torch.save(model.state_dict(), path)."
+    )
+
+
+def save_checkpoint(ckpt: Checkpoint, replace: Mapping[str, Tensor], path: str | os.PathLike[str]) -> None:
+    """Writes ``ckpt`` with the tensors in ``replace`` swapped in, atomically.
+
+    Same format and layout as the input (the enclosing dict and safetensors metadata
+    are kept); replaced tensors take the dtype of the ones they replace. If anything
+    fails, ``path`` is left as it was.
+    """
+    unknown = [k for k in replace if k not in ckpt.state_dict]
+    if unknown:
+        raise InvalidArgumentError(f"cannot replace tensors missing from the checkpoint: {unknown[:5]}")
+    sd = dict(ckpt.state_dict)
+    for k, v in replace.items():
+        sd[k] = v.detach().to("cpu", sd[k].dtype).clone()
+    with atomic_path(path) as tmp:
+        if ckpt.format == "safetensors":
+            st = require("safetensors.torch", "io", "writing .safetensors checkpoints")
+            # save() to bytes, not save_file(): the latter recreates the file with mode 0600
+            tmp.write_bytes(st.save({k: v.contiguous() for k, v in sd.items()}, metadata=ckpt.metadata or None))
+        else:
+            obj: Any = sd if ckpt.container is None else {**ckpt.container, ckpt.key: sd}
+            torch.save(obj, tmp)
+
+
+def load_into(model: nn.Module, ckpt: Checkpoint) -> str:
+    """Loads the checkpoint's tensors into ``model``, strictly.
+
+    A prefix that wraps every name (``module.`` from DistributedDataParallel,
+    ``model.`` from a Lightning module, ``_orig_mod.`` from ``torch.compile``) is
+    recognised and stripped.
+
+    Returns:
+        The prefix stripped (``""`` for none); checkpoint name = prefix + model name.
+
+    Raises:
+        CheckpointMismatchError: Missing or unexpected names, or shapes that differ.
+    """
+    expected = model.state_dict()
+    prefix = _best_prefix(list(ckpt.state_dict), set(expected))
+    stripped = {k[len(prefix) :]: v for k, v in ckpt.state_dict.items() if k.startswith(prefix)}
+    missing = [k for k in expected if k not in stripped]
+    unexpected = [prefix + k for k in stripped if k not in expected] + [
+        k for k in ckpt.state_dict if not k.startswith(prefix)
+    ]
+    shapes = [
+        f"{k}: checkpoint {tuple(stripped[k].shape)}, model {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in stripped and tuple(stripped[k].shape) != tuple(v.shape)
+    ]
+    if missing or unexpected or shapes:
+        parts = []
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
+            if items:
+                more = f" and {len(items) - 4} more" if len(items) > 4 else ""
+                parts.append(f"{len(items)} {label} ({'; '.join(items[:4])}{more})")
+        hint = " (a different num_classes? pass it with --model-kwargs)" if shapes else ""
+        raise CheckpointMismatchError(
+            f"checkpoint {str(ckpt.path)!r} does not fit the model {type(model).__name__}: {', '.join(parts)}. "
+            f"Pass the --model (and --model-kwargs) the checkpoint was trained with{hint}."
+        )
+    model.load_state_dict(stripped, strict=True)
+    return prefix
+
+
+def _best_prefix(names: list[str], expected: set[str]) -> str:
+    """The dotted prefix of the first name whose removal matches the most model names."""
+    if not names:
+        return ""
+    parts = names[0].split(".")
+    best, best_hits = "", sum(n in expected for n in names)
+    for i in range(1, len(parts)):
+        prefix = ".".join(parts[:i]) + "."
+        hits = sum(n[len(prefix) :] in expected for n in names if n.startswith(prefix))
+        if hits > best_hits:
+            best, best_hits = prefix, hits
+    return best

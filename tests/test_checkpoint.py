@@ -1,0 +1,230 @@
+"""Checkpoint files, model/data specifications and stored-statistics health (the CLI's building blocks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from precisebn.checkpoint import (
+    CheckpointError,
+    CheckpointMismatchError,
+    load_checkpoint,
+    load_into,
+    save_checkpoint,
+)
+from precisebn.errors import EmptyDataError, InvalidArgumentError, StatsMismatchError
+from precisebn.health import NormEntry, diff_stats, health_flags, norm_entries
+from precisebn.specs import SpecError, batch_indices, load_object, parse_kwargs, resolve_data, resolve_model
+
+
+def _net() -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
+
+
+def _sd() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 2))
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_errors_are_library_errors():
+    assert issubclass(CheckpointError, InvalidArgumentError) and issubclass(CheckpointError, ValueError)
+    assert issubclass(CheckpointMismatchError, StatsMismatchError)
+    assert issubclass(SpecError, InvalidArgumentError)
+
+
+@pytest.mark.parametrize("layout", ["plain", "state_dict", "model"])
+def test_torch_roundtrip_replaces_only_named_tensors(layout, tmp_path):
+    sd = _sd()
+    obj = sd if layout == "plain" else {layout: sd, "epoch": 3, "optimizer": {"lr": 0.1}}
+    torch.save(obj, tmp_path / "in.pt")
+    ckpt = load_checkpoint(tmp_path / "in.pt")
+    assert ckpt.format == "torch" and ckpt.key == (None if layout == "plain" else layout)
+    new_var = torch.arange(4, dtype=torch.float64)
+    save_checkpoint(ckpt, {"1.running_var": new_var}, tmp_path / "out.pt")
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    written = out if layout == "plain" else out[layout]
+    if layout != "plain":
+        assert out["epoch"] == 3 and out["optimizer"] == {"lr": 0.1}
+    assert written["1.running_var"].dtype == torch.float32  # the stored dtype, not the replacement's
+    assert torch.equal(written["1.running_var"], new_var.float())
+    for key in sd.keys() - {"1.running_var"}:
+        assert torch.equal(written[key], sd[key])
+
+
+def test_safetensors_roundtrip_keeps_metadata(tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    sd = _sd()
+    st.save_file(sd, str(tmp_path / "in.safetensors"), metadata={"source": "test"})
+    ckpt = load_checkpoint(tmp_path / "in.safetensors")
+    assert ckpt.format == "safetensors" and ckpt.metadata == {"source": "test"}
+    save_checkpoint(ckpt, {"1.running_mean": torch.ones(4)}, tmp_path / "out.safetensors")
+    (tmp_path / "plain.txt").write_text("x")  # the mode an ordinary new file gets under this umask
+    assert (tmp_path / "out.safetensors").stat().st_mode & 0o777 == (tmp_path / "plain.txt").stat().st_mode & 0o777
+    again = load_checkpoint(tmp_path / "out.safetensors")
+    assert again.metadata == {"source": "test"}
+    assert torch.equal(again.state_dict["1.running_mean"], torch.ones(4))
+    assert torch.equal(again.state_dict["0.weight"], sd["0.weight"])
+
+
+def test_failed_save_leaves_no_file(tmp_path):
+    torch.save(_sd(), tmp_path / "in.pt")
+    ckpt = load_checkpoint(tmp_path / "in.pt")
+    with pytest.raises(InvalidArgumentError, match="missing from the checkpoint"):
+        save_checkpoint(ckpt, {"nope": torch.zeros(1)}, tmp_path / "out.pt")
+    ckpt.container, ckpt.key = {"x": lambda: None}, "model"  # a lambda cannot be pickled: torch.save fails midway
+    with pytest.raises(Exception, match=r"(?i)pickle"):
+        save_checkpoint(ckpt, {}, tmp_path / "out.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+
+
+def test_unreadable_files(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "missing.pt")
+    with pytest.raises(CheckpointError, match="not a file"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        load_checkpoint(tmp_path / "empty.pt")
+    torch.save({"epoch": 1, "weights": [1, 2]}, tmp_path / "nosd.pt")
+    with pytest.raises(CheckpointError, match=r"a dict without a state_dict \(keys: 'epoch', 'weights'\)"):
+        load_checkpoint(tmp_path / "nosd.pt")
+
+
+def test_trusted_whole_model_is_refused_with_advice(tmp_path):
+    torch.save(nn.BatchNorm1d(2), tmp_path / "whole.pt")
+    with pytest.raises(CheckpointError, match="--trust-checkpoint"):
+        load_checkpoint(tmp_path / "whole.pt")
+    with pytest.raises(CheckpointError, match="whole pickled model"):
+        load_checkpoint(tmp_path / "whole.pt", trust=True)
+
+
+def test_load_into_strips_wrapper_prefixes(tmp_path):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 2))
+    for prefix in ("module.", "model.", "_orig_mod.module."):
+        torch.save({prefix + k: v for k, v in _sd().items()}, tmp_path / "p.pt")
+        assert load_into(model, load_checkpoint(tmp_path / "p.pt")) == prefix
+        assert torch.equal(model[0].weight, _sd()["0.weight"])
+
+
+def test_load_into_reports_every_kind_of_mismatch(tmp_path):
+    sd = _sd()
+    sd["extra.weight"] = torch.zeros(1)
+    del sd["1.running_var"]
+    sd["2.weight"] = torch.zeros(3, 4)
+    torch.save(sd, tmp_path / "bad.pt")
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointMismatchError) as info:
+        load_into(model, load_checkpoint(tmp_path / "bad.pt"))
+    message = str(info.value)
+    assert "1 missing (1.running_var)" in message
+    assert "1 unexpected (extra.weight)" in message
+    assert "1 shape mismatch (2.weight: checkpoint (3, 4), model (2, 4))" in message
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing loaded
+
+
+def test_parse_kwargs():
+    assert parse_kwargs(None) == {}
+    assert parse_kwargs("a=1, b=x, c=[1,2], d=true") == {"a": 1, "b": "x", "c": [1, 2], "d": True}
+    assert parse_kwargs("sizes=[1, 2],name=a,b") == {"sizes": [1, 2], "name": "a,b"}
+    assert parse_kwargs('{"a": {"b": 2}}') == {"a": {"b": 2}}
+    for bad in ("a", "1=2", "[1]", "{bad"):
+        with pytest.raises(SpecError):
+            parse_kwargs(bad)
+
+
+def test_user_factory_and_data_function(tmp_path, monkeypatch):
+    (tmp_path / "spec_user_code.py").write_text(
+        "import torch\n"
+        "class Zoo:\n"
+        "    @staticmethod\n"
+        "    def make(width=2):\n"
+        "        return torch.nn.BatchNorm1d(width)\n"
+        "instance = torch.nn.BatchNorm1d(5)\n"
+        "def batches(n=2):\n"
+        "    return [torch.zeros(4, 3)] * n\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("spec_user_code:Zoo.make", {"width": 3}).num_features == 3
+    assert resolve_model("spec_user_code:instance").num_features == 5
+    data, size = resolve_data("spec_user_code:batches", kwargs={"n": 3})
+    assert len(list(data)) == 3 and size is None
+    with pytest.raises(SpecError, match="not of the form"):
+        load_object("spec_user_code", "--model")
+
+
+def test_torchvision_names():
+    pytest.importorskip("torchvision")
+    model = resolve_model("torchvision:resnet18", {"num_classes": 3})
+    assert model.fc.out_features == 3
+    with pytest.raises(SpecError, match="did you mean resnet18"):
+        resolve_model("torchvision:resnet81")
+
+
+def test_image_folder_order_and_files(tmp_path):
+    pytest.importorskip("torchvision")
+    image = pytest.importorskip("PIL.Image")
+    for rel in ("a/1.png", "a/2.jpg", "b/deep/3.png", ".hidden/4.png", "notes.txt"):
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if rel.endswith("txt"):
+            path.write_text("x")
+        else:
+            image.new("RGB", (10, 12), color=(10, 200, 30)).save(path)
+    data, size = resolve_data(str(tmp_path), batch_size=2, image_size=8)
+    assert size == 3
+    batches = list(data)
+    assert [tuple(b.shape) for b in batches] == [(3, 3, 8, 8)]  # 2 + a last single image joined
+    with pytest.raises(SpecError, match="no such folder"):
+        resolve_data(str(tmp_path / "missing"), batch_size=2)
+    (tmp_path / "none").mkdir()
+    with pytest.raises(EmptyDataError, match="no images found"):
+        resolve_data(str(tmp_path / "none"))
+
+
+def test_batch_indices_cover_everything_once():
+    for n, size in [(1, 4), (9, 4), (12, 4), (13, 4), (100, 7)]:
+        batches = batch_indices(n, size, seed=1)
+        assert sorted(i for b in batches for i in b) == list(range(n))
+        assert all(len(b) >= 2 for b in batches) or n == 1
+    assert batch_indices(10, 3, seed=5) == batch_indices(10, 3, seed=5) != batch_indices(10, 3, seed=6)
+
+
+def test_norm_entries_and_flags():
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 3), nn.InstanceNorm1d(3, track_running_stats=True))
+    entries = norm_entries(model.state_dict())
+    assert [(e.name, e.channels, e.batches) for e in entries] == [("0", 3, 0), ("2", 3, 0)]
+    assert health_flags(entries[0]) == ["never updated"]
+
+    def entry(var):
+        return NormEntry(
+            "x", torch.zeros(len(var), dtype=torch.float64) + 0.5, torch.tensor(var, dtype=torch.float64), 1
+        )
+
+    assert health_flags(entry([1.0, 2.0, 0.5])) == []
+    assert health_flags(entry([1.0, float("inf"), -2.0])) == ["non-finite: 1 ch", "var<=0: 1 ch"]
+    assert health_flags(entry([1.0, 1.0, 1e-3])) == []
+    assert health_flags(entry([1.0, 1.0, 1e-3]), collapse_ratio=1e-2) == ["collapsed: 1 ch"]
+
+
+def test_diff_stats_against_direct_formulas():
+    a, b = _sd(), _sd()
+    b["1.running_mean"] = torch.tensor([1.0, -1.0, 0.0, 2.0])
+    b["1.running_var"] = torch.tensor([4.0, 1.0, 0.25, 1.0])
+    b["2.weight"] = b["2.weight"] + 1
+    diff = diff_stats(a, b)
+    row = diff.report["1"]
+    shift = (b["1.running_mean"].double() - a["1.running_mean"].double()).abs() / (
+        b["1.running_var"].double() + 1e-5
+    ).sqrt()
+    assert row.mean_shift == pytest.approx(float(shift.mean()))
+    ratio = (b["1.running_var"].double() + 1e-5) / (a["1.running_var"].double() + 1e-5)
+    assert row.var_ratio == pytest.approx(float(ratio.log().mean().exp()))
+    assert (diff.other_same, diff.other_differ) == (5, 1)  # conv, BatchNorm affine and linear bias; linear weight
+    c = {k: v for k, v in a.items() if not k.startswith("1.")}
+    c["9.running_mean"], c["9.running_var"] = torch.zeros(2), torch.ones(2)
+    assert (diff_stats(a, c).only_a, diff_stats(a, c).only_b) == (["1"], ["9"])
+    d = dict(a, **{"1.running_mean": torch.zeros(5), "1.running_var": torch.ones(5)})
+    assert diff_stats(a, d).mismatched == ["1"]

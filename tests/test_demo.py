@@ -1,0 +1,129 @@
+"""``precisebn demo``: the reduced run through ``main``, determinism, and the demo's building blocks."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+from precisebn.cli import main
+from precisebn.demo import DemoConfig, _precise_copy, build_model, run_demo, summaries
+
+pytest.importorskip("sklearn")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("demo") / "out"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["demo", "--quick", "--epochs", "2", "--seed", "3", "--out", str(out)])
+    return {"code": code, "out": out, "stdout": stdout.getvalue()}
+
+
+def test_demo_writes_the_three_parts(quick_run):
+    assert quick_run["code"] == 0
+    results = json.loads((quick_run["out"] / "results.json").read_text())
+    assert results["config"]["epochs"] == 2 and results["config"]["seed"] == 3 and results["config"]["quick"]
+    curve = results["validation_curve"]
+    assert curve["epoch"] == [1, 2]
+    for key in ("ema", "precise"):
+        assert len(curve[key]) == 2 and all(0 <= a <= 1 for a in curve[key])
+    swa = results["weight_averaging"]
+    assert swa["epochs_averaged"] == [2]
+    shift = results["domain_shift"]
+    for value in (swa["stale"], swa["recalibrated"], shift["training_stats"], shift["adapted"]):
+        assert 0 <= value <= 1
+    # the clean reference of part 3 is the recalibrated averaged model of part 2
+    assert shift["clean"] == swa["recalibrated"]
+    # accuracies are counts over the validation set
+    n_val = results["data"]["val"]
+    assert all(abs(a * n_val - round(a * n_val)) < 1e-9 for a in curve["ema"] + curve["precise"])
+    assert results["wall_seconds"] > 0
+    assert (quick_run["out"] / "demo.png").read_bytes().startswith(b"\x89PNG")
+    text = quick_run["stdout"]
+    for heading in ("1. Validation curve", "2. Weight averaging (SWA)", "3. Domain shift", "wall time"):
+        assert heading in text
+    assert text.count("→ ") == 3  # one sentence per part
+
+
+def test_demo_is_deterministic(quick_run):
+    first = json.loads((quick_run["out"] / "results.json").read_text())
+    again = run_demo(DemoConfig(epochs=2, seed=3, quick=True))
+    for part in ("validation_curve", "weight_averaging", "domain_shift"):
+        assert again[part] == first[part], part
+
+
+def test_demo_restores_global_state():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    threads = torch.get_num_threads()
+    run_demo(DemoConfig(epochs=1, seed=0, quick=True))
+    assert torch.get_num_threads() == threads
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_no_plot_writes_json_only(tmp_path, capsys):
+    assert main(["demo", "--quick", "--epochs", "1", "--no-plot", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    assert "figure:" not in capsys.readouterr().out
+
+
+def test_precise_copy_leaves_training_untouched(snapshot, unchanged):
+    torch.manual_seed(0)
+    model = build_model(width=4)
+    images = torch.rand(40, 1, 8, 8)
+    model.train()
+    model(images)  # EMA statistics that differ from the precise ones
+    before = snapshot(model)
+    twin = _precise_copy(model, images)
+    unchanged(model, before)
+    assert not torch.equal(twin[1].running_var, model[1].running_var)
+    # the first layer's precise statistics are those of its input, computed independently in float64
+    first_input = model[0](images).double()
+    torch.testing.assert_close(twin[1].running_mean.double(), first_input.mean((0, 2, 3)), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        twin[1].running_var.double(), first_input.var((0, 2, 3), unbiased=False), rtol=1e-5, atol=1e-6
+    )
+
+
+def _results(ema, precise, stale, recalibrated, shifted, adapted):
+    return {
+        "validation_curve": {"epoch": list(range(1, len(ema) + 1)), "ema": ema, "precise": precise},
+        "weight_averaging": {"stale": stale, "recalibrated": recalibrated},
+        "domain_shift": {
+            "contrast": 0.5,
+            "brightness": 0.4,
+            "clean": 0.9,
+            "training_stats": shifted,
+            "adapted": adapted,
+        },
+    }
+
+
+def test_summaries_follow_the_numbers():
+    good = summaries(_results([0.5, 0.6], [0.9, 0.95], 0.5, 0.9, 0.2, 0.8))
+    assert "not from the weights" in good["validation_curve"] and "50.0 %–60.0 %" in good["validation_curve"]
+    assert "need statistics measured" in good["weight_averaging"] and "+40.0 points" in good["weight_averaging"]
+    assert "without any retraining" in good["domain_shift"]
+    flat = summaries(_results([0.9, 0.95], [0.9, 0.94], 0.9, 0.9, 0.5, 0.45))
+    assert "about as well as precise" in flat["validation_curve"]
+    assert "happened to fit" in flat["weight_averaging"]
+    assert "did not help" in flat["domain_shift"]
+
+
+def test_swa_stale_statistics_are_the_last_models():
+    """What the demo calls 'stale': AveragedModel keeps its buffers in sync with the trained model."""
+    from torch.optim.swa_utils import AveragedModel
+
+    model = build_model(width=4)
+    swa = AveragedModel(model)
+    model.train()
+    model(torch.rand(8, 1, 8, 8))
+    swa.update_parameters(model)
+    assert torch.equal(swa.module[1].running_mean, model[1].running_mean)
+    assert model[1].running_mean.abs().sum() > 0  # not the initial zeros
