@@ -12,7 +12,6 @@ from torch import nn
 
 import precisebn
 from conftest import compute_truth, max_rel_error
-from precisebn import capture
 
 TOL = 1e-5  # the contract for float32 layers
 
@@ -123,11 +122,11 @@ def test_unbatched_instance_norm_input() -> None:
     check_against_truth(stats, truth)
 
 
-def test_chunk_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(capture, "CHUNK", 3)
+def test_many_distinct_batch_sizes() -> None:
+    # more distinct per-layer count combinations than the collector keeps on the device
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 6), nn.BatchNorm1d(6))
-    batches = [torch.randn(int(n), 4) * 5 + 2 for n in torch.randint(2, 9, (10,))]
+    batches = [torch.randn(n, 4) * 5 + 2 for n in [*range(2, 40), *range(39, 1, -3)]]
     truth = compute_truth(model, batches)
     check_against_truth(precisebn.estimate(model, batches, num_samples="all"), truth)
 

@@ -114,3 +114,24 @@ def test_unbiased_var_and_slicing() -> None:
     sub = m[1:3]
     assert sub.mean.shape == (2,)
     assert torch.equal(sub.mean, m.mean[1:3])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    counts=st.lists(st.lists(st.integers(0, 5), min_size=3, max_size=3), min_size=1, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_in_place_merge_equals_merge(counts: list[list[int]], seed: int) -> None:
+    """merge_ (the per-batch path) gives what merge gives, ignoring garbage where count is 0."""
+    g = torch.Generator().manual_seed(seed)
+    a, b = RunningMoments.zeros(3), RunningMoments.zeros(3)
+    for row in counts:
+        n = torch.tensor(row, dtype=torch.float64)
+        mean = torch.randn(3, generator=g, dtype=torch.float64) * 10 + 1e3
+        m2 = torch.rand(3, generator=g, dtype=torch.float64) * n
+        garbage = torch.where(n > 0, 0.0, float("nan"))
+        a.merge(RunningMoments(n, torch.where(n > 0, mean, 0.0), torch.where(n > 0, m2, 0.0)))
+        b.merge_(n, mean + garbage, m2 + garbage)
+    assert torch.equal(a.count, b.count)
+    torch.testing.assert_close(b.mean, a.mean, rtol=1e-14, atol=0)
+    torch.testing.assert_close(b.m2, a.m2, rtol=1e-12, atol=1e-12)

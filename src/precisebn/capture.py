@@ -5,18 +5,19 @@ Two paths, chosen per layer by :func:`precisebn.layers.find_norm_layers`:
 * ``"layer"`` — the layer's own figures. In training mode with momentum 1.0 a
   BatchNorm layer leaves exactly the batch mean and unbiased variance in its running
   buffers, which :func:`~precisebn.layers.recalibration_state` has pointed at one
-  flat scratch buffer per device/dtype. After each batch the whole buffer is cloned
-  (one kernel for all layers); every ``CHUNK`` batches the clones are pooled in
-  float64 and merged into the running moments. A forward pre-hook records only the
-  number of values per channel (a host integer from the input's shape), and — for a
-  layer called several times in one forward — keeps the previous call's figures
+  flat scratch buffer per device/dtype. After each batch that whole buffer is merged
+  into float64 (count, mean, M2) vectors with Chan's formula — a fixed handful of
+  whole-buffer kernels, whatever the number of layers. A forward pre-hook records only
+  the number of values per channel (a host integer from the input's shape), and — for
+  a layer called several times in one forward — keeps the previous call's figures
   before the layer overwrites them.
 * ``"input"`` — a forward pre-hook reduces the layer's input in float64 on every call
   (InstanceNorm, custom ``forward``, half-precision buffers, SyncBatchNorm across
   processes).
 
-Nothing here reads a device value on the host; the only host-to-device traffic is one
-small tensor of counts per chunk.
+Nothing here reads a device value on the host; the only host-to-device traffic is the
+per-channel count vector of each distinct combination of per-layer counts (usually one
+or two per run: the last batch is often smaller), kept in a small cache.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from .errors import InvalidArgumentError
 from .layers import RecalibrationState
 from .stats import RunningMoments
 
-__all__ = ["CHUNK", "Collector"]
+__all__ = ["Collector"]
 
-CHUNK = 64  # batches pooled at once; bounds the clones held to CHUNK x channels
+_COUNT_CACHE = 16  # distinct per-layer count combinations kept on the device
 
 
 def _accumulation_device(device: torch.device) -> torch.device:
@@ -57,30 +58,23 @@ class Collector:
         self.layers = state.layers
         n = len(self.layers)
         self.calls = [0] * n
+        self.counts = [0] * n  # values per channel seen by each layer, on the host
         self._row = [0] * (n + 1)  # values per channel of each layer in this batch
-        self._rows: list[list[int]] = []
         self._extras: list[tuple[int, int, Tensor, Tensor]] = []
         self._input: dict[int, RunningMoments] = {}
+        self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups = []
         for group in state.groups:
-            own = [i for i in group.layer_ids if self.layers[i].capture == "layer"]
-            if not own:
+            if not any(self.layers[i].capture == "layer" for i in group.layer_ids):
                 continue
             size = group.buffer.shape[1]
-            position_layer = torch.full((size,), n, dtype=torch.long)
+            position_layer = torch.full((size,), n, dtype=torch.long)  # n: padding / input-captured
             for i, off in zip(group.layer_ids, group.offsets):
                 if self.layers[i].capture == "layer":
                     position_layer[off : off + self.layers[i].channels] = i
             acc = _accumulation_device(group.buffer.device)
-            self._groups.append(
-                _Group(
-                    group.buffer,
-                    group.layer_ids,
-                    group.offsets,
-                    position_layer.to(acc),
-                    RunningMoments.zeros(size, acc),
-                )
-            )
+            moments = RunningMoments.zeros(size, acc)
+            self._groups.append(_Group(group.buffer, group.layer_ids, group.offsets, position_layer, moments))
         self._own = {i: g for g in self._groups for i in g.layer_ids}
         for i, layer in enumerate(self.layers):
             if layer.capture == "layer":
@@ -125,6 +119,7 @@ class Collector:
             if row[i]:  # second call in this batch: keep the first call's figures
                 self._extras.append((i, row[i], mean_view.clone(), var_view.clone()))
             row[i] = n
+            self.counts[i] += n
             self.calls[i] += 1
 
         return hook
@@ -137,6 +132,7 @@ class Collector:
             if x.device.type == "mps":
                 x = x.cpu()
             moments = RunningMoments.from_data(x, layer.channel_dim(x))
+            self.counts[i] += x.numel() // layer.channels
             if i in self._input:
                 self._input[i].merge(moments)
             else:
@@ -148,29 +144,32 @@ class Collector:
     # -- batches -----------------------------------------------------------------------
 
     def end_batch(self) -> None:
-        """Records the figures of the batch that just ran (call after each forward)."""
+        """Merges the figures of the batch that just ran (call after each forward)."""
         if not self._groups:
             return
-        for g in self._groups:
-            g.pending.append(g.buffer.clone())
-        self._rows.append(self._row)
-        self._row = [0] * (len(self.layers) + 1)
-        if len(self._rows) >= CHUNK:
-            self._flush()
+        row, self._row = self._row, [0] * (len(self.layers) + 1)
+        for g, (count, count_minus_one) in zip(self._groups, self._counts_on_device(row)):
+            mean = g.buffer[0].to(g.moments.mean.device, torch.float64)
+            m2 = g.buffer[1].to(g.moments.mean.device, torch.float64) * count_minus_one
+            g.moments.merge_(count, mean, m2)
+        if self._extras:
+            self._merge_extras()
 
-    def _flush(self) -> None:
-        if not self._rows:
-            return
-        counts_host = torch.tensor(self._rows, dtype=torch.float64)
-        for g in self._groups:
-            acc = g.moments.count.device
-            count = _to_device(counts_host, acc)[:, g.position_layer]
-            snaps = torch.stack(g.pending).to(acc, torch.float64)
-            g.pending.clear()
-            m2 = snaps[:, 1] * (count - 1)
-            g.moments.merge(RunningMoments.from_batches(count, snaps[:, 0], m2))
-        self._rows.clear()
-        self._merge_extras()
+    def _counts_on_device(self, row: list[int]) -> list[tuple[Tensor, Tensor]]:
+        """Per-channel (n, n - 1) of each group for a batch's per-layer counts (cached)."""
+        key = tuple(row)
+        vectors = self._count_vectors.get(key)
+        if vectors is None:
+            if len(self._count_vectors) >= _COUNT_CACHE:
+                self._count_vectors.clear()
+            host = torch.tensor(row, dtype=torch.float64)
+            vectors = []
+            for g in self._groups:
+                count = host[g.position_layer]
+                count = _to_device(count, g.moments.count.device)
+                vectors.append((count, (count - 1).clamp_min_(0)))
+            self._count_vectors[key] = vectors
+        return vectors
 
     def _merge_extras(self) -> None:
         by_layer: dict[int, list[tuple[int, Tensor, Tensor]]] = {}
@@ -192,15 +191,13 @@ class Collector:
 
     def finish(self) -> list[RunningMoments]:
         """Each layer's moments over everything it saw (count 0 if never reached)."""
-        self._flush()
         out = []
         for i, layer in enumerate(self.layers):
             if layer.capture == "layer":
                 g = self._own[i]
                 off = g.offsets[g.layer_ids.index(i)]
                 m = g.moments[off : off + layer.channels]
-                m = RunningMoments(m.count.clone(), m.mean.clone(), m.m2.clone())
-                if i in self._input:
+                if i in self._input:  # calls before the last one in a batch
                     m.merge(self._input[i].to(m.mean.device))
             elif i in self._input:
                 m = self._input[i]
@@ -211,7 +208,7 @@ class Collector:
 
 
 class _Group:
-    __slots__ = ("buffer", "layer_ids", "moments", "offsets", "pending", "position_layer")
+    __slots__ = ("buffer", "layer_ids", "moments", "offsets", "position_layer")
 
     def __init__(
         self, buffer: Tensor, layer_ids: list[int], offsets: list[int], position_layer: Tensor, moments: RunningMoments
@@ -219,6 +216,5 @@ class _Group:
         self.buffer = buffer
         self.layer_ids = layer_ids
         self.offsets = offsets
-        self.position_layer = position_layer
+        self.position_layer = position_layer  # on the host: indexes a host row of counts
         self.moments = moments
-        self.pending: list[Tensor] = []

@@ -121,6 +121,22 @@ class RunningMoments:
         """Adds ``other``'s values to these moments, in place."""
         self.count, self.mean, self.m2 = chan_merge(self.count, self.mean, self.m2, other.count, other.mean, other.m2)
 
+    def merge_(self, count: Tensor, mean: Tensor, m2: Tensor) -> None:
+        """Adds one set of moments in place, with few temporaries (the per-batch path).
+
+        Same result as :meth:`merge`; entries whose ``count`` is 0 are ignored whatever
+        ``mean`` and ``m2`` hold there.
+        """
+        present = count > 0
+        total = self.count + count
+        weight = count / total.clamp_min(1)
+        delta = torch.where(present, mean - self.mean, 0.0)
+        cross = delta * delta
+        cross.mul_(self.count).mul_(weight)
+        self.m2.add_(torch.where(present, m2, 0.0)).add_(cross)
+        self.mean.addcmul_(delta, weight)
+        self.count = total
+
     def update(self, x: Tensor, channel_dim: int = 1) -> None:
         """Adds the values of a raw tensor (see :meth:`from_data`), in place."""
         self.merge(RunningMoments.from_data(x, channel_dim))
