@@ -179,11 +179,12 @@ class RankContext:
         count = torch.cat([m.count.to(self.device) for m in local.moments])
         mean = torch.cat([m.mean.to(self.device) for m in local.moments])
         m2 = torch.cat([m.m2.to(self.device) for m in local.moments])
-        calls = torch.tensor(local.calls, dtype=torch.float64, device=self.device)
-        first = torch.cat([count, count * mean, calls])
+        per_layer = torch.tensor(local.calls + local.counts, dtype=torch.float64, device=self.device)
+        first = torch.cat([count, count * mean, per_layer])
         torch.distributed.all_reduce(first, group=self.group)  # collective 2
-        g = count.numel()
-        total, weighted, calls_all = first[:g], first[g : 2 * g], first[2 * g :]
+        g, n = count.numel(), len(local.layers)
+        total, weighted = first[:g], first[g : 2 * g]
+        per_layer_all = [int(v) for v in first[2 * g :].tolist()]
         safe = torch.where(total > 0, total, torch.ones_like(total))
         global_mean = torch.where(total > 0, weighted / safe, torch.zeros_like(total))
         dev = torch.where(count > 0, mean - global_mean, torch.zeros_like(mean))
@@ -196,7 +197,8 @@ class RankContext:
         return Measurement(
             local.layers,
             merged,
-            [int(c) for c in calls_all.tolist()],
+            per_layer_all[:n],
+            per_layer_all[n:],
             int(sum(row[1] for row in table)),
             int(sum(row[2] for row in table)),
             local.mode,

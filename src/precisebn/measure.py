@@ -59,7 +59,9 @@ class Pass:
             collector = Collector(state)
             samples, batches = self._loop(collector, abort)
             moments = collector.finish()
-        result = Measurement(selected, moments, list(collector.calls), samples, batches, self.mode)
+        result = Measurement(
+            selected, moments, list(collector.calls), list(collector.counts), samples, batches, self.mode
+        )
         result.check()
         result.seconds = time.perf_counter() - start
         logger.info(
@@ -120,44 +122,43 @@ class Pass:
 
 @dataclass
 class Measurement:
-    """Per-layer moments of one rank's passes (or of all ranks, once merged)."""
+    """Per-layer moments of one rank's passes (or of all ranks, once merged).
+
+    ``counts`` (values per channel) and ``calls`` are host integers, known without
+    reading the device.
+    """
 
     layers: list[NormLayer]
     moments: list[RunningMoments]
     calls: list[int]
+    counts: list[int]
     samples: int
     batches: int
     mode: str
     seconds: float = 0.0
     world_size: int = 1
-    _counts: list[int] | None = None
 
-    def check(self) -> list[int]:
-        """Reads counts and finiteness (one host read per device); raises on NaN/Inf.
-
-        Returns:
-            The number of values per channel of each layer.
-        """
-        summary = [
-            torch.stack([m.count[:1].sum(), (m.mean.isfinite() & m.m2.isfinite()).all().double()]) for m in self.moments
-        ]
+    def check(self) -> None:
+        """Raises :class:`NonFiniteError` naming the layers whose statistics hold NaN/Inf
+        (one host read per device, at the end)."""
         by_device: dict[torch.device, list[int]] = {}
-        for i, row in enumerate(summary):
-            by_device.setdefault(row.device, []).append(i)
-        host: list[list[float]] = [[0.0, 1.0]] * len(summary)
+        for i, (m, count) in enumerate(zip(self.moments, self.counts)):
+            if count > 0:
+                by_device.setdefault(m.mean.device, []).append(i)
+        bad = []
         for ids in by_device.values():
-            for i, row in zip(ids, torch.stack([summary[i] for i in ids]).tolist()):
-                host[i] = row
-        bad = [i for i, (count, finite) in enumerate(host) if count > 0 and not finite]
+            values = torch.cat([t for i in ids for t in (self.moments[i].mean, self.moments[i].m2)])
+            if not bool(values.isfinite().all()):
+                bad += [
+                    i for i in ids if not bool((self.moments[i].mean.isfinite() & self.moments[i].m2.isfinite()).all())
+                ]
         if bad:
+            bad.sort()
             raise NonFiniteError(_non_finite_message([self.layers[i] for i in bad], [self.moments[i] for i in bad]))
-        self._counts = [int(count) for count, _ in host]
-        return self._counts
 
     def to_population(self) -> PopulationStats:
-        counts = self._counts if self._counts is not None else self.check()
         layers = {}
-        for layer, m, count, calls in zip(self.layers, self.moments, counts, self.calls):
+        for layer, m, count, calls in zip(self.layers, self.moments, self.counts, self.calls):
             if count > 0:
                 mean, var = m.mean, m.var
             else:

@@ -17,6 +17,7 @@ left is that of the per-batch figures in the layer's own dtype (see the README's
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Iterable
@@ -31,7 +32,7 @@ from .errors import InvalidArgumentError, StatsMismatchError
 from .layers import Capture, LayerSelection, Mode, find_norm_layers, has_running_stats, unwrap
 from .measure import Pass
 from .population import PopulationStats
-from .report import LayerReport, Report, _cpu64
+from .report import LayerReport, Report
 
 __all__ = ["DEFAULT_NUM_SAMPLES", "apply", "check_options", "estimate", "recalibrate"]
 
@@ -163,6 +164,7 @@ def estimate(
         raise
     if ctx is not None:
         local = ctx.merge(local)
+        local.check()  # the same verdict on every rank: they all hold the same values
     return local.to_population()
 
 
@@ -219,25 +221,29 @@ def apply(model: nn.Module, stats: PopulationStats) -> Report:
                 m.running_mean.copy_(mean)
                 m.running_var.copy_(var)
         raise
+    values = iter(_cpu64([t for (_, m, _), pair in zip(entries, old) for t in (*pair, m.running_mean, m.running_var)]))
     rows = [
         LayerReport(
-            name,
-            s.layer_type,
-            s.channels,
-            s.count,
-            s.calls,
-            _cpu64(mean),
-            _cpu64(var),
-            _cpu64(m.running_mean),
-            _cpu64(m.running_var),
-            float(m.eps),
-            s.reached,
+            name, s.layer_type, s.channels, s.count, s.calls, *itertools.islice(values, 4), float(m.eps), s.reached
         )
-        for (name, m, s), (mean, var) in zip(entries, old)
+        for name, m, s in entries
     ]
     for name in (r.name for r in rows if not r.updated):
         logger.warning("precisebn: layer %r was not reached by any forward pass; its statistics were kept", name)
     return Report(rows, stats.samples, stats.batches, stats.seconds, stats.mode, stats.world_size)
+
+
+def _cpu64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """float64 CPU copies of many small tensors, with one device-to-host copy per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    for ids in by_device.values():
+        flat = torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in ids]).cpu()
+        for i, part in zip(ids, flat.split([tensors[i].numel() for i in ids])):
+            out[i] = part
+    return out
 
 
 def recalibrate(

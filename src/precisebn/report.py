@@ -8,7 +8,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from ._table import format_table
@@ -193,7 +192,3 @@ class Report:
             f"Report({len(self.layers)} layers, samples={self.samples}, batches={self.batches}, "
             f"seconds={self.seconds:.3g})"
         )
-
-
-def _cpu64(t: Tensor) -> Tensor:
-    return t.detach().to("cpu", torch.float64)
