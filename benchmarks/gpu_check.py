@@ -15,6 +15,9 @@
     the values the layer received, for a float32 model and under bf16 autocast.
 (c) SyncBatchNorm in one process (world size 1): exact, and no host synchronisation
     in the loop.
+(d) SyncBatchNorm across two processes (nccl with two GPUs, gloo with CUDA tensors on
+    one): every rank ends with the same statistics, equal to the float64 statistics of
+    the union of both ranks' inputs (each layer measured once, not twice).
 
 Self-contained (torch, torchvision if installed, precisebn); finishes in well under
 three minutes on one GPU. Exit status 1 if any check fails.
@@ -279,6 +282,80 @@ def check_syncbn(device: torch.device) -> list[tuple[str, bool | None, str]]:
     return results
 
 
+# -- (d) SyncBatchNorm across two processes ----------------------------------------------
+
+
+def _syncbn_model(device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+    ).to(device)
+
+
+def _syncbn_shard(rank: int, device: torch.device) -> list[Tensor]:
+    g = torch.Generator().manual_seed(10 + rank)
+    return [(torch.randn(4 + rank, 3, 16, 16, generator=g) * 2 + rank).to(device) for _ in range(5)]
+
+
+def _syncbn_worker(rank: int, folder: str, backend: str) -> None:
+    import torch.distributed as dist
+
+    import precisebn
+
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    try:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(_syncbn_model(device))
+        report = precisebn.recalibrate(model, _syncbn_shard(rank, device), num_samples="all")
+        state = {k: v.cpu() for k, v in model.state_dict().items()}
+        torch.save({"state": state, "counts": {r.name: r.count for r in report.layers}}, f"{folder}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def check_syncbn_two_processes(device: torch.device) -> list[tuple[str, bool | None, str]]:
+    name = "(d) SyncBatchNorm, two processes"
+    if device.type != "cuda":
+        return [(name, None, "skipped: needs CUDA")]
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.device_count() >= 2 and dist.is_nccl_available() else "gloo"
+    folder = tempfile.mkdtemp(prefix="precisebn-gpu-check-")
+    try:
+        torch.multiprocessing.spawn(_syncbn_worker, args=(folder, backend), nprocs=2, join=True)
+    except Exception as exc:
+        if backend == "gloo":
+            return [(name, None, f"skipped: gloo with CUDA tensors failed ({type(exc).__name__}); needs two GPUs")]
+        raise
+    ranks = [torch.load(f"{folder}/rank{r}.pt", weights_only=True) for r in range(2)]
+    identical = all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in ranks[0]["state"])
+    # SyncBatchNorm normalises with the statistics of both ranks' batch i together: one
+    # process running plain BatchNorm on the concatenated batches sees the same inputs.
+    shards = [_syncbn_shard(r, device) for r in range(2)]
+    union = [torch.cat(pair) for pair in zip(*shards)]
+    truth = float64_truth(_syncbn_model(device), union, lambda m, b: m(b))
+    worst = 0.0
+    counts_ok = True
+    for layer, (n, _, var) in truth.items():
+        counts_ok &= ranks[0]["counts"][layer] == n
+        v = ranks[0]["state"][f"{layer}.running_var"].to(torch.float64)
+        worst = max(worst, float(((v - var.cpu()).abs() / var.cpu()).max()))
+    ok = identical and counts_ok and worst <= TOL["float32"]
+    return [
+        (
+            f"{name} ({backend})",
+            ok,
+            f"ranks identical: {identical}; counts = union (no double counting): {counts_ok}; "
+            f"max rel. err. var vs float64 union {worst:.1e}",
+        )
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="CUDA-only checks of precisebn")
     p.add_argument("--dry-run", action="store_true", help="run checks (b) and (c) on CPU (tests this script)")
@@ -294,7 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-check on {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
     start = time.perf_counter()
     results: list[tuple[str, bool | None, str]] = []
-    checks: list[Callable[[torch.device], list[tuple[str, bool | None, str]]]] = [check_exactness, check_syncbn]
+    checks: list[Callable[[torch.device], list[tuple[str, bool | None, str]]]] = [
+        check_exactness,
+        check_syncbn,
+        check_syncbn_two_processes,
+    ]
     if device.type == "cuda":
         checks.insert(0, check_syncs)
     for check in checks:

@@ -196,3 +196,26 @@ def test_invariant_to_batch_split_and_order(cuts: list[int], seed: int, reverse:
     assert max_rel_error(split.mean, whole.mean, truth.var.sqrt()) <= 1e-6
     assert max_rel_error(split.var, whole.var) <= 1e-6
     assert max_rel_error(split.var, truth.var) <= TOL
+
+
+def test_layer_first_reached_late_with_a_large_mean() -> None:
+    """The float64 shift of a channel is the first batch's figure; a layer not reached then
+    keeps shift 0, which must still meet the |mean|/std = 1e4 target."""
+
+    class Late(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.early, self.late = nn.BatchNorm1d(4), nn.BatchNorm1d(4)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return self.early(x) if self.calls == 1 else self.late(x)
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(32, 4, generator=g, dtype=torch.float64) + 1e4).float() for _ in range(20)]
+    late = precisebn.estimate(Late(), batches)["late"]
+    truth = compute_truth(nn.BatchNorm1d(4), batches[1:])[""]
+    assert late.count == 19 * 32
+    assert max_rel_error(late.mean, truth.mean) <= 1e-5
+    assert max_rel_error(late.var, truth.var) <= 1e-3

@@ -5,12 +5,15 @@ Two paths, chosen per layer by :func:`precisebn.layers.find_norm_layers`:
 * ``"layer"`` — the layer's own figures. In training mode with momentum 1.0 a
   BatchNorm layer leaves exactly the batch mean and unbiased variance in its running
   buffers, which :func:`~precisebn.layers.recalibration_state` has pointed at one
-  flat scratch buffer per device/dtype. After each batch that whole buffer is merged
-  into float64 (count, mean, M2) vectors with Chan's formula — a fixed handful of
-  whole-buffer kernels, whatever the number of layers. A forward pre-hook records only
-  the number of values per channel (a host integer from the input's shape), and — for
-  a layer called several times in one forward — keeps the previous call's figures
-  before the layer overwrites them.
+  flat scratch buffer per device/dtype. After each batch that whole buffer is added
+  to two float64 sums around a fixed shift per channel (the first batch's mean):
+  ``s1 += n·(μ_b − K)`` and ``s2 += n·(μ_b − K)² + (n − 1)·σ²_b`` — five whole-buffer
+  kernels, whatever the number of layers (see
+  :meth:`~precisebn.stats.RunningMoments.from_shifted_sums` for the precision). A
+  forward pre-hook records only the number of values per channel (a host integer from
+  the input's shape; the counts stay on the host), and — for a layer called several
+  times in one forward — keeps the previous call's figures before the layer overwrites
+  them; those are merged with Chan's formula.
 * ``"input"`` — a forward pre-hook reduces the layer's input in float64 on every call
   (InstanceNorm, custom ``forward``, half-precision buffers, SyncBatchNorm across
   processes).
@@ -59,9 +62,10 @@ class Collector:
         n = len(self.layers)
         self.calls = [0] * n
         self.counts = [0] * n  # values per channel seen by each layer, on the host
+        self._stashed = [0] * n  # ... of which in calls kept apart (several calls per batch)
         self._row = [0] * (n + 1)  # values per channel of each layer in this batch
         self._extras: list[tuple[int, int, Tensor, Tensor]] = []
-        self._input: dict[int, RunningMoments] = {}
+        self._kept: dict[int, RunningMoments] = {}  # input-captured layers, and stashed calls
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups = []
         for group in state.groups:
@@ -73,8 +77,7 @@ class Collector:
                 if self.layers[i].capture == "layer":
                     position_layer[off : off + self.layers[i].channels] = i
             acc = _accumulation_device(group.buffer.device)
-            moments = RunningMoments.zeros(size, acc)
-            self._groups.append(_Group(group.buffer, group.layer_ids, group.offsets, position_layer, moments))
+            self._groups.append(_Group(group.buffer, group.layer_ids, group.offsets, position_layer, acc))
         self._own = {i: g for g in self._groups for i in g.layer_ids}
         for i, layer in enumerate(self.layers):
             if layer.capture == "layer":
@@ -118,6 +121,7 @@ class Collector:
             row = self._row
             if row[i]:  # second call in this batch: keep the first call's figures
                 self._extras.append((i, row[i], mean_view.clone(), var_view.clone()))
+                self._stashed[i] += row[i]
             row[i] = n
             self.counts[i] += n
             self.calls[i] += 1
@@ -133,10 +137,7 @@ class Collector:
                 x = x.cpu()
             moments = RunningMoments.from_data(x, layer.channel_dim(x))
             self.counts[i] += x.numel() // layer.channels
-            if i in self._input:
-                self._input[i].merge(moments)
-            else:
-                self._input[i] = moments
+            self._keep(i, moments)
             self.calls[i] += 1
 
         return hook
@@ -149,9 +150,15 @@ class Collector:
             return
         row, self._row = self._row, [0] * (len(self.layers) + 1)
         for g, (count, count_minus_one) in zip(self._groups, self._counts_on_device(row)):
-            mean = g.buffer[0].to(g.moments.mean.device, torch.float64)
-            m2 = g.buffer[1].to(g.moments.mean.device, torch.float64) * count_minus_one
-            g.moments.merge_(count, mean, m2)
+            mean, var = g.buffer[0], g.buffer[1]
+            if g.device != mean.device:
+                mean, var = mean.to(g.device), var.to(g.device)
+            if g.shift is None:
+                g.shift = mean.to(torch.float64)
+            d = torch.sub(mean, g.shift)  # float64; garbage only where count is 0
+            nd = d * count
+            g.s1.add_(nd)
+            g.s2.addcmul_(nd, d).addcmul_(var, count_minus_one)
         if self._extras:
             self._merge_extras()
 
@@ -166,7 +173,7 @@ class Collector:
             vectors = []
             for g in self._groups:
                 count = host[g.position_layer]
-                count = _to_device(count, g.moments.count.device)
+                count = _to_device(count, g.device)
                 vectors.append((count, (count - 1).clamp_min_(0)))
             self._count_vectors[key] = vectors
         return vectors
@@ -181,11 +188,13 @@ class Collector:
             count = _to_device(torch.tensor([n for n, _, _ in items], dtype=torch.float64), acc)[:, None]
             means = torch.stack([m for _, m, _ in items]).to(acc, torch.float64)
             m2 = torch.stack([v for _, _, v in items]).to(acc, torch.float64) * (count - 1)
-            pooled = RunningMoments.from_batches(count.expand_as(means), means, m2)
-            if i in self._input:
-                self._input[i].merge(pooled)
-            else:
-                self._input[i] = pooled
+            self._keep(i, RunningMoments.from_batches(count.expand_as(means), means, m2))
+
+    def _keep(self, i: int, moments: RunningMoments) -> None:
+        if i in self._kept:
+            self._kept[i].merge(moments)
+        else:
+            self._kept[i] = moments
 
     # -- results -----------------------------------------------------------------------
 
@@ -195,12 +204,17 @@ class Collector:
         for i, layer in enumerate(self.layers):
             if layer.capture == "layer":
                 g = self._own[i]
-                off = g.offsets[g.layer_ids.index(i)]
-                m = g.moments[off : off + layer.channels]
-                if i in self._input:  # calls before the last one in a batch
-                    m.merge(self._input[i].to(m.mean.device))
-            elif i in self._input:
-                m = self._input[i]
+                part = slice(g.offsets[g.layer_ids.index(i)], g.offsets[g.layer_ids.index(i)] + layer.channels)
+                count = torch.full((layer.channels,), float(self.counts[i] - self._stashed[i]), dtype=torch.float64)
+                count = count.to(g.device)
+                if g.shift is None:  # no batch at all
+                    m = RunningMoments.zeros(layer.channels, g.device)
+                else:
+                    m = RunningMoments.from_shifted_sums(count, g.shift[part], g.s1[part], g.s2[part])
+                if i in self._kept:  # calls before the last one in a batch
+                    m.merge(self._kept[i].to(m.mean.device))
+            elif i in self._kept:
+                m = self._kept[i]
             else:
                 m = RunningMoments.zeros(layer.channels, _accumulation_device(layer.module.running_mean.device))
             out.append(m)
@@ -208,13 +222,18 @@ class Collector:
 
 
 class _Group:
-    __slots__ = ("buffer", "layer_ids", "moments", "offsets", "position_layer")
+    """Accumulators of one scratch buffer: float64 sums around a per-channel shift."""
+
+    __slots__ = ("buffer", "device", "layer_ids", "offsets", "position_layer", "s1", "s2", "shift")
 
     def __init__(
-        self, buffer: Tensor, layer_ids: list[int], offsets: list[int], position_layer: Tensor, moments: RunningMoments
+        self, buffer: Tensor, layer_ids: list[int], offsets: list[int], position_layer: Tensor, device: torch.device
     ) -> None:
         self.buffer = buffer
         self.layer_ids = layer_ids
         self.offsets = offsets
         self.position_layer = position_layer  # on the host: indexes a host row of counts
-        self.moments = moments
+        self.device = device
+        self.shift: Tensor | None = None
+        self.s1 = torch.zeros(buffer.shape[1], dtype=torch.float64, device=device)
+        self.s2 = torch.zeros(buffer.shape[1], dtype=torch.float64, device=device)
