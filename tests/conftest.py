@@ -101,7 +101,10 @@ def state_snapshot(model: nn.Module) -> dict[str, Any]:
         "state": {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()},
         "flags": [m.training for m in model.modules()],
         "momenta": [getattr(m, "momentum", None) for m in model.modules()],
-        "hooks": [(len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks)) for m in model.modules()],
+        "hooks": [
+            (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks), m.__dict__.get("forward"))
+            for m in model.modules()
+        ],
         "buffer_ids": [id(b) for b in model.buffers()],
     }
 

@@ -86,3 +86,20 @@ def test_unwrap_compiled_module() -> None:
     inner = nn.Sequential(nn.BatchNorm1d(2))
     compiled = torch.compile(inner)
     assert unwrap(compiled) is inner
+
+
+def test_instance_level_forward_is_put_back() -> None:
+    bn = nn.BatchNorm1d(2)
+    patched = bn.forward  # e.g. a library that patched forward on this instance
+    bn.forward = patched
+    layers = find_norm_layers(bn)
+    seen = []
+    with recalibration_state(bn, layers, "norm") as state:
+        state.add_pre_hook(bn, lambda m, a: seen.append(a[0].shape))
+        bn(torch.randn(3, 2))
+    assert seen == [torch.Size([3, 2])]
+    assert bn.__dict__["forward"] is patched
+    plain = nn.BatchNorm1d(2)
+    with recalibration_state(plain, find_norm_layers(plain), "norm") as state:
+        state.add_pre_hook(plain, lambda m, a: None)
+    assert "forward" not in plain.__dict__

@@ -200,17 +200,18 @@ class Collector:
 
     def finish(self) -> list[RunningMoments]:
         """Each layer's moments over everything it saw (count 0 if never reached)."""
+        merged = {}  # per group, all its channels at once
+        for g in self._groups:
+            row = [c - s for c, s in zip(self.counts, self._stashed)] + [0]
+            count = _to_device(torch.tensor(row, dtype=torch.float64)[g.position_layer], g.device)
+            shift = g.shift if g.shift is not None else torch.zeros_like(g.s1)
+            merged[id(g)] = RunningMoments.from_shifted_sums(count, shift, g.s1, g.s2)
         out = []
         for i, layer in enumerate(self.layers):
             if layer.capture == "layer":
                 g = self._own[i]
-                part = slice(g.offsets[g.layer_ids.index(i)], g.offsets[g.layer_ids.index(i)] + layer.channels)
-                count = torch.full((layer.channels,), float(self.counts[i] - self._stashed[i]), dtype=torch.float64)
-                count = count.to(g.device)
-                if g.shift is None:  # no batch at all
-                    m = RunningMoments.zeros(layer.channels, g.device)
-                else:
-                    m = RunningMoments.from_shifted_sums(count, g.shift[part], g.s1[part], g.s2[part])
+                start = g.offsets[g.layer_ids.index(i)]
+                m = merged[id(g)][start : start + layer.channels]
                 if i in self._kept:  # calls before the last one in a batch
                     m.merge(self._kept[i].to(m.mean.device))
             elif i in self._kept:
