@@ -10,11 +10,12 @@ Two paths, chosen per layer by :func:`precisebn.layers.find_norm_layers`:
   ``s1 += n·(μ_b − K)`` and ``s2 += n·(μ_b − K)² + (n − 1)·σ²_b`` — five whole-buffer
   kernels, whatever the number of layers (see
   :meth:`~precisebn.stats.RunningMoments.from_shifted_sums` for the precision). A
-  forward pre-hook records only the number of values per channel (a host integer from
+  wrapper run before the layer's forward (see ``RecalibrationState.add_pre_hook``)
+  records only the number of values per channel (a host integer from
   the input's shape; the counts stay on the host), and — for a layer called several
   times in one forward — keeps the previous call's figures before the layer overwrites
   them; those are merged with Chan's formula.
-* ``"input"`` — a forward pre-hook reduces the layer's input in float64 on every call
+* ``"input"`` — the same wrapper reduces the layer's input in float64 on every call
   (InstanceNorm, custom ``forward``, half-precision buffers, SyncBatchNorm across
   processes).
 
