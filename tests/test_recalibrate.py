@@ -417,3 +417,9 @@ def test_single_value_per_channel_is_a_clear_error() -> None:
     with pytest.raises(InvalidArgumentError, match=r"layer '9' \(BatchNorm1d\) received one value per channel"):
         precisebn.recalibrate(model, [*images(2), torch.randn(1, 3, 8, 8)])
     assert_unchanged(model, before)
+
+
+def test_progress_bar_counts_samples(capsys: pytest.CaptureFixture[str]) -> None:
+    precisebn.estimate(nn.BatchNorm1d(3), [torch.randn(4, 3)] * 5, num_samples=12, progress=True)
+    err = capsys.readouterr().err
+    assert "precisebn" in err and "12/12" in err

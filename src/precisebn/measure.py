@@ -91,7 +91,7 @@ class Pass:
                 batches += 1
                 samples += size or 0
                 if bar is not None:
-                    bar.update(size if unit == "sample" else 1)
+                    bar.update(size if unit == "sample" and size is not None else 1)
                 if abort is not None:
                     abort()
                 if (self.num_batches is not None and batches >= self.num_batches) or (
