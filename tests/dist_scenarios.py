@@ -100,42 +100,34 @@ def ddp(rank: int, world_size: int) -> Result:
     return {"state": after_recalibrate, "kept_after_ddp_forward": same_state(after_recalibrate, buffers(model.module))}
 
 
-def layer_mismatch(rank: int, world_size: int) -> Result:
+def expect_failure(data: Any, **options: Any) -> Result:
+    """Recalibrates a fresh model expecting every rank to raise; records the error and
+    whether the model kept its exact state."""
     model = make_model()
     before = buffers(model)
     try:
-        precisebn.recalibrate(model, shard(rank, world_size), layers=None if rank == 0 else ["1"])
-    except DistributedError as exc:
+        precisebn.recalibrate(model, data, **options)
+    except (DistributedError, KeyboardInterrupt) as exc:
         return {**_error(exc), "unchanged": same_state(before, buffers(model))}
     return {"error": None}
+
+
+def layer_mismatch(rank: int, world_size: int) -> Result:
+    return expect_failure(shard(rank, world_size), layers=None if rank == 0 else ["1"])
 
 
 def empty_rank(rank: int, world_size: int) -> Result:
-    model = make_model()
-    before = buffers(model)
-    try:
-        precisebn.recalibrate(model, [] if rank == 1 else shard(rank, world_size))
-    except DistributedError as exc:
-        return {**_error(exc), "unchanged": same_state(before, buffers(model))}
-    return {"error": None}
+    return expect_failure([] if rank == 1 else shard(rank, world_size))
 
 
 def non_finite(rank: int, world_size: int) -> Result:
-    model = make_model()
-    before = buffers(model)
     data = shard(rank, world_size)
     if rank == 0:
         data[0][0, 0, 0, 0] = float("inf")
-    try:
-        precisebn.recalibrate(model, data)
-    except DistributedError as exc:
-        return {**_error(exc), "unchanged": same_state(before, buffers(model))}
-    return {"error": None}
+    return expect_failure(data)
 
 
 def ctrl_c(rank: int, world_size: int) -> Result:
-    model = make_model()
-    before = buffers(model)
     calls = itertools.count()
 
     def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -143,11 +135,7 @@ def ctrl_c(rank: int, world_size: int) -> Result:
             raise KeyboardInterrupt
         return m(x)
 
-    try:
-        precisebn.recalibrate(model, shard(rank, world_size) * 3, forward=forward)
-    except (DistributedError, KeyboardInterrupt) as exc:
-        return {**_error(exc), "unchanged": same_state(before, buffers(model))}
-    return {"error": None}
+    return expect_failure(shard(rank, world_size) * 3, forward=forward)
 
 
 SLOW_BATCHES = 400

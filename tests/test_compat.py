@@ -135,6 +135,9 @@ def test_update_bn_failure_leaves_model_untouched() -> None:
 
 
 def test_models_without_batchnorm_are_a_no_op() -> None:
-    model = nn.Sequential(nn.Linear(2, 2), nn.InstanceNorm1d(2, track_running_stats=True))
-    compat.update_bn([torch.randn(2, 2)], model)
-    compat.update_bn_stats(model.train(), [torch.randn(2, 2)], num_iters=1)
+    # like the originals, only BatchNorm layers count; the tracked InstanceNorm stays as it is
+    model = nn.Sequential(nn.Conv1d(2, 2, 1), nn.InstanceNorm1d(2, track_running_stats=True)).train()
+    before = state_snapshot(model)
+    compat.update_bn([torch.randn(3, 2, 4) + 5], model)
+    compat.update_bn_stats(model, [torch.randn(3, 2, 4) + 5], num_iters=1)
+    assert_unchanged(model, before)

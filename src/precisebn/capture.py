@@ -68,18 +68,18 @@ class Collector:
         self._extras: list[tuple[int, int, Tensor, Tensor]] = []
         self._kept: dict[int, RunningMoments] = {}  # input-captured layers, and stashed calls
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
-        self._groups = []
-        for group in state.groups:
-            if not any(self.layers[i].capture == "layer" for i in group.layer_ids):
+        self._groups: list[_Group] = []
+        self._own: dict[int, tuple[_Group, int]] = {}  # own-figure layer -> (group, offset)
+        for scratch in state.groups:
+            own = [(i, off) for i, off in zip(scratch.layer_ids, scratch.offsets) if self.layers[i].capture == "layer"]
+            if not own:
                 continue
-            size = group.buffer.shape[1]
-            position_layer = torch.full((size,), n, dtype=torch.long)  # n: padding / input-captured
-            for i, off in zip(group.layer_ids, group.offsets):
-                if self.layers[i].capture == "layer":
-                    position_layer[off : off + self.layers[i].channels] = i
-            acc = _accumulation_device(group.buffer.device)
-            self._groups.append(_Group(group.buffer, group.layer_ids, group.offsets, position_layer, acc))
-        self._own = {i: g for g in self._groups for i in g.layer_ids}
+            position_layer = torch.full((scratch.buffer.shape[1],), n, dtype=torch.long)  # n: padding, others
+            for i, off in own:
+                position_layer[off : off + self.layers[i].channels] = i
+            g = _Group(scratch.buffer, position_layer, _accumulation_device(scratch.buffer.device))
+            self._groups.append(g)
+            self._own.update((i, (g, off)) for i, off in own)
         for i, layer in enumerate(self.layers):
             if layer.capture == "layer":
                 state.add_pre_hook(layer.module, self._own_hook(i, *state.views[i]))
@@ -173,8 +173,7 @@ class Collector:
             host = torch.tensor(row, dtype=torch.float64)
             vectors = []
             for g in self._groups:
-                count = host[g.position_layer]
-                count = _to_device(count, g.device)
+                count = g.per_channel(host)
                 vectors.append((count, (count - 1).clamp_min_(0)))
             self._count_vectors[key] = vectors
         return vectors
@@ -201,17 +200,15 @@ class Collector:
 
     def finish(self) -> list[RunningMoments]:
         """Each layer's moments over everything it saw (count 0 if never reached)."""
+        summed = torch.tensor([c - s for c, s in zip(self.counts, self._stashed)] + [0], dtype=torch.float64)
         merged = {}  # per group, all its channels at once
         for g in self._groups:
-            row = [c - s for c, s in zip(self.counts, self._stashed)] + [0]
-            count = _to_device(torch.tensor(row, dtype=torch.float64)[g.position_layer], g.device)
             shift = g.shift if g.shift is not None else torch.zeros_like(g.s1)
-            merged[id(g)] = RunningMoments.from_shifted_sums(count, shift, g.s1, g.s2)
+            merged[id(g)] = RunningMoments.from_shifted_sums(g.per_channel(summed), shift, g.s1, g.s2)
         out = []
         for i, layer in enumerate(self.layers):
             if layer.capture == "layer":
-                g = self._own[i]
-                start = g.offsets[g.layer_ids.index(i)]
+                g, start = self._own[i]
                 m = merged[id(g)][start : start + layer.channels]
                 if i in self._kept:  # calls before the last one in a batch
                     m.merge(self._kept[i].to(m.mean.device))
@@ -226,16 +223,16 @@ class Collector:
 class _Group:
     """Accumulators of one scratch buffer: float64 sums around a per-channel shift."""
 
-    __slots__ = ("buffer", "device", "layer_ids", "offsets", "position_layer", "s1", "s2", "shift")
+    __slots__ = ("buffer", "device", "position_layer", "s1", "s2", "shift")
 
-    def __init__(
-        self, buffer: Tensor, layer_ids: list[int], offsets: list[int], position_layer: Tensor, device: torch.device
-    ) -> None:
+    def __init__(self, buffer: Tensor, position_layer: Tensor, device: torch.device) -> None:
         self.buffer = buffer
-        self.layer_ids = layer_ids
-        self.offsets = offsets
-        self.position_layer = position_layer  # on the host: indexes a host row of counts
+        self.position_layer = position_layer  # host: the layer of each channel (or the padding index)
         self.device = device
         self.shift: Tensor | None = None
         self.s1 = torch.zeros(buffer.shape[1], dtype=torch.float64, device=device)
         self.s2 = torch.zeros(buffer.shape[1], dtype=torch.float64, device=device)
+
+    def per_channel(self, per_layer: Tensor) -> Tensor:
+        """Spreads a host vector of per-layer values over this group's channels, on its device."""
+        return _to_device(per_layer[self.position_layer], self.device)

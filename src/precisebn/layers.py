@@ -284,9 +284,8 @@ def recalibration_state(model: nn.Module, layers: Sequence[NormLayer], mode: Mod
     * Every other buffer of the model is snapshotted.
 
     On exit — normal, exception or ``KeyboardInterrupt`` — the forward wrappers are
-    removed, the
-    original buffer tensors are put back (never written to), snapshotted buffers are
-    copied back, and every momentum and ``training`` flag is restored.
+    removed, the original buffer tensors are put back (never written to), snapshotted
+    buffers are copied back, and every momentum and ``training`` flag is restored.
     """
     with contextlib.ExitStack() as stack:
         flags = [(m, m.training) for m in model.modules()]
