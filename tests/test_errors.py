@@ -14,6 +14,8 @@ EXPECTED = {
     "EmptyDataError": ValueError,
     "LayerNotFoundError": LookupError,
     "UninitializedLayerError": RuntimeError,
+    "UnsupportedLayerError": TypeError,
+    "ConcurrentUseError": RuntimeError,
     "NonFiniteError": FloatingPointError,
     "StatsMismatchError": ValueError,
     "MissingDependencyError": ImportError,

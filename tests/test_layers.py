@@ -40,7 +40,7 @@ def test_state_inside_and_restored_after(mode: str) -> None:
             assert [m.training for m in model] == [False, True, False, False, False]
         elif mode == "train":
             assert [m.training for m in model] == [True, True, True, False, True]
-        state.add_pre_hook(model[1], lambda m, a: None)
+        state.add_pre_hook(model[1], lambda m, a, k: None)
         model(torch.randn(4, 3))
     assert_unchanged(model, before)
 
@@ -51,7 +51,7 @@ def test_restored_when_the_block_raises() -> None:
 
     def interrupted() -> None:
         with recalibration_state(model, find_norm_layers(model), "norm") as state:
-            state.add_pre_hook(model[0], lambda m, a: None)
+            state.add_pre_hook(model[0], lambda m, a, k: None)
             model(torch.randn(4, 3) * 100)
             raise KeyboardInterrupt
 
@@ -95,11 +95,11 @@ def test_instance_level_forward_is_put_back() -> None:
     layers = find_norm_layers(bn)
     seen = []
     with recalibration_state(bn, layers, "norm") as state:
-        state.add_pre_hook(bn, lambda m, a: seen.append(a[0].shape))
+        state.add_pre_hook(bn, lambda m, a, k: seen.append(a[0].shape))
         bn(torch.randn(3, 2))
     assert seen == [torch.Size([3, 2])]
     assert bn.__dict__["forward"] is patched
     plain = nn.BatchNorm1d(2)
     with recalibration_state(plain, find_norm_layers(plain), "norm") as state:
-        state.add_pre_hook(plain, lambda m, a: None)
+        state.add_pre_hook(plain, lambda m, a, k: None)
     assert "forward" not in plain.__dict__

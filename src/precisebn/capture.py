@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, UnsupportedLayerError
 from .layers import RecalibrationState
 from .stats import RunningMoments
 
@@ -60,6 +60,7 @@ class Collector:
 
     def __init__(self, state: RecalibrationState) -> None:
         self.layers = state.layers
+        self._counters = state.counters
         n = len(self.layers)
         self.calls = [0] * n
         self.counts = [0] * n  # values per channel seen by each layer, on the host
@@ -96,14 +97,14 @@ class Collector:
             "last batch holds a single sample)."
         )
 
-    def _check(self, i: int, module: nn.Module, args: tuple[Any, ...]) -> Tensor:
+    def _check(self, i: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
         if not module.training:
             raise InvalidArgumentError(
                 f"layer {self.layers[i].name!r} was switched to eval mode during recalibration "
                 "(by the model or forward=); precisebn needs it in training mode to measure it. "
                 "Do not call model.eval()/model.train() inside forward."
             )
-        x = args[0] if args else None
+        x = args[0] if args else kwargs.get("input", next(iter(kwargs.values()), None))
         if not isinstance(x, Tensor):
             raise InvalidArgumentError(
                 f"layer {self.layers[i].name!r} was called without a tensor input "
@@ -114,8 +115,8 @@ class Collector:
     def _own_hook(self, i: int, mean_view: Tensor, var_view: Tensor):
         channels = self.layers[i].channels
 
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            x = self._check(i, module, args)
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            x = self._check(i, module, args, kwargs)
             n = x.numel() // channels
             if n == 1:
                 raise self._too_few(i, x)
@@ -132,8 +133,8 @@ class Collector:
     def _input_hook(self, i: int):
         layer = self.layers[i]
 
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            x = self._check(i, module, args)
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            x = self._check(i, module, args, kwargs)
             if x.device.type == "mps":
                 x = x.cpu()
             moments = RunningMoments.from_data(x, layer.channel_dim(x))
@@ -154,8 +155,8 @@ class Collector:
             mean, var = g.buffer[0], g.buffer[1]
             if g.device != mean.device:
                 mean, var = mean.to(g.device), var.to(g.device)
-            if g.shift is None:
-                g.shift = mean.to(torch.float64)
+            if g.shift is None:  # a copy: a float64 buffer would otherwise be its own shift
+                g.shift = mean.to(torch.float64, copy=True)
             d = torch.sub(mean, g.shift)  # float64; garbage only where count is 0
             nd = d * count
             g.s1.add_(nd)
@@ -199,7 +200,22 @@ class Collector:
     # -- results -----------------------------------------------------------------------
 
     def finish(self) -> list[RunningMoments]:
-        """Each layer's moments over everything it saw (count 0 if never reached)."""
+        """Each layer's moments over everything it saw (count 0 if never reached).
+
+        Raises:
+            UnsupportedLayerError: A layer read through its own figures was called but its
+                forward did not produce them (checked on the host: each call of torch's
+                BatchNorm forward increments the layer's scratch ``num_batches_tracked``).
+        """
+        for i, layer in enumerate(self.layers):
+            counter = self._counters[i]
+            if layer.capture == "layer" and counter is not None and counter._version != self.calls[i]:
+                raise UnsupportedLayerError(
+                    f"layer {layer.name!r} ({layer.type_name}) was called {self.calls[i]} times, but its forward "
+                    f"computed batch statistics {counter._version} times: something replaced or bypassed torch's "
+                    "BatchNorm forward at run time, so the figures precisebn reads were never written. Restore "
+                    "the layer's forward, or exclude it with layers=. The model was left unchanged."
+                )
         summed = torch.tensor([c - s for c, s in zip(self.counts, self._stashed)] + [0], dtype=torch.float64)
         merged = {}  # per group, all its channels at once
         for g in self._groups:

@@ -10,6 +10,8 @@ not know precisebn::
     ├── EmptyDataError (ValueError)            the data yielded no batch
     ├── LayerNotFoundError (LookupError)       no layer matches, or an unknown name
     ├── UninitializedLayerError (RuntimeError) a lazy layer that never ran
+    ├── UnsupportedLayerError (TypeError)      a layer whose forward precisebn cannot measure
+    ├── ConcurrentUseError (RuntimeError)      a second pass on a model already in one
     ├── NonFiniteError (FloatingPointError)    NaN/Inf statistics in a layer
     ├── StatsMismatchError (ValueError)        statistics that do not fit the model
     ├── MissingDependencyError (ImportError)   an optional extra is not installed
@@ -25,17 +27,20 @@ from __future__ import annotations
 
 __all__ = [
     "BatchTypeError",
+    "ConcurrentUseError",
     "DistributedError",
     "EmptyDataError",
     "InvalidArgumentError",
     "LayerNotFoundError",
     "MissingDependencyError",
+    "ModelChangedWarning",
     "NonFiniteError",
     "PreciseBNError",
     "PreciseBNWarning",
     "ShortDataWarning",
     "StatsMismatchError",
     "UninitializedLayerError",
+    "UnsupportedLayerError",
 ]
 
 
@@ -61,6 +66,14 @@ class LayerNotFoundError(PreciseBNError, LookupError):
 
 class UninitializedLayerError(PreciseBNError, RuntimeError):
     """A lazy normalization layer has not been initialised by a first forward pass."""
+
+
+class UnsupportedLayerError(PreciseBNError, TypeError):
+    """A selected layer whose forward does not produce the figures precisebn reads."""
+
+
+class ConcurrentUseError(PreciseBNError, RuntimeError):
+    """A recalibration was started on a model that another one is using (any thread)."""
 
 
 class NonFiniteError(PreciseBNError, FloatingPointError):
@@ -94,3 +107,8 @@ class PreciseBNWarning(UserWarning):
 
 class ShortDataWarning(PreciseBNWarning):
     """The data ran out before the requested number of samples or batches."""
+
+
+class ModelChangedWarning(PreciseBNWarning):
+    """The model's own forward changed parameters in place during the passes, and they
+    could not be put back (precisebn copies buffers, not parameters)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -18,7 +19,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
-from .errors import InvalidArgumentError, LayerNotFoundError, UninitializedLayerError
+from .errors import InvalidArgumentError, LayerNotFoundError, ModelChangedWarning, UninitializedLayerError
+from .state import StateSnapshot, refuse_uninitialized
 
 __all__ = [
     "LayerSelection",
@@ -117,6 +119,8 @@ def _capture_kind(module: _NormBase, capture: Capture | None) -> Capture:
         return capture
     own = (
         type(module).forward in _STANDARD_FORWARDS
+        and "forward" not in module.__dict__  # an instance-level forward is not torch's own
+        and isinstance(module._buffers.get("num_batches_tracked"), Tensor)  # how calls are verified
         and module.running_mean.dtype in _OWN_FIGURE_DTYPES
         and module.running_var.dtype in _OWN_FIGURE_DTYPES
         and not _sync_active(module)
@@ -134,7 +138,12 @@ def _matcher(selection: LayerSelection, candidates: dict[str, nn.Module]) -> Cal
         return lambda name, module: isinstance(module, types)
     if callable(selection):
         return selection  # type: ignore[return-value]
-    names = [selection] if isinstance(selection, str) else list(selection)  # type: ignore[arg-type]
+    if isinstance(selection, str):
+        names = [selection]
+    elif isinstance(selection, Iterable) and not isinstance(selection, (bytes, Tensor, nn.Module)):
+        names = list(selection)
+    else:
+        names = [selection]  # refused just below
     if not all(isinstance(n, str) for n in names):
         raise InvalidArgumentError(
             "layers= takes qualified layer names, a layer type (or tuple of types), or a "
@@ -225,10 +234,13 @@ class RecalibrationState:
     layers: list[NormLayer]
     groups: list[ScratchGroup]
     views: list[tuple[Tensor, Tensor]]
+    counters: list[Tensor | None]  # each layer's scratch num_batches_tracked (one increment per own call)
     _wrapped: list[tuple[nn.Module, object]] = field(default_factory=list)
 
-    def add_pre_hook(self, module: nn.Module, hook: Callable[[nn.Module, tuple[object, ...]], None]) -> None:
-        """Runs ``hook(module, args)`` before every call of ``module``'s forward, until the
+    def add_pre_hook(
+        self, module: nn.Module, hook: Callable[[nn.Module, tuple[object, ...], dict[str, object]], None]
+    ) -> None:
+        """Runs ``hook(module, args, kwargs)`` before every call of ``module``'s forward, until the
         state is restored.
 
         Done by wrapping ``forward`` on the instance rather than with
@@ -240,7 +252,7 @@ class RecalibrationState:
         forward = module.forward
 
         def wrapped(*args: object, **kwargs: object) -> object:
-            hook(module, args)
+            hook(module, args, kwargs)
             return forward(*args, **kwargs)
 
         self._wrapped.append((module, previous))
@@ -278,50 +290,47 @@ def recalibration_state(model: nn.Module, layers: Sequence[NormLayer], mode: Mod
       eval mode; ``"train"``: every module in training mode except unselected
       normalization layers, which stay in eval mode so that nothing updates them;
       ``"keep"``: training flags are left as they are.
-    * Each selected layer's ``running_mean``/``running_var``/``num_batches_tracked``
-      are replaced by scratch tensors (views of one flat buffer per device and dtype),
-      so the layer's own updates never touch the real buffers, and its momentum is 1.0.
-    * Every other buffer of the model is snapshotted.
+    * Each selected layer's ``running_mean``/``running_var`` are replaced by views of
+      one flat scratch buffer per device and dtype and its ``num_batches_tracked`` by a
+      fresh counter (``RecalibrationState.counters``), so the layer's own updates never
+      touch the real buffers, and its momentum is 1.0.
 
     On exit — normal, exception or ``KeyboardInterrupt`` — the forward wrappers are
-    removed, the original buffer tensors are put back (never written to), snapshotted
-    buffers are copied back, and every momentum and ``training`` flag is restored.
+    removed, every module's buffers and parameters are put back as the tensor objects
+    they were (values copied back where the passes changed them, see
+    :class:`~precisebn.state.StateSnapshot`), and every momentum and ``training``
+    flag is restored. Parameters that the model's own forward changed in place and that
+    could not be restored are named in a :class:`~precisebn.errors.ModelChangedWarning`.
+
+    Raises:
+        UninitializedLayerError: The model has lazy modules that never ran (the passes
+            would materialise them).
     """
+    refuse_uninitialized(model)
     with contextlib.ExitStack() as stack:
         flags = [(m, m.training) for m in model.modules()]
         stack.callback(_restore_flags, flags)
-
-        swapped_ids = {id(layer.module) for layer in layers}
-        groups, views = _allocate_scratch(layers)
-        originals = []
-        for layer in layers:
-            m = layer.module
-            saved = {
-                k: m._buffers[k] for k in ("running_mean", "running_var", "num_batches_tracked") if k in m._buffers
-            }
-            originals.append((m, saved, m.momentum))
-        stack.callback(_restore_buffers, originals)
-
-        snapshot = [
-            (buf, buf.detach().clone())
-            for mod in model.modules()
-            if id(mod) not in swapped_ids
-            for buf in mod._buffers.values()
-            if isinstance(buf, Tensor)
-        ]
+        momenta = [(layer.module, layer.module.momentum) for layer in layers]
+        stack.callback(_restore_momenta, momenta)
+        snapshot = StateSnapshot(model)
         stack.callback(_restore_snapshot, snapshot)
 
-        state = RecalibrationState(list(layers), groups, views)
+        groups, views = _allocate_scratch(layers)
+        counters: list[Tensor | None] = []
+        state = RecalibrationState(list(layers), groups, views, counters)
         stack.callback(_unwrap_forwards, state._wrapped)
 
         for layer, (mean_view, var_view) in zip(layers, views):
             m = layer.module
             m._buffers["running_mean"] = mean_view
             m._buffers["running_var"] = var_view
-            if isinstance(m._buffers.get("num_batches_tracked"), Tensor):
-                m._buffers["num_batches_tracked"] = torch.zeros_like(m._buffers["num_batches_tracked"])
+            tracked = m._buffers.get("num_batches_tracked")
+            counter = torch.zeros_like(tracked) if isinstance(tracked, Tensor) else None
+            if counter is not None:
+                m._buffers["num_batches_tracked"] = counter
+            counters.append(counter)
             m.momentum = 1.0
-        _set_modes(model, swapped_ids, mode)
+        _set_modes(model, {id(layer.module) for layer in layers}, mode)
         yield state
 
 
@@ -344,16 +353,22 @@ def _restore_flags(flags: list[tuple[nn.Module, bool]]) -> None:
         m.training = training
 
 
-def _restore_buffers(originals: list[tuple[nn.Module, dict[str, Tensor], float | None]]) -> None:
-    for m, saved, momentum in originals:
-        m._buffers.update(saved)
+def _restore_momenta(momenta: list[tuple[nn.Module, float | None]]) -> None:
+    for m, momentum in momenta:
         m.momentum = momentum
 
 
-def _restore_snapshot(snapshot: list[tuple[Tensor, Tensor]]) -> None:
-    with torch.no_grad():
-        for buf, copy in snapshot:
-            buf.copy_(copy)
+def _restore_snapshot(snapshot: StateSnapshot) -> None:
+    lost = snapshot.restore()
+    if lost:
+        shown = ", ".join(map(repr, lost[:5])) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
+        warnings.warn(
+            f"the model's own forward changed parameter(s) {shown} in place during the statistics passes; "
+            "precisebn restores buffers, flags and momenta but keeps no copy of parameters, so these keep their "
+            "new values. Make forward leave parameters alone, or recalibrate a copy (copy.deepcopy(model)).",
+            ModelChangedWarning,
+            stacklevel=4,
+        )
 
 
 def _unwrap_forwards(wrapped: list[tuple[nn.Module, object]]) -> None:

@@ -17,9 +17,10 @@ left is that of the per-batch figures in the layer's own dtype (see the README's
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import logging
 import math
+import operator
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -33,6 +34,7 @@ from .layers import Capture, LayerSelection, Mode, find_norm_layers, has_running
 from .measure import Pass
 from .population import PopulationStats
 from .report import LayerReport, Report
+from .state import exclusive, restore_on_error
 
 __all__ = ["DEFAULT_NUM_SAMPLES", "apply", "check_options", "estimate", "recalibrate"]
 
@@ -49,9 +51,9 @@ def check_options(*, num_samples: Any = None, num_batches: Any = None, forward: 
     """Raises :class:`~precisebn.errors.InvalidArgumentError` for an option that
     :func:`estimate` would refuse (for callers that take options long before using them)."""
     for name, value in (("num_samples", num_samples), ("num_batches", num_batches)):
-        if value is None or (name == "num_samples" and value == "all"):
+        if value is None or (name == "num_samples" and isinstance(value, str) and value == "all"):
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if _as_count(value) is None:
             raise InvalidArgumentError(
                 f"{name} must be a positive integer or None"
                 + (" or 'all'" if name == "num_samples" else "")
@@ -61,6 +63,29 @@ def check_options(*, num_samples: Any = None, num_batches: Any = None, forward: 
         raise InvalidArgumentError(f"forward must be a callable forward(model, batch), got {forward!r}")
     if mode not in _MODES:
         raise InvalidArgumentError(f"mode must be 'norm' or 'train', got {mode!r}")
+
+
+def _as_count(value: Any) -> int | None:
+    """A positive integer (numpy integers included, bools not), or None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        n = operator.index(value)
+    except TypeError:
+        return None
+    return n if n >= 1 else None
+
+
+def _device(device: Any) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise InvalidArgumentError(
+            "device must be a torch.device or a device string such as 'cpu', 'cuda' or 'cuda:1', "
+            f"got {device!r} ({exc})"
+        ) from None
 
 
 def estimate(
@@ -133,28 +158,69 @@ def estimate(
         >>> bool(model[1].running_var.eq(1).all())  # the model is untouched
         True
     """
-    check_options(num_samples=num_samples, num_batches=num_batches, forward=forward, mode=mode)
-    use_all = num_samples == "all"
-    if use_all:
-        num_samples = None
-    _mode = _mode or mode
-    if not isinstance(model, nn.Module):
-        raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(data, (torch.Tensor, str, bytes)) or not isinstance(data, Iterable):
-        raise InvalidArgumentError(
-            f"data must be an iterable of batches (a DataLoader, a list, a generator), got {type(data).__name__}"
-            + ("; wrap a single tensor batch in a list: [batch]" if isinstance(data, torch.Tensor) else "")
+    with contextlib.ExitStack() as guard:
+        return _estimate(
+            guard,
+            model,
+            data,
+            num_samples=num_samples,
+            num_batches=num_batches,
+            forward=forward,
+            mode=mode,
+            layers=layers,
+            device=device,
+            progress=progress,
+            distributed=distributed,
+            process_group=process_group,
+            _capture=_capture,
+            _mode=_mode,
         )
-    explicit = num_samples is not None or num_batches is not None
-    if not explicit and not use_all:
-        num_samples = DEFAULT_NUM_SAMPLES
+
+
+def _estimate(
+    guard: contextlib.ExitStack,
+    model: Any,
+    data: Any,
+    *,
+    num_samples: Any,
+    num_batches: Any,
+    forward: Any,
+    mode: Any,
+    layers: LayerSelection,
+    device: Any,
+    progress: bool,
+    distributed: Any,
+    process_group: Any,
+    _capture: Capture | None,
+    _mode: Mode | None,
+) -> PopulationStats:
+    """:func:`estimate`, holding the model in ``guard`` (so that :func:`recalibrate` can
+    keep it until its statistics are written). Every check runs on every rank inside
+    the distributed failure protocol, so a mistake on one rank reaches all of them."""
     ctx = _dist.RankContext.resolve(distributed, process_group)
-    if ctx is not None and num_samples is not None:
-        num_samples = math.ceil(num_samples / ctx.world_size)
-    model = unwrap(model)
-    target = torch.device(device) if device is not None else model_device(model)
-    run = Pass(model, data, forward or default_forward, num_samples, num_batches, target, progress, _mode, explicit)
     try:
+        check_options(num_samples=num_samples, num_batches=num_batches, forward=forward, mode=mode)
+        use_all = isinstance(num_samples, str) and num_samples == "all"
+        num_samples = None if use_all or num_samples is None else operator.index(num_samples)
+        num_batches = None if num_batches is None else operator.index(num_batches)
+        if not isinstance(model, nn.Module):
+            raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(data, (torch.Tensor, str, bytes)) or not isinstance(data, Iterable):
+            raise InvalidArgumentError(
+                f"data must be an iterable of batches (a DataLoader, a list, a generator), got {type(data).__name__}"
+                + ("; wrap a single tensor batch in a list: [batch]" if isinstance(data, torch.Tensor) else "")
+            )
+        explicit = num_samples is not None or num_batches is not None
+        if not explicit and not use_all:
+            num_samples = DEFAULT_NUM_SAMPLES
+        if ctx is not None and num_samples is not None:
+            num_samples = math.ceil(num_samples / ctx.world_size)
+        model = unwrap(model)
+        target = _device(device) or model_device(model)
+        run = Pass(
+            model, data, forward or default_forward, num_samples, num_batches, target, progress, _mode or mode, explicit
+        )
+        guard.enter_context(exclusive(model))
         selected = find_norm_layers(model, layers, capture=_capture)
         local = run.measure(selected, abort=ctx.poll if ctx is not None else None)
     except BaseException as exc:
@@ -177,9 +243,16 @@ def apply(model: nn.Module, stats: PopulationStats) -> Report:
     ``num_batches_tracked`` are not changed. Layers the statistics never reached
     (count 0) keep their statistics. Everything is checked before anything is written.
 
+    The whole call is all-or-nothing: every layer is checked and the report is built
+    before the first write, and an interruption during the writes (even
+    ``KeyboardInterrupt``) puts the old values back.
+
     Raises:
         StatsMismatchError: A layer is missing from the model, is not a normalization
-            layer with running statistics, or has another number of channels.
+            layer with running statistics, or its mean/variance is not of shape
+            ``(channels,)``, not finite (also after the cast to the buffer's dtype) or
+            negative.
+        ConcurrentUseError: Another call is recalibrating the model.
 
     Example:
         >>> import torch, precisebn
@@ -189,48 +262,86 @@ def apply(model: nn.Module, stats: PopulationStats) -> Report:
         >>> model[0].running_mean.tolist(), model[0].running_var.tolist()
         ([2.0, 4.0], [1.0, 4.0])
     """
+    if not isinstance(stats, PopulationStats):
+        raise InvalidArgumentError(
+            f"stats must be a precisebn.PopulationStats (from estimate() or PopulationStats.load()), got "
+            f"{type(stats).__name__}"
+        )
+    if not isinstance(model, nn.Module):
+        raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     model = unwrap(model)
+    with exclusive(model):
+        return _apply(model, stats)
+
+
+def _apply(model: nn.Module, stats: PopulationStats) -> Report:
+    """:func:`apply` on an unwrapped model that the caller holds: checks everything and
+    builds the report first, then writes, restoring the old values if the writes are
+    interrupted."""
     modules = dict(model.named_modules(remove_duplicate=False))
     problems = []
+    entries = []
     for name, s in stats.items():
         m = modules.get(name)
         if m is None:
             problems.append(f"{name!r} is not in the model")
         elif not has_running_stats(m):
             problems.append(f"{name!r} ({type(m).__name__}) has no running statistics")
-        elif m.running_mean.shape[0] != s.channels:
-            problems.append(f"{name!r} has {m.running_mean.shape[0]} channels, the statistics {s.channels}")
-    if problems:
-        raise StatsMismatchError(
-            "the statistics do not fit this model: "
-            + "; ".join(problems[:5])
-            + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-            + ". Apply statistics to the model (architecture) they were estimated on. Nothing was written."
-        )
-    entries = [(name, modules[name], s) for name, s in stats.items()]
-    old = [(m.running_mean.detach().clone(), m.running_var.detach().clone()) for _, m, _ in entries]
-    try:
-        with torch.no_grad():
-            for _, m, s in entries:
-                if s.reached:
-                    m.running_mean.copy_(s.mean.to(m.running_mean.device, m.running_mean.dtype))
-                    m.running_var.copy_(s.var.to(m.running_var.device, m.running_var.dtype))
-    except BaseException:
-        with torch.no_grad():
-            for (_, m, _), (mean, var) in zip(entries, old):
-                m.running_mean.copy_(mean)
-                m.running_var.copy_(var)
-        raise
-    values = iter(_cpu64([t for (_, m, _), pair in zip(entries, old) for t in (*pair, m.running_mean, m.running_var)]))
+        else:
+            shape = tuple(m.running_mean.shape)
+            bad = [
+                f"{what} has shape {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                for what, t in (("mean", s.mean), ("var", s.var))
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or not t.is_floating_point()
+            ]
+            if bad:
+                problems.append(f"{name!r} has {shape[0]} channels, but the statistics' {' and '.join(bad)}")
+            else:
+                entries.append((name, m, s))
+    _refuse("the statistics do not fit this model", problems)
+    updated = [(m, s) for _, m, s in entries if s.reached]
+    new = [
+        t.detach().to(buffer.device, buffer.dtype)
+        for m, s in updated
+        for t, buffer in ((s.mean, m.running_mean), (s.var, m.running_var))
+    ]
+    old = [t for _, m, _ in entries for t in (m.running_mean, m.running_var)]
+    host = _cpu64(old + new)
+    old_host, new_host = host[: len(old)], iter(host[len(old) :])
+    values = {}
+    for (name, m, s), old_mean, old_var in zip(entries, old_host[::2], old_host[1::2]):
+        mean, var = (next(new_host), next(new_host)) if s.reached else (old_mean, old_var)
+        if s.reached and not (bool(mean.isfinite().all()) and bool(var.isfinite().all())):
+            problems.append(f"{name!r} has NaN/Inf values (as {str(m.running_mean.dtype).removeprefix('torch.')})")
+        elif s.reached and bool((var < 0).any()):
+            problems.append(f"{name!r} has a negative variance")
+        values[name] = (old_mean, old_var, mean, var)
+    _refuse("the statistics cannot be written", problems)
     rows = [
         LayerReport(
-            name, s.layer_type, s.channels, s.count, s.calls, *itertools.islice(values, 4), float(m.eps), s.reached
+            name, s.layer_type, int(m.running_mean.shape[0]), s.count, s.calls, *values[name], float(m.eps), s.reached
         )
         for name, m, s in entries
     ]
+    report = Report(rows, stats.samples, stats.batches, stats.seconds, stats.mode, stats.world_size)
+    targets = [t for m, _ in updated for t in (m.running_mean, m.running_var)]
+    with torch.no_grad(), restore_on_error(targets):
+        for target, value in zip(targets, new):
+            target.copy_(value)
     for name in (r.name for r in rows if not r.updated):
         logger.warning("precisebn: layer %r was not reached by any forward pass; its statistics were kept", name)
-    return Report(rows, stats.samples, stats.batches, stats.seconds, stats.mode, stats.world_size)
+    return report
+
+
+def _refuse(what: str, problems: list[str]) -> None:
+    if problems:
+        raise StatsMismatchError(
+            f"{what}: "
+            + "; ".join(problems[:5])
+            + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+            + ". Apply statistics to the model (architecture) they were estimated on, each mean and variance of "
+            "shape (channels,), finite, variances >= 0. Nothing was written."
+        )
 
 
 def _cpu64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -280,17 +391,21 @@ def recalibrate(
         >>> report.samples, report["1"].count  # 8 batches of 4 images, 14x14 positions each
         (32, 6272)
     """
-    stats = estimate(
-        model,
-        data,
-        num_samples=num_samples,
-        num_batches=num_batches,
-        forward=forward,
-        mode=mode,
-        layers=layers,
-        device=device,
-        progress=progress,
-        distributed=distributed,
-        process_group=process_group,
-    )
-    return apply(model, stats)
+    with contextlib.ExitStack() as guard:
+        stats = _estimate(
+            guard,
+            model,
+            data,
+            num_samples=num_samples,
+            num_batches=num_batches,
+            forward=forward,
+            mode=mode,
+            layers=layers,
+            device=device,
+            progress=progress,
+            distributed=distributed,
+            process_group=process_group,
+            _capture=None,
+            _mode=None,
+        )
+        return _apply(unwrap(model), stats)

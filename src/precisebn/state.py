@@ -1,0 +1,194 @@
+"""A model's state around a statistics pass: snapshots that put back objects as well
+as values, and the guard that lets one pass at a time work on a model.
+
+:class:`StateSnapshot` records, for every module, which tensor objects its
+``_buffers`` and ``_parameters`` hold, and copies of what the passes can change: every
+buffer's values (the whole stretch of storage it can reach, so views, expanded and
+non-contiguous buffers restore exactly) and the weights that torch's own modules
+renormalise in place (``Embedding``/``EmbeddingBag`` with ``max_norm``). On restore the
+original objects go back into their modules — a buffer that ``forward`` reassigned
+(``self.avg = 0.9 * self.avg + ...``) is put back as the tensor it was — and values are
+copied back only where their bits differ (version counters cannot tell: torch's own
+BatchNorm kernels update running buffers without bumping them), so untouched tensors
+are not even written. Other parameters are not copied (that would double the model's
+memory): one changed in place by an operation that bumps its version counter is
+reported by :meth:`StateSnapshot.restore`.
+
+:func:`exclusive` refuses a second pass on a model (or on a module it shares) while one
+is running, from any thread: two passes would swap the same buffers and restore each
+other's scratch tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .errors import ConcurrentUseError, UninitializedLayerError
+
+__all__ = ["StateSnapshot", "exclusive", "refuse_uninitialized", "restore_on_error"]
+
+_RENORMALISED = (nn.Embedding, nn.EmbeddingBag)  # modules whose forward writes their weight (max_norm)
+
+
+def _version(t: Tensor) -> int | None:
+    try:
+        return int(t._version)
+    except RuntimeError:  # inference tensors keep no version counter
+        return None
+
+
+def _span(t: Tensor) -> Tensor | None:
+    """A flat view of every storage element ``t`` can reach (``None`` if it holds none)."""
+    if t.layout != torch.strided or t.is_meta or t.numel() == 0:
+        return None
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.as_strided((extent,), (1,), t.storage_offset())
+
+
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    try:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # NaN == NaN, -0.0 != 0.0
+    except RuntimeError:  # dtypes without a byte view (quantized...)
+        return torch.equal(a, b)
+
+
+@dataclass
+class _Saved:
+    name: str
+    tensor: Tensor
+    version: int | None
+    copy: Tensor | None  # the span's values, or None when not copied
+
+
+class StateSnapshot:
+    """Objects and values of a model's buffers and parameters, to be put back later.
+
+    Args:
+        model: The model.
+
+    Memory: one copy of every buffer's storage span, plus the weights of
+    ``Embedding``/``EmbeddingBag`` modules with ``max_norm``; parameters otherwise
+    cost nothing.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._dicts: list[tuple[nn.Module, dict[str, Tensor | None], dict[str, nn.Parameter | None], set[str]]] = []
+        self._saved: list[_Saved] = []
+        seen: set[int] = set()
+        with torch.no_grad():
+            for prefix, module in model.named_modules():
+                self._dicts.append(
+                    (module, dict(module._buffers), dict(module._parameters), set(module._non_persistent_buffers_set))
+                )
+                copy_params = isinstance(module, _RENORMALISED) and module.max_norm is not None
+                for tensors, copy in ((module._buffers, True), (module._parameters, copy_params)):
+                    for key, t in tensors.items():
+                        if not isinstance(t, Tensor) or id(t) in seen:
+                            continue
+                        seen.add(id(t))
+                        span = _span(t) if copy else None
+                        name = f"{prefix}.{key}" if prefix else key
+                        self._saved.append(_Saved(name, t, _version(t), None if span is None else span.clone()))
+
+    def restore(self) -> list[str]:
+        """Puts every object and changed value back.
+
+        Returns:
+            The names of parameters that the passes changed in place and that could not
+            be restored (not copied); empty when the model is bitwise as it was.
+        """
+        for module, buffers, params, non_persistent in self._dicts:
+            for now, saved in ((module._buffers, buffers), (module._parameters, params)):
+                if list(now) != list(saved) or any(now[k] is not v for k, v in saved.items()):
+                    now.clear()
+                    now.update(saved)
+            if module._non_persistent_buffers_set != non_persistent:
+                module._non_persistent_buffers_set.clear()
+                module._non_persistent_buffers_set.update(non_persistent)
+        lost = []
+        with torch.no_grad():
+            for s in self._saved:
+                span = _span(s.tensor)
+                if s.copy is None or span is None:  # a parameter: only its version counter tells
+                    if s.version is not None and _version(s.tensor) != s.version:
+                        lost.append(s.name)
+                    continue
+                if _same_bits(span, s.copy):
+                    continue
+                with torch.inference_mode() if s.version is None else contextlib.nullcontext():
+                    span.copy_(s.copy)
+        return lost
+
+
+def refuse_uninitialized(model: nn.Module) -> None:
+    """Raises :class:`UninitializedLayerError` if any module still has lazy (uninitialised)
+    parameters or buffers: the passes would materialise them, changing the model."""
+    lazy = [
+        name or type(model).__name__
+        for name, m in model.named_modules()
+        if any(
+            isinstance(t, (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer))
+            for t in (*m._parameters.values(), *m._buffers.values())
+        )
+    ]
+    if lazy:
+        shown = ", ".join(map(repr, lazy[:5])) + (f" and {len(lazy) - 5} more" if len(lazy) > 5 else "")
+        raise UninitializedLayerError(
+            f"module {shown} is a lazy module that has not been initialised; a statistics pass would "
+            "materialise it and so change the model. Run one forward pass first (e.g. model(example_batch)) "
+            "so that its shapes are known, then recalibrate. Nothing was changed."
+        )
+
+
+_busy: dict[int, str] = {}
+_busy_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def exclusive(model: nn.Module) -> Iterator[None]:
+    """Marks every module of ``model`` as in use for the duration of the block.
+
+    Raises:
+        ConcurrentUseError: Another pass (any thread, or a call from inside this
+            model's own forward) is using the model or one of its modules.
+    """
+    ids = {id(m) for m in model.modules()}
+    me = f"thread {threading.current_thread().name!r}"
+    with _busy_lock:
+        clash = ids & _busy.keys()
+        if clash:
+            owner = _busy[next(iter(clash))]
+            raise ConcurrentUseError(
+                f"model {type(model).__name__} (or a module it shares) is already being recalibrated by another "
+                f"call ({owner}; this call: {me}). A pass swaps the model's buffers for scratch tensors, so two "
+                "at once would corrupt it. Wait for the other call to return, or work on a copy "
+                "(copy.deepcopy(model)). Nothing was changed."
+            )
+        for i in ids:
+            _busy[i] = me
+    try:
+        yield
+    finally:
+        with _busy_lock:
+            for i in ids:
+                _busy.pop(i, None)
+
+
+@contextlib.contextmanager
+def restore_on_error(tensors: list[Tensor]) -> Iterator[None]:
+    """Copies ``tensors`` and puts their values back if the block raises (anything,
+    ``KeyboardInterrupt`` included)."""
+    saved = [(t, t.detach().clone()) for t in tensors]
+    try:
+        yield
+    except BaseException:
+        with torch.no_grad():
+            for t, copy in saved:
+                t.copy_(copy)
+        raise
