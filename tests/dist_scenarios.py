@@ -112,6 +112,17 @@ def expect_failure(data: Any, **options: Any) -> Result:
     return {"error": None}
 
 
+def float64_union(rank: int, world_size: int) -> Result:
+    model = make_model().double()
+    precisebn.recalibrate(model, [b.double() for b in shard(rank, world_size)], num_samples="all")
+    return {"state": buffers(model)}
+
+
+def argument_error(rank: int, world_size: int) -> Result:
+    """A mistake on one rank only (data=None) must reach every rank as a DistributedError."""
+    return expect_failure(None if rank == 1 else shard(rank, world_size))
+
+
 def layer_mismatch(rank: int, world_size: int) -> Result:
     return expect_failure(shard(rank, world_size), layers=None if rank == 0 else ["1"])
 
@@ -180,6 +191,8 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         independent,
         global_num_samples,
         ddp,
+        float64_union,
+        argument_error,
         layer_mismatch,
         empty_rank,
         non_finite,

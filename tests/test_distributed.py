@@ -86,6 +86,8 @@ def test_two_ranks(tmp_path: Path) -> None:
         "independent",
         "global_num_samples",
         "ddp",
+        "float64_union",
+        "argument_error",
         "layer_mismatch",
         "empty_rank",
         "non_finite",
@@ -93,6 +95,24 @@ def test_two_ranks(tmp_path: Path) -> None:
     ]
     results = run_ranks(2, names, tmp_path)
     check_union(results, 2)
+
+    # float64 layers: the union to float64 precision, bit-identical on both ranks
+    truth64 = compute_truth(sc.make_model().double(), [b.double() for r in range(2) for b in sc.shard(r, 2)])
+    for res in results:
+        state = res["float64_union"]["state"]
+        for name, t in truth64.items():
+            assert torch.equal(
+                state[f"{name}.running_var"], results[0]["float64_union"]["state"][f"{name}.running_var"]
+            )
+            scale = torch.maximum(t.mean.abs(), t.var.sqrt())
+            assert max_rel_error(state[f"{name}.running_mean"], t.mean, scale) <= 1e-12, name
+            assert max_rel_error(state[f"{name}.running_var"], t.var) <= 1e-12, name
+
+    # an argument error on one rank reaches every rank as the same DistributedError
+    for res in results:
+        a = res["argument_error"]
+        assert a["error"] == "DistributedError" and a["failed_ranks"] == [1] and a["unchanged"], a
+        assert "rank 1: InvalidArgumentError" in a["message"] and "data must be an iterable" in a["message"]
 
     # distributed=False: each rank only its own shard
     for r, res in enumerate(results):

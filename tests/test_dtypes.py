@@ -1,0 +1,165 @@
+"""Exact for every floating dtype a layer may hold, on every capture path and entry point.
+
+Each case compares with the float64 statistics of the layer's actual inputs, computed here
+(``conftest.compute_truth``): float64 layers within 1e-12, float32 within 1e-5, float16 and
+bfloat16 within one rounding of their dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import precisebn
+from conftest import compute_truth, max_rel_error
+from precisebn.compat import update_bn, update_bn_stats
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """float64 1e-12, float32 1e-5; half types: one rounding (a unit in the last place)."""
+    return {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, torch.finfo(dtype).eps)
+
+
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3)
+        self.bn = nn.BatchNorm2d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x))
+
+
+class CalledTwice(nn.Module):
+    """One layer called several times per forward, with different inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3)
+        self.bn = nn.BatchNorm2d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        return self.bn(h).sum() + self.bn(h * 3 + 2).sum() + self.bn(h[:, :, :2]).sum()
+
+
+class SharedByTwoParents(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        bn = nn.BatchNorm2d(6)
+        self.a = nn.Sequential(nn.Conv2d(3, 6, 3), bn)
+        self.b = nn.Sequential(nn.Conv2d(3, 6, 1), bn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).sum() + self.b(x).sum()
+
+
+class Instance(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(3, 6, 1)
+        self.norm = nn.InstanceNorm1d(6, track_running_stats=True, affine=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x.flatten(2)))
+
+
+STRUCTURES = {"plain": Plain, "called_twice": CalledTwice, "shared": SharedByTwoParents, "instance": Instance}
+
+
+def build(structure: str, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return STRUCTURES[structure]().to(dtype)
+
+
+def batches(dtype: torch.dtype, sizes: tuple[int, ...] = (4, 2, 5), offset: float = 3.0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(n, 3, 6, 6, generator=g, dtype=torch.float64) * 2 + offset).to(dtype) for n in sizes]
+
+
+def assert_exact(model: nn.Module, truth: dict, dtype: torch.dtype) -> None:
+    assert truth, "no layer selected"
+    tol = tolerance(dtype)
+    for name, t in truth.items():
+        layer = model.get_submodule(name)
+        assert layer.running_mean.dtype == dtype
+        scale = torch.maximum(t.mean.abs(), t.var.sqrt())
+        assert max_rel_error(layer.running_mean, t.mean, scale) <= tol, (name, dtype)
+        assert max_rel_error(layer.running_var, t.var) <= tol, (name, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("structure", list(STRUCTURES))
+@pytest.mark.parametrize("mode", ["norm", "train"])
+def test_recalibrate_every_dtype(structure: str, dtype: torch.dtype, mode: str) -> None:
+    model, data = build(structure, dtype), batches(dtype)
+    truth = compute_truth(model, data, mode=mode)
+    report = precisebn.recalibrate(model, data, mode=mode)
+    assert_exact(model, truth, dtype)
+    expected_calls = {"called_twice": 3 * len(data), "shared": 2 * len(data)}.get(structure, len(data))
+    assert [r.calls for r in report.layers] == [expected_calls]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("structure", ["plain", "called_twice", "shared"])
+def test_compat_functions_every_dtype(structure: str, dtype: torch.dtype) -> None:
+    data = batches(dtype)
+    model = build(structure, dtype).train()
+    truth = compute_truth(model, data, mode="keep")
+    update_bn_stats(model, data, num_iters=len(data))
+    assert_exact(model, truth, dtype)
+
+    model = build(structure, dtype)
+    truth = compute_truth(model, data, mode="train")
+    update_bn([(x, torch.zeros(len(x))) for x in data], model)
+    assert_exact(model, truth, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_estimate_leaves_every_dtype_untouched_and_matches(dtype: torch.dtype) -> None:
+    model, data = build("called_twice", dtype), batches(dtype)
+    before = copy.deepcopy(model.state_dict())
+    stats = precisebn.estimate(model, data)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    truth = compute_truth(model, data)["bn"]
+    scale = torch.maximum(truth.mean.abs(), truth.var.sqrt())
+    # float64 statistics: half-precision and float64 layers are reduced in float64 (no rounding of
+    # their dtype); float32 layers carry the float32 rounding of each batch's figures
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert max_rel_error(stats["bn"].mean, truth.mean, scale) <= tol
+    assert max_rel_error(stats["bn"].var, truth.var) <= tol
+
+
+def test_float64_example_from_the_issue() -> None:
+    """Two batches [[0],[2]] and [[10],[12]]: mean 6, population variance 26."""
+    bn = nn.BatchNorm1d(1).double()
+    data = [torch.tensor([[0.0], [2.0]], dtype=torch.float64), torch.tensor([[10.0], [12.0]], dtype=torch.float64)]
+    precisebn.recalibrate(bn, data)
+    values = torch.cat(data)
+    assert bn.running_mean.item() == values.mean().item() == 6.0
+    assert bn.running_var.item() == values.var(unbiased=False).item() == 26.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    structure=st.sampled_from(list(STRUCTURES)),
+    sizes=st.lists(st.integers(2, 6), min_size=1, max_size=5).map(tuple),
+    offset=st.floats(-50, 50),
+    mode=st.sampled_from(["norm", "train"]),
+)
+def test_any_split_any_dtype(
+    dtype: torch.dtype, structure: str, sizes: tuple[int, ...], offset: float, mode: str
+) -> None:
+    model, data = build(structure, dtype), batches(dtype, sizes, offset)
+    truth = compute_truth(model, data, mode=mode)
+    precisebn.recalibrate(model, data, mode=mode)
+    assert_exact(model, truth, dtype)

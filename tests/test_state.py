@@ -1,0 +1,415 @@
+"""Nothing lost: objects and values restored whatever the forward does, one pass per model at
+a time, a checked all-or-nothing apply, and clear errors for user mistakes."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import precisebn
+from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
+from precisebn.errors import (
+    ConcurrentUseError,
+    InvalidArgumentError,
+    ModelChangedWarning,
+    StatsMismatchError,
+    UninitializedLayerError,
+    UnsupportedLayerError,
+)
+from precisebn.population import LayerStats, PopulationStats
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3), nn.BatchNorm1d(3))
+
+
+def data(n: int = 4, size: int = 8) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(size, 4, generator=g) * 2 + 1 for _ in range(n)]
+
+
+def failing(batches: list[torch.Tensor], after: int = 2):
+    for i, b in enumerate(batches):
+        if i == after:
+            raise OSError("disk read error")
+        yield b
+
+
+# -- buffers that forward reassigns or writes, whatever their strides --------------------
+
+
+class Averaging(nn.Module):
+    """Keeps an average of its inputs by reassigning a buffer (a common pattern)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("avg", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.avg = 0.9 * self.avg + x.mean()
+        return x
+
+
+def averaging_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), Averaging(), nn.BatchNorm1d(6))
+
+
+@pytest.mark.parametrize("mode", ["norm", "train"])
+def test_reassigned_buffer_is_put_back_after_estimate(mode: str) -> None:
+    model = averaging_model()
+    before = state_snapshot(model)
+    avg = model[1].avg
+    precisebn.estimate(model, data(), mode=mode)
+    assert model[1].avg is avg
+    assert_unchanged(model, before)
+
+
+def test_reassigned_buffer_is_put_back_when_the_loader_raises() -> None:
+    model = averaging_model()
+    before = state_snapshot(model)
+    with pytest.raises(OSError, match="disk read error"):
+        precisebn.recalibrate(model, failing(data()))
+    assert_unchanged(model, before)
+
+
+def test_reassigned_buffer_after_recalibrate_is_the_original_object() -> None:
+    model = averaging_model()
+    avg = model[1].avg
+    truth = compute_truth(model, data())
+    precisebn.recalibrate(model, data())
+    assert model[1].avg is avg and avg.item() == 0.0
+    assert max_rel_error(model[2].running_var, truth["2"].var) <= 1e-5
+
+
+class OddStrides(nn.Module):
+    """Buffers that are an expanded view (stride 0) and a transposed view, written in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = torch.zeros(1, 6)
+        self.register_buffer("expanded", self.base.expand(4, 6))
+        self.register_buffer("transposed", torch.arange(24.0).reshape(6, 4).t())
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.base.add_(1.0)  # changes every element of the expanded buffer
+        self.transposed.mul_(2.0)
+        self.steps += 1
+        return x
+
+
+def test_buffers_of_any_stride_are_restored_after_success_and_failure() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), OddStrides(), nn.BatchNorm1d(6))
+    expanded, transposed = model[1].expanded, model[1].transposed
+    strides = (expanded.stride(), transposed.stride())
+    before = state_snapshot(model)
+    precisebn.estimate(model, data())
+    assert_unchanged(model, before)
+    with pytest.raises(OSError):
+        precisebn.recalibrate(model, failing(data()))
+    assert_unchanged(model, before)
+    precisebn.recalibrate(model, data())
+    assert model[1].expanded is expanded and model[1].transposed is transposed
+    assert (expanded.stride(), transposed.stride()) == strides
+    assert torch.equal(expanded, torch.zeros(4, 6))
+    assert torch.equal(transposed, torch.arange(24.0).reshape(6, 4).t())
+    assert model[1].steps.item() == 0
+
+
+def test_unselected_batchnorm_in_keep_mode_is_restored() -> None:
+    """torch's BatchNorm kernel updates running buffers without bumping their version
+    counters: the restore compares bits, not versions."""
+    model = mlp().train()
+    before = state_snapshot(model)
+    stats = precisebn.estimate(model, data(), layers=["1"], _mode="keep")
+    assert list(stats) == ["1"]
+    assert_unchanged(model, before)
+
+
+# -- parameters and lazy modules ----------------------------------------------------------
+
+
+def test_embedding_max_norm_weights_are_restored() -> None:
+    torch.manual_seed(0)
+
+    class Embed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 6, max_norm=0.5)
+            self.bn = nn.BatchNorm1d(6)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.emb(idx))
+
+    model = Embed()
+    with torch.no_grad():
+        model.emb.weight.mul_(10)  # rows longer than max_norm: forward renormalises them in place
+    before = state_snapshot(model)
+    batches = [torch.randint(0, 10, (8,)) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        precisebn.estimate(model, batches)
+    assert_unchanged(model, before)
+
+
+def test_parameter_changed_in_place_is_named_in_a_warning() -> None:
+    torch.manual_seed(0)
+
+    class Drifting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 6)
+            self.bn = nn.BatchNorm1d(6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.lin.bias.add_(1.0)
+            return self.bn(self.lin(x))
+
+    model = Drifting()
+    with pytest.warns(ModelChangedWarning, match=r"'lin\.bias'"):
+        precisebn.estimate(model, data())
+
+
+@pytest.mark.parametrize("lazy", [nn.LazyLinear(6), nn.LazyBatchNorm1d()])
+def test_uninitialised_lazy_module_anywhere_is_refused(lazy: nn.Module) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), lazy)
+    before = state_snapshot(model[:2])  # (uninitialised tensors cannot be copied)
+    with pytest.raises(UninitializedLayerError, match=r"'2'.*Run one forward pass first"):
+        precisebn.recalibrate(model, data(), layers=["1"])
+    assert_unchanged(model[:2], before)
+    assert type(model[2]) is type(lazy)  # not materialised
+    assert nn.parameter.is_lazy(model[2].weight)
+
+
+# -- one pass per model at a time ---------------------------------------------------------
+
+
+def test_second_thread_is_refused_and_the_first_finishes_exactly() -> None:
+    model = mlp()
+    reference = copy.deepcopy(model)
+    batches = data(6)
+    inside, release = threading.Event(), threading.Event()
+
+    def slow():
+        for i, b in enumerate(batches):
+            if i == 2:
+                inside.set()
+                release.wait(10)
+            yield b
+
+    results: dict[str, object] = {}
+
+    def first() -> None:
+        try:
+            results["report"] = precisebn.recalibrate(model, slow())
+        except BaseException as exc:  # pragma: no cover - reported below
+            results["error"] = exc
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert inside.wait(10)
+    flags = [m.training for m in model.modules()]
+    for call in (
+        lambda: precisebn.recalibrate(model, batches),
+        lambda: precisebn.estimate(model[1], batches),  # a module of the busy model
+        lambda: precisebn.apply(model, precisebn.estimate(reference, batches)),
+    ):
+        with pytest.raises(ConcurrentUseError, match="already being recalibrated"):
+            call()
+    assert [m.training for m in model.modules()] == flags  # the refused calls touched nothing
+    release.set()
+    t.join(10)
+    assert "error" not in results
+    precisebn.recalibrate(reference, batches)
+    for a, b in zip(model.buffers(), reference.buffers()):
+        assert torch.equal(a, b)
+    assert [m.momentum for m in model.modules() if isinstance(m, nn.BatchNorm1d)] == [0.1, 0.1]
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    model.eval()
+    model(batches[0])  # works: nothing left behind
+
+
+def test_recalibrating_from_inside_forward_is_refused() -> None:
+    model = mlp()
+    before = state_snapshot(model)
+
+    def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        precisebn.recalibrate(m, [x])
+        return m(x)
+
+    with pytest.raises(ConcurrentUseError):
+        precisebn.recalibrate(model, data(), forward=forward)
+    assert_unchanged(model, before)
+
+
+def test_two_models_recalibrate_in_parallel_threads() -> None:
+    models = [mlp(), mlp()]
+    errors: list[BaseException] = []
+
+    def run(m: nn.Module) -> None:
+        try:
+            precisebn.recalibrate(m, data(20))
+        except BaseException as exc:  # pragma: no cover
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    truth = compute_truth(mlp(), data(20))
+    for m in models:
+        assert max_rel_error(m[1].running_var, truth["1"].var) <= 1e-5
+
+
+# -- apply: everything checked first, all or nothing --------------------------------------
+
+
+def stats_for(model: nn.Module, **override: torch.Tensor) -> PopulationStats:
+    stats = precisebn.estimate(model, data())
+    layers = dict(stats.layers)
+    s = layers["1"]
+    layers["1"] = LayerStats(override.get("mean", s.mean), override.get("var", s.var), s.count, s.calls, s.layer_type)
+    return PopulationStats(layers, stats.samples, stats.batches, stats.mode)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"mean": torch.tensor([float("nan")] + [0.0] * 5, dtype=torch.float64)}, "NaN/Inf"),
+        ({"var": -torch.ones(6, dtype=torch.float64)}, "negative variance"),
+        ({"var": torch.ones(1, dtype=torch.float64)}, r"var has shape \(1,\)"),
+        ({"mean": torch.tensor(0.0, dtype=torch.float64)}, r"mean has shape \(\)"),
+        ({"var": torch.ones(7, dtype=torch.float64)}, r"var has shape \(7,\)"),
+    ],
+    ids=["nan-mean", "negative-var", "one-element-var", "0-d-mean", "longer-var"],
+)
+def test_apply_refuses_bad_statistics_and_writes_nothing(override: dict, message: str) -> None:
+    model = mlp()
+    stats = stats_for(model, **override)
+    before = state_snapshot(model)
+    with pytest.raises(StatsMismatchError, match=message):
+        precisebn.apply(model, stats)
+    assert_unchanged(model, before)
+
+
+def test_apply_refuses_values_that_overflow_the_buffer_dtype() -> None:
+    model = mlp()
+    stats = stats_for(model, mean=torch.full((6,), 1e6, dtype=torch.float64))
+    model.half()
+    before = state_snapshot(model)
+    with pytest.raises(StatsMismatchError, match=r"NaN/Inf values \(as float16\)"):
+        precisebn.apply(model, stats)
+    assert_unchanged(model, before)
+
+
+def test_apply_interrupted_while_writing_restores_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = mlp()
+    stats = precisebn.estimate(model, data())
+    before = state_snapshot(model)
+    original = torch.Tensor.copy_
+    writes = {"n": 0}
+
+    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        writes["n"] += 1
+        if writes["n"] == 3:  # after the first layer's two buffers
+            raise KeyboardInterrupt
+        return original(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    with pytest.raises(KeyboardInterrupt):
+        precisebn.apply(model, stats)
+    monkeypatch.undo()
+    assert writes["n"] >= 3
+    assert_unchanged(model, before)
+
+
+def test_apply_interrupted_while_building_the_report_writes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = mlp()
+    stats = precisebn.estimate(model, data())
+    before = state_snapshot(model)
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys.modules["precisebn.recalibrate"], "Report", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        precisebn.apply(model, stats)
+    assert_unchanged(model, before)
+
+
+# -- layers whose figures were never produced ---------------------------------------------
+
+
+def test_instance_level_forward_is_measured_from_the_input() -> None:
+    model = mlp()
+    model[1].forward = lambda x: x * 1.0  # replaced on the instance: running buffers never touched
+    truth = compute_truth(model, data())
+    report = precisebn.recalibrate(model, data())
+    assert report["1"].updated
+    assert max_rel_error(model[1].running_mean, truth["1"].mean, truth["1"].var.sqrt()) <= 1e-6
+    assert max_rel_error(model[1].running_var, truth["1"].var) <= 1e-6
+
+
+def test_layer_that_stops_tracking_at_run_time_is_an_error_not_an_update() -> None:
+    model = mlp()
+    before = state_snapshot(model)
+
+    def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        m[1].track_running_stats = False  # its forward now normalises without writing running buffers
+        try:
+            return m(x)
+        finally:
+            m[1].track_running_stats = True
+
+    with pytest.raises(UnsupportedLayerError, match=r"'1' \(BatchNorm1d\) was called 4 times"):
+        precisebn.recalibrate(model, data(), forward=forward)
+    assert_unchanged(model, before)
+
+
+# -- smaller ones -------------------------------------------------------------------------
+
+
+def test_keyword_input_is_measured() -> None:
+    model = mlp()
+
+    def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m[1](input=m[0](x))
+
+    truth = compute_truth(model, data(), forward=lambda m, x: m[1](m[0](x)), select=lambda n, _: n == "1")
+    precisebn.recalibrate(model, data(), forward=forward, layers=["1"])
+    assert max_rel_error(model[1].running_var, truth["1"].var) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"layers": 123}, "layers= takes qualified layer names"),
+        ({"device": "nonsense"}, "device must be a torch.device"),
+        ({"num_samples": 2.5}, "num_samples must be a positive integer"),
+        ({"num_batches": np.int64(0)}, "num_batches must be a positive integer"),
+    ],
+)
+def test_user_mistakes_are_clear_errors(options: dict, message: str) -> None:
+    model = mlp()
+    before = state_snapshot(model)
+    with pytest.raises(InvalidArgumentError, match=message):
+        precisebn.recalibrate(model, data(), **options)
+    assert_unchanged(model, before)
+
+
+def test_numpy_integers_are_accepted() -> None:
+    stats = precisebn.estimate(mlp(), data(4, 8), num_samples=np.int64(16), num_batches=np.int32(5))
+    assert stats.samples == 16 and stats.batches == 2
