@@ -13,6 +13,7 @@ Both keep statistics local to the process (as the originals do); use
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -22,8 +23,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .errors import EmptyDataError, InvalidArgumentError, ShortDataWarning
-from .layers import find_norm_layers
-from .recalibrate import apply, estimate
+from .layers import find_norm_layers, unwrap
+from .recalibrate import _apply, _estimate, recalibrate
 
 __all__ = ["ShortLoaderError", "update_bn", "update_bn_stats"]
 
@@ -69,30 +70,36 @@ def update_bn_stats(
 
     if not find_norm_layers(model, selected, require=False):
         return
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ShortDataWarning)
-            stats = estimate(
-                model,
-                data_loader,
-                num_batches=num_iters,
-                forward=lambda m, b: m(b),
-                layers=selected,
-                device=None,
-                progress=progress == "tqdm",
-                distributed=False,
-                _mode="keep",
+    with contextlib.ExitStack() as guard:  # one hold on the model from the passes to the writes
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ShortDataWarning)
+                stats = _estimate(
+                    guard,
+                    model,
+                    data_loader,
+                    num_samples=None,
+                    num_batches=num_iters,
+                    forward=lambda m, b: m(b),
+                    mode="norm",
+                    layers=selected,
+                    device=None,
+                    progress=progress == "tqdm",
+                    distributed=False,
+                    process_group=None,
+                    _capture=None,
+                    _mode="keep",
+                )
+        except EmptyDataError as exc:
+            raise ShortLoaderError(
+                f"update_bn_stats is meant to run for {num_iters} iterations, but the data loader is empty"
+            ) from exc
+        if stats.batches < num_iters:
+            raise ShortLoaderError(
+                f"update_bn_stats is meant to run for {num_iters} iterations, but the data loader stops at "
+                f"{stats.batches} iterations; the model was left unchanged."
             )
-    except EmptyDataError as exc:
-        raise ShortLoaderError(
-            f"update_bn_stats is meant to run for {num_iters} iterations, but the data loader is empty"
-        ) from exc
-    if stats.batches < num_iters:
-        raise ShortLoaderError(
-            f"update_bn_stats is meant to run for {num_iters} iterations, but the data loader stops at "
-            f"{stats.batches} iterations; the model was left unchanged."
-        )
-    apply(model, stats)
+        _apply(unwrap(model), stats)
 
 
 def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | str | None = None) -> None:
@@ -117,5 +124,4 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
 
     if not find_norm_layers(model, selected, require=False):
         return
-    stats = estimate(model, loader, num_samples="all", layers=selected, device=device, mode="train", distributed=False)
-    apply(model, stats)
+    recalibrate(model, loader, num_samples="all", layers=selected, device=device, mode="train", distributed=False)

@@ -51,11 +51,23 @@ def _span(t: Tensor) -> Tensor | None:
     return t.as_strided((extent,), (1,), t.storage_offset())
 
 
-def _same_bits(a: Tensor, b: Tensor) -> bool:
+def _bits(t: Tensor) -> Tensor:
     try:
-        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # NaN == NaN, -0.0 != 0.0
+        return t.view(torch.uint8)  # NaN == NaN, -0.0 != 0.0
     except RuntimeError:  # dtypes without a byte view (quantized...)
-        return torch.equal(a, b)
+        return t
+
+
+def _changed(pairs: list[tuple[_Saved, Tensor]]) -> list[tuple[_Saved, Tensor]]:
+    """The (saved, span) pairs whose bits differ from their copy: one host read per device."""
+    by_device: dict[torch.device, list[tuple[_Saved, Tensor]]] = {}
+    for s, span in pairs:
+        by_device.setdefault(span.device, []).append((s, span))
+    out = []
+    for group in by_device.values():
+        differs = torch.stack([(_bits(span) != _bits(s.copy)).any() for s, span in group]).tolist()  # type: ignore[arg-type]
+        out += [pair for pair, d in zip(group, differs) if d]
+    return out
 
 
 @dataclass
@@ -112,17 +124,17 @@ class StateSnapshot:
                 module._non_persistent_buffers_set.clear()
                 module._non_persistent_buffers_set.update(non_persistent)
         lost = []
+        copied: list[tuple[_Saved, Tensor]] = []
+        for s in self._saved:
+            span = _span(s.tensor)
+            if s.copy is not None and span is not None:
+                copied.append((s, span))
+            elif s.version is not None and _version(s.tensor) != s.version:  # a parameter: only its version tells
+                lost.append(s.name)
         with torch.no_grad():
-            for s in self._saved:
-                span = _span(s.tensor)
-                if s.copy is None or span is None:  # a parameter: only its version counter tells
-                    if s.version is not None and _version(s.tensor) != s.version:
-                        lost.append(s.name)
-                    continue
-                if _same_bits(span, s.copy):
-                    continue
+            for s, span in _changed(copied):
                 with torch.inference_mode() if s.version is None else contextlib.nullcontext():
-                    span.copy_(s.copy)
+                    span.copy_(s.copy)  # type: ignore[arg-type]
         return lost
 
 
