@@ -173,7 +173,9 @@ def test_image_folder_order_and_files(tmp_path):
             path.write_text("x")
         else:
             image.new("RGB", (10, 12), color=(10, 200, 30)).save(path)
-    data, size = resolve_data(str(tmp_path), batch_size=2, image_size=8)
+    from precisebn.images import Preprocessing
+
+    data, size = resolve_data(str(tmp_path), batch_size=2, preprocessing=Preprocessing("test", resize=8, crop=8))
     assert size == 3
     batches = list(data)
     assert [tuple(b.shape) for b in batches] == [(3, 3, 8, 8)]  # 2 + a last single image joined
@@ -228,3 +230,40 @@ def test_diff_stats_against_direct_formulas():
     assert (diff_stats(a, c).only_a, diff_stats(a, c).only_b) == (["1"], ["9"])
     d = dict(a, **{"1.running_mean": torch.zeros(5), "1.running_var": torch.ones(5)})
     assert diff_stats(a, d).mismatched == ["1"]
+
+
+def test_blocked_global_names_the_option_and_runs_nothing(tmp_path):
+    import os
+
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"a": torch.zeros(2), "x": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(CheckpointError, match="--trust-checkpoint") as info:
+        load_checkpoint(tmp_path / "evil.pt")
+    assert "system" in str(info.value) and "Is it complete" not in str(info.value)
+    assert not marker.exists()
+
+
+def test_write_alias_names_and_verify(tmp_path):
+    from precisebn.checkpoint import buffer_names, verify_written, write_checkpoint
+
+    bn = nn.BatchNorm2d(4)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), bn, nn.Sequential(bn))
+    names = buffer_names(model, ["1"], ("running_mean", "running_var"), "module.")
+    assert names == {
+        "module.1.running_mean": "1.running_mean",
+        "module.1.running_var": "1.running_var",
+        "module.2.0.running_mean": "2.0.running_mean",
+        "module.2.0.running_var": "2.0.running_var",
+    }
+    torch.save({"module." + k: v for k, v in model.state_dict().items()}, tmp_path / "in.pt")
+    ckpt = load_checkpoint(tmp_path / "in.pt")
+    replace = {k: torch.full((4,), 3.0) for k in names}
+    write_checkpoint(ckpt, replace, tmp_path / "out.pt")
+    verify_written(ckpt, replace, tmp_path / "out.pt")
+    with pytest.raises(CheckpointError, match="does not hold the new values"):
+        verify_written(ckpt, {**replace, "module.2.0.running_var": torch.zeros(4)}, tmp_path / "out.pt")

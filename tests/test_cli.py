@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -117,9 +122,10 @@ def test_recalibrate_matches_direct_call(files, tmp_path, capsys):
 
 def test_recalibrate_uses_all_images_when_fewer_than_num_samples(files, tmp_path, capsys):
     out = tmp_path / "out.pt"
-    assert main(_recalibrate_args(files, out)) == 0  # default --num-samples 8192 > 14 images
+    assert main(_recalibrate_args(files, out, "--num-samples", "100")) == 0
     captured = capsys.readouterr()
-    assert "using all 14 images" in captured.out and "warning" not in captured.err
+    assert "using every image of" in captured.out and "(14 images, fewer than --num-samples 100)" in captured.out
+    assert "warning" not in captured.err
     _check_against_direct(
         torch.load(out, weights_only=True), torch.load(files["ckpt"], weights_only=True), files["images"]
     )
@@ -165,6 +171,8 @@ def test_recalibrate_with_data_function(files, tmp_path, monkeypatch):
     out = tmp_path / "out.pt"
     args = _recalibrate_args(files, out, "--data-kwargs", json.dumps({"path": str(tmp_path / "batches.pt")}))
     args[args.index("--data") + 1] = "cli_data_fn:batches"
+    i = args.index("--image-size")
+    del args[i : i + 2]  # an image folder's option: refused for a data function (the test below)
     assert main(args) == 0
     model = _build_model()
     model.load_state_dict(torch.load(files["ckpt"], weights_only=True))
@@ -192,7 +200,7 @@ def test_inspect_flags_unhealthy_layers(files, tmp_path, capsys):
     assert rows["features.12.1"].endswith("never updated")
     assert rows["features.2.block.0.1"].endswith("ok")
     assert "34 normalization layers, 3 flagged" in out
-    assert main(["inspect", str(path), "--strict"]) == 1
+    assert main(["inspect", str(path), "--strict"]) == 3  # problems found: not 1 (failed) nor 2 (usage)
     assert main(["inspect", str(files["ckpt"]), "--strict"]) == 0
 
 
@@ -251,6 +259,9 @@ def _bad_cases(files: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
                 args[1] = value
             else:
                 args[args.index(option) + 1] = value
+            if option == "--data" and ":" in value:  # a data function: no image folder options
+                i = args.index("--image-size")
+                del args[i : i + 2]
         return args
 
     return {
@@ -269,7 +280,6 @@ def _bad_cases(files: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
         "other num_classes": (rec(("--model-kwargs", "num_classes=7")), "shape mismatch"),
         "other model": (rec(("--model", "torchvision:resnet18")), "missing"),
         "unknown model": (rec(("--model", "torchvision:mobilenet_v3_smal")), "did you mean mobilenet_v3_small"),
-        "bad model kwargs": (rec(("--model-kwargs", "{not json")), "not valid JSON"),
         "unknown kwarg": (rec(("--model", "torchvision:resnet18"), ("--model-kwargs", "colour=1")), "colour"),
         "factory raises": (rec(("--model", "cli_bad_user:exploding")), "out of coffee"),
         "factory not a model": (
@@ -287,10 +297,6 @@ def _bad_cases(files: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
             rec(("--data", "cli_bad_user:wrong_shape")),
             "the model failed on a batch of (2, 5)",
         ),
-        "out is the input": (rec(("--out", str(files["ckpt"]))), "--in-place"),
-        "format mismatch": (rec(("--out", str(tmp / "o.safetensors"))), "same kind of extension"),
-        "bad device": (rec(extra=("--device", "toaster")), "not a device"),
-        "report path is png": (rec(extra=("--report", str(tmp / "r.png"))), "JSON"),
         "inspect garbage": (["inspect", str(tmp / "junk.pt")], "cannot read"),
         "inspect no statistics": (["inspect", str(no_norm)], "no normalization statistics"),
         "diff missing": (["diff", str(files["ckpt"]), str(tmp / "nope.pt")], "does not exist"),
@@ -299,11 +305,10 @@ def _bad_cases(files: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
 
 BAD = [
     "missing checkpoint", "garbage checkpoint", "truncated checkpoint", "garbage safetensors", "pickled objects",
-    "not a state_dict", "other num_classes", "other model", "unknown model", "bad model kwargs", "unknown kwarg",
+    "not a state_dict", "other num_classes", "other model", "unknown model", "unknown kwarg",
     "factory raises", "factory not a model", "module not found", "missing attribute", "empty image folder",
     "no such data folder", "unreadable image", "data function raises", "data not iterable", "model fails on the data",
-    "out is the input",
-    "format mismatch", "bad device", "report path is png", "inspect garbage", "inspect no statistics", "diff missing",
+    "inspect garbage", "inspect no statistics", "diff missing",
 ]  # fmt: skip
 
 
@@ -362,3 +367,443 @@ def test_installed_script_runs(files):
     rows = [line for line in done.stdout.splitlines() if line.startswith("features.")]
     assert len(rows) == 34 and all(line.endswith("ok") for line in rows)
     assert done.stderr == ""
+
+
+# --- issue 10: outputs planned up front, all or none; aliases; preprocessing; a consistent CLI --------------
+
+SCRIPT = Path(sys.executable).with_name("precisebn")
+
+TINY_MODULE = '''
+import torch
+from torch import nn
+from torchvision import transforms as T
+
+
+class Tiny(nn.Module):
+    def __init__(self, width=6):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=2)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = torch.relu(self.bn2(self.conv2(x)))
+        return self.head(x.mean((2, 3)))
+
+
+class Shared(nn.Module):
+    """One BatchNorm registered under two parents: state_dict names bn.* and block.1.*."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.block = nn.Sequential(self.conv, self.bn, nn.ReLU())
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def transform(image):
+    return T.Normalize((0.1, 0.2, 0.3), (0.5, 0.5, 0.5))(T.ToTensor()(image)) * 1.5
+
+
+def batches(n=3):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(5, 3, 12, 12, generator=g) * 2 + 1 for _ in range(n)]
+'''
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _stray(root: Path) -> list[str]:
+    return sorted(p.name for p in root.rglob("*") if ".precisebn-" in p.name or p.name.endswith(".tmp"))
+
+
+def _scramble(model: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.normal_()
+                m.running_var.uniform_(0.5, 2.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A user module (models, a transform, a data function), a 32x32 image folder and checkpoints."""
+    root = tmp_path_factory.mktemp("tiny")
+    (root / "cli_tiny.py").write_text(TINY_MODULE)
+    rng = np.random.default_rng(1)
+    (root / "img32").mkdir()
+    for i in range(10):
+        pixels = rng.integers(20 * (i % 3), 256 - 30 * (i % 2), size=(32, 32, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(root / "img32" / f"{i}.png")
+    sys.path.insert(0, str(root))
+    import cli_tiny
+
+    torch.manual_seed(1)
+    torch.save(_scramble(cli_tiny.Tiny()).state_dict(), root / "tiny.pt")
+    torch.save(_scramble(cli_tiny.Shared()).state_dict(), root / "shared.pt")
+    yield {"root": root, "images": root / "img32", "ckpt": root / "tiny.pt", "shared": root / "shared.pt"}
+    sys.path.remove(str(root))
+
+
+def _tiny_args(tiny: dict[str, Path], ckpt: Path, out: Path | str, *extra: str) -> list[str]:
+    return [
+        "recalibrate", str(ckpt), "--model", "cli_tiny:Tiny", "--data", str(tiny["images"]), "--out", str(out),
+        "--batch-size", "4", "--num-samples", "all", "--no-progress", "--device", "cpu", *extra,
+    ]  # fmt: skip
+
+
+def _folder_batches(folder: Path, transform: Any, batch_size: int = 4) -> list[torch.Tensor]:
+    """The CLI's documented order, rebuilt here: sorted files, torch.randperm(seed 0), a last single joins."""
+    paths = sorted(folder.rglob("*.png"))
+    order = torch.randperm(len(paths), generator=torch.Generator().manual_seed(0)).tolist()
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    if len(chunks) > 1 and len(chunks[-1]) == 1:
+        chunks[-2] += chunks.pop()
+    return [torch.stack([transform(Image.open(paths[i]).convert("RGB")) for i in c]) for c in chunks]
+
+
+def _python_recalibrated(factory: Any, ckpt: Path, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    model = factory()
+    model.load_state_dict(torch.load(ckpt, weights_only=True))
+    precisebn.recalibrate(model, batches, num_samples="all")
+    return model.state_dict()
+
+
+def _assert_stats_close(written: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    keys = [k for k in expected if k.endswith(("running_mean", "running_var"))]
+    assert keys
+    for k in keys:
+        torch.testing.assert_close(written[k], expected[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.fixture
+def work(tiny, tmp_path, monkeypatch) -> dict[str, Path]:
+    """A private copy of the tiny checkpoint in tmp_path (the cwd), with its sha256."""
+    monkeypatch.chdir(tmp_path)
+    ckpt = tmp_path / "model.pt"
+    ckpt.write_bytes(tiny["ckpt"].read_bytes())
+    (tmp_path / "existing_dir").mkdir()
+    (tmp_path / "link.pt").symlink_to(ckpt)
+    return {"dir": tmp_path, "ckpt": ckpt, "sha": _sha(ckpt)}
+
+
+REFUSED = {  # name -> (extra arguments / replacements, a phrase of the message); all exit 2 before loading
+    "report is the input (1)": (["--report", "model.pt"], "is the input CHECKPOINT"),
+    "report is the output (1)": (["--report", "out.pt"], "is the same file as --out"),
+    "report's PNG is the output (1)": (["--out", "r.png", "--report", "r.json"], "same file as --out"),
+    "out via a missing folder's .. (2)": (["--out", "newdir/../model.pt"], "is the input CHECKPOINT"),
+    "out is a symlink to the input (2)": (["--out", "link.pt"], "is the input CHECKPOINT"),
+    "out is the input": (["--out", "model.pt"], "--in-place"),
+    "out is a folder": (["--out", "existing_dir"], "is a folder"),
+    "format mismatch": (["--out", "o.safetensors"], "same kind of extension"),
+    "bad device": (["--device", "toaster"], "not a device"),
+    "device gpu (8)": (["--device", "gpu"], "not a device"),
+    "device meta (8)": (["--device", "meta"], "cannot hold"),
+    "workers -1 (8)": (["--workers", "-1"], "expected 0 or a positive integer"),
+    "malformed model kwargs (8)": (["--model-kwargs", "{not json"], "not valid JSON"),
+    "bad kwargs pair (8)": (["--model-kwargs", "width"], "is not key=value"),
+    "report path is png": (["--report", "r.png"], "JSON"),
+    "transform and crop (7)": (["--transform", "cli_tiny:transform", "--crop", "8"], "--transform replaces"),
+    "weights without torchvision (7)": (["--weights", "IMAGENET1K_V1"], "torchvision:NAME model"),
+    "image size and crop (7)": (["--image-size", "8", "--crop", "8"], "either it or --crop"),
+    "bad mean (7)": (["--mean", "0.5,0.5"], "1 or 3 comma-separated numbers"),
+    "bad interpolation (7)": (["--interpolation", "cubic"], "invalid choice"),
+    "threads 0 (8)": (["--threads", "0"], "positive integer"),
+    "folder option for a data function (8)": (
+        ["--data", "cli_tiny:batches", "--crop", "16"],
+        "apply only to an image folder",
+    ),
+}
+
+
+def _refused_args(tiny: dict[str, Path], extra: list[str]) -> list[str]:
+    args = _tiny_args(tiny, Path("model.pt"), "out.pt")
+    extra = list(extra)
+    for option in ("--out", "--data"):
+        if option in extra:
+            i = extra.index(option)
+            args[args.index(option) + 1] = extra[i + 1]
+            extra = extra[:i] + extra[i + 2 :]
+    return args + extra
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_before_anything_is_loaded(case, tiny, work, capsys):
+    extra, phrase = REFUSED[case]
+    before = sorted(p.name for p in work["dir"].iterdir())
+    assert main(_refused_args(tiny, extra)) == 2
+    err = capsys.readouterr().err
+    assert "usage: precisebn recalibrate" in err and phrase in err and "Traceback" not in err
+    assert _sha(work["ckpt"]) == work["sha"]
+    assert sorted(p.name for p in work["dir"].iterdir()) == before  # newdir/ not even created
+    assert (work["dir"] / "link.pt").is_symlink()
+
+
+def test_refusals_through_the_installed_script(tiny, work):
+    assert SCRIPT.exists(), "pip install -e . puts the precisebn script next to the interpreter"
+    for case in ("report is the input (1)", "out via a missing folder's .. (2)", "device meta (8)"):
+        extra, phrase = REFUSED[case]
+        done = subprocess.run(
+            [str(SCRIPT), *_refused_args(tiny, extra)], cwd=work["dir"], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 2, (case, done.stderr)
+        assert phrase in done.stderr, case
+        assert _sha(work["ckpt"]) == work["sha"], case
+    assert not (work["dir"] / "newdir").exists() and _stray(work["dir"]) == []
+
+
+def test_every_alias_of_a_shared_layer_is_written(tiny, work, capsys):
+    import cli_tiny
+
+    out = work["dir"] / "out.pt"
+    args = ["recalibrate", str(tiny["shared"]), "--model", "cli_tiny:Shared", "--data", "cli_tiny:batches",
+            "--out", str(out), "--num-samples", "all", "--no-progress", "--device", "cpu"]  # fmt: skip
+    assert main(args) == 0
+    written = torch.load(out, weights_only=True)
+    for buffer in ("running_mean", "running_var"):  # both names hold the new values...
+        assert torch.equal(written[f"bn.{buffer}"], written[f"block.1.{buffer}"]), buffer
+    truth = cli_tiny.Shared()
+    truth.load_state_dict(torch.load(tiny["shared"], weights_only=True))
+    precisebn.recalibrate(truth, cli_tiny.batches(), num_samples="all")
+    loaded = cli_tiny.Shared()
+    loaded.load_state_dict(written)  # ...so loading (which applies block.1.* last) keeps them
+    torch.testing.assert_close(loaded.bn.running_mean, truth.bn.running_mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loaded.bn.running_var, truth.bn.running_var, rtol=1e-6, atol=1e-6)
+    old = torch.load(tiny["shared"], weights_only=True)
+    assert not torch.equal(written["block.1.running_var"], old["block.1.running_var"])
+
+
+def test_a_failing_report_writes_nothing_and_names_the_output(tiny, work, capsys, monkeypatch):
+    import errno
+
+    import precisebn.plotting
+
+    def full_disk(report, path, title=None):
+        Path(path).write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(precisebn.plotting, "plot_report", full_disk)
+    out = work["dir"] / "out.pt"
+    assert main(_tiny_args(tiny, work["ckpt"], out, "--crop", "none", "--report", "r.json")) == 1
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "No space left on device: 'r.png'" in message and "nothing was written" in message
+    assert ".tmp" not in message
+    assert not out.exists() and not (work["dir"] / "r.json").exists() and _stray(work["dir"]) == []
+    assert _sha(work["ckpt"]) == work["sha"]
+
+
+def test_in_place_keeps_permission_bits_and_out_writes_through_symlinks(tiny, work):
+    ckpt = work["ckpt"]
+    ckpt.chmod(0o600)
+    args = _tiny_args(tiny, ckpt, "unused.pt", "--crop", "none")
+    i = args.index("--out")
+    args[i : i + 2] = ["--in-place"]
+    assert main(args) == 0
+    assert stat.S_IMODE(ckpt.stat().st_mode) == 0o600 and _sha(ckpt) != work["sha"]
+    target = work["dir"] / "target.pt"
+    target.write_bytes(b"old")
+    target.chmod(0o640)
+    (work["dir"] / "out-link.pt").symlink_to(target)
+    assert main(_tiny_args(tiny, ckpt, "out-link.pt", "--crop", "none")) == 0
+    assert (work["dir"] / "out-link.pt").is_symlink()  # the link stays, its target gets the checkpoint
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert torch.load(target, weights_only=True).keys() == torch.load(ckpt, weights_only=True).keys()
+    assert _stray(work["dir"]) == []
+
+
+def test_blocked_global_is_refused_with_the_option_and_nothing_runs(tiny, work, capsys):
+    marker = work["dir"] / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    evil = work["dir"] / "evil.pt"
+    torch.save({"state_dict": torch.load(work["ckpt"], weights_only=True), "x": Evil()}, evil)
+    assert main(["inspect", str(evil)]) == 1
+    message = capsys.readouterr().err
+    assert "--trust-checkpoint" in message and "system" in message and "nothing in the file was run" in message
+    assert "Is it complete" not in message and not marker.exists()
+
+
+def test_corrupt_checkpoint_message_is_whole(tiny, work, capsys):
+    corrupt = work["dir"] / "corrupt.pt"
+    corrupt.write_bytes(work["ckpt"].read_bytes()[:3000])
+    try:
+        torch.load(corrupt, weights_only=True)
+    except Exception as exc:  # torch's own words, first sentence
+        first = " ".join(str(exc).split()).split(". ")[0]
+    assert main(["inspect", str(corrupt)]) == 1
+    message = capsys.readouterr().err.strip()
+    assert first in message and message.endswith("written by torch.save or safetensors?")
+
+
+def test_32px_folder_with_explicit_preprocessing_matches_python(tiny, work, capsys):
+    import cli_tiny
+
+    t = torchvision.transforms
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    out, report = work["dir"] / "out.pt", work["dir"] / "report.json"
+    args = _tiny_args(tiny, work["ckpt"], out, "--resize", "none", "--crop", "none", "--mean", "0.5,0.4,0.3",
+                      "--std", "0.2,0.25,0.3", "--report", str(report))  # fmt: skip
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "ImageNet default" not in captured.err and "no resize, no crop" in captured.out
+    batches = _folder_batches(tiny["images"], t.Compose([t.ToTensor(), t.Normalize(mean, std)]))
+    assert all(b.shape[-2:] == (32, 32) for b in batches)
+    _assert_stats_close(torch.load(out, weights_only=True), _python_recalibrated(cli_tiny.Tiny, work["ckpt"], batches))
+    saved = json.loads(report.read_text())["preprocessing"]
+    assert (saved["resize"], saved["crop"], saved["mean"], saved["std"]) == (None, None, list(mean), list(std))
+
+    out2 = work["dir"] / "out2.pt"
+    assert main(_tiny_args(tiny, work["ckpt"], out2, "--transform", "cli_tiny:transform")) == 0
+    assert "custom transform cli_tiny:transform" in capsys.readouterr().out
+    batches = _folder_batches(tiny["images"], cli_tiny.transform)
+    _assert_stats_close(torch.load(out2, weights_only=True), _python_recalibrated(cli_tiny.Tiny, work["ckpt"], batches))
+
+
+def test_imagenet_default_is_named_in_a_warning(tiny, work, capsys):
+    assert main(_tiny_args(tiny, work["ckpt"], "out.pt", "--num-batches", "1")) == 0
+    captured = capsys.readouterr()
+    assert "warning: --data" in captured.err and "ImageNet default" in captured.err
+    assert "resize 256 (bilinear), centre crop 224" in captured.out
+
+
+def test_timm_model_uses_its_own_data_config(tmp_path, monkeypatch, capsys, files):
+    timm = pytest.importorskip("timm")
+    from timm.data import create_transform, resolve_data_config
+
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model = _scramble(timm.create_model("test_resnet", pretrained=False, num_classes=3))
+    torch.save(model.state_dict(), tmp_path / "timm.pt")
+    images = tmp_path / "few"
+    images.mkdir()
+    for i in range(6):
+        (images / f"{i}.png").write_bytes((files["images"] / "cats" / f"{i}.png").read_bytes())
+    args = ["recalibrate", "timm.pt", "--model", "timm:test_resnet", "--model-kwargs", "num_classes=3",
+            "--data", str(images), "--out", "out.pt", "--batch-size", "3", "--no-progress", "--device", "cpu",
+            "--report", "r.json", "--threads", "1"]  # fmt: skip
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    config = resolve_data_config({}, model=model)
+    saved = json.loads((tmp_path / "r.json").read_text())["preprocessing"]
+    assert saved["crop"] == config["input_size"][-1] and saved["mean"] == list(config["mean"])
+    assert saved["source"] == "timm data config of test_resnet" and "timm data config" in captured.out
+    assert "warning" not in captured.err
+    batches = _folder_batches(images, create_transform(**config), batch_size=3)  # timm's own transform
+    _assert_stats_close(
+        torch.load("out.pt", weights_only=True),
+        _python_recalibrated(lambda: timm.create_model("test_resnet", num_classes=3), tmp_path / "timm.pt", batches),
+    )
+
+
+def test_torchvision_weights_transforms_match_the_preset():
+    from precisebn.images import resolve_preprocessing
+
+    weights = torchvision.models.get_weight("MobileNet_V3_Small_Weights.IMAGENET1K_V1")
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (50, 70, 3), dtype=np.uint8))
+    ours = resolve_preprocessing("torchvision:mobilenet_v3_small", None, weights="IMAGENET1K_V1")
+    assert ours.source == "torchvision weights MobileNet_V3_Small_Weights.IMAGENET1K_V1"
+    torch.testing.assert_close(ours.build()(image), weights.transforms()(image), rtol=0, atol=1e-6)
+    bigger = resolve_preprocessing("torchvision:mobilenet_v3_small", None, weights="IMAGENET1K_V1", image_size=112)
+    assert (bigger.crop, bigger.resize) == (112, 128)
+
+
+def test_common_options_after_the_command(tiny, work, capsys):
+    missing = str(work["dir"] / "missing.pt")
+    from precisebn.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError):
+        main(["inspect", missing, "--debug"])
+    threads = torch.get_num_threads()
+    assert main(["inspect", str(work["ckpt"]), "--quiet", "--threads", "1"]) == 0
+    assert capsys.readouterr().out == "" and torch.get_num_threads() == threads
+    for command in ("recalibrate", "apply", "inspect", "diff", "demo"):
+        assert main([command, "--help"]) == 0
+        text = capsys.readouterr().out
+        assert "example:" in text and "exit codes:" in text and "--threads" in text, command
+
+
+def test_layers_num_batches_and_plural(tiny, work, capsys):
+    out = work["dir"] / "out.pt"
+    assert main(_tiny_args(tiny, work["ckpt"], out, "--crop", "none", "--layers", "bn1", "--num-batches", "1")) == 0
+    printed = capsys.readouterr().out
+    assert "1 layers updated" in printed or "1 layer updated" in printed
+    old, new = torch.load(work["ckpt"], weights_only=True), torch.load(out, weights_only=True)
+    assert [k for k in old if not torch.equal(old[k], new[k])] == ["bn1.running_mean", "bn1.running_var"]
+    one = work["dir"] / "one"
+    one.mkdir()
+    (one / "0.png").write_bytes((tiny["images"] / "0.png").read_bytes())
+    args = _tiny_args(tiny, work["ckpt"], out, "--crop", "none", "--num-samples", "5")
+    args[args.index("--data") + 1] = str(one)
+    args.remove("all")
+    args.remove("--num-samples")
+    assert main(args) == 0
+    assert "(1 image, fewer than --num-samples 5)" in capsys.readouterr().out
+
+
+def test_skip_bad_images_counts_and_lists_them(tiny, work, capsys):
+    folder = work["dir"] / "mixed"
+    shutil.copytree(tiny["images"], folder)
+    (folder / "bad1.png").write_bytes(b"not a png")
+    (folder / "bad2.jpg").write_bytes(b"")
+    args = _tiny_args(tiny, work["ckpt"], "out.pt", "--crop", "none", "--report", "r.json")
+    args[args.index("--data") + 1] = str(folder)
+    assert main(args) == 1
+    assert "--skip-bad-images" in capsys.readouterr().err and not Path("out.pt").exists()
+    assert main([*args, "--skip-bad-images"]) == 0
+    captured = capsys.readouterr()
+    assert "skipped 2 unreadable images" in captured.err
+    assert "bad1.png" in captured.err and "bad2.jpg" in captured.err
+    saved = json.loads(Path("r.json").read_text())
+    assert saved["samples"] == 10 and len(saved["skipped_images"]) == 2
+
+
+def test_diff_refuses_unrelated_checkpoints_and_compares_dtypes(tiny, files, work, capsys):
+    assert main(["diff", str(work["ckpt"]), str(files["ckpt"])]) == 1
+    assert "no layer in common" in capsys.readouterr().err
+    sd = torch.load(work["ckpt"], weights_only=True)
+    sd["conv1.weight"] = sd["conv1.weight"].double()  # same values, other dtype
+    torch.save(sd, work["dir"] / "double.pt")
+    assert main(["diff", str(work["ckpt"]), str(work["dir"] / "double.pt")]) == 0
+    text = capsys.readouterr().out
+    assert "dtypes differ: conv1.weight: float32 vs float64" in text
+    n_other = sum(not k.endswith(("running_mean", "running_var", "num_batches_tracked")) for k in sd)
+    assert f"other tensors: {n_other - 1} identical, 1 differ" in text
+
+
+def test_apply_patches_a_checkpoint_from_a_statistics_file(tiny, work, capsys):
+    import cli_tiny
+
+    model = cli_tiny.Tiny()
+    model.load_state_dict(torch.load(work["ckpt"], weights_only=True))
+    batches = [torch.randn(4, 3, 16, 16) for _ in range(3)]
+    stats = precisebn.estimate(model, batches)
+    stats.save(work["dir"] / "s.safetensors")
+    wrapped = work["dir"] / "ddp.pt"  # a DDP checkpoint: every name under module.
+    torch.save({"epoch": 2, "model": {f"module.{k}": v for k, v in model.state_dict().items()}}, wrapped)
+    sha = _sha(wrapped)
+    assert main(["apply", str(wrapped), "s.safetensors", "--out", "patched.pt"]) == 0
+    assert "prefix 'module.'" in capsys.readouterr().out and _sha(wrapped) == sha
+    precisebn.recalibrate(model, batches)  # the library's own result, for the same batches
+    written = torch.load("patched.pt", weights_only=True)
+    assert written["epoch"] == 2
+    for key, value in model.state_dict().items():
+        assert torch.equal(written["model"][f"module.{key}"], value), key
+    # refused: a statistics file of another width, and the statistics file as --out
+    other = cli_tiny.Tiny(width=4)
+    precisebn.estimate(other, batches).save(work["dir"] / "other.safetensors")
+    assert main(["apply", str(wrapped), "other.safetensors", "--out", "p2.pt"]) == 1
+    assert "shape mismatch" in capsys.readouterr().err and not Path("p2.pt").exists()
+    assert main(["apply", str(wrapped), "s.safetensors", "--out", "s.safetensors"]) == 2
+    assert "is the input STATS" in capsys.readouterr().err and _sha(wrapped) == sha

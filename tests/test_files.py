@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import subprocess
+import sys
 
 import pytest
 
-from precisebn.files import atomic_path
+from precisebn.errors import InvalidArgumentError
+from precisebn.files import OutputPlan, atomic_path, real_path
 
 
 def test_replaces_existing_file_in_one_step(tmp_path) -> None:
@@ -43,3 +47,152 @@ def test_creates_parent_folders_and_normal_permissions(tmp_path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     assert mode == 0o666 & ~umask
+
+
+def _names(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_real_path_follows_links_and_dotdot_of_missing_folders(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.pt").write_text("x")
+    (tmp_path / "link.pt").symlink_to(tmp_path / "model.pt")
+    expected = os.path.join(os.path.realpath(tmp_path), "model.pt")
+    for spelling in ("model.pt", "newdir/../model.pt", "a/b/../../link.pt", str(tmp_path / "link.pt")):
+        assert str(real_path(spelling)) == expected, spelling
+
+
+def test_plan_refuses_inputs_duplicates_and_folders_before_creating_anything(tmp_path) -> None:
+    (tmp_path / "in.pt").write_text("input")
+    (tmp_path / "folder").mkdir()
+    plan = OutputPlan({"CHECKPOINT": tmp_path / "in.pt"})
+    with pytest.raises(InvalidArgumentError, match="is the input CHECKPOINT"):
+        plan.add("--out", tmp_path / "missing" / ".." / "in.pt")
+    plan.add("--out", tmp_path / "out.pt")
+    with pytest.raises(InvalidArgumentError, match="is the same file as --out"):
+        plan.add("--report", tmp_path / "sub" / ".." / "out.pt")
+    with pytest.raises(InvalidArgumentError, match="is a folder"):
+        plan.add("--report", tmp_path / "folder")
+    with pytest.raises(InvalidArgumentError, match="is a file, not a folder"):
+        plan.add("--report", tmp_path / "in.pt" / "r.json")
+    assert _names(tmp_path) == ["folder", "in.pt"]
+    assert plan.add("--out2", tmp_path / "in.pt", replaces="CHECKPOINT") == real_path(tmp_path / "in.pt")
+
+
+def test_existing_permissions_kept_and_symlinks_written_through(tmp_path) -> None:
+    target = tmp_path / "secret.json"
+    target.write_text("old")
+    target.chmod(0o600)
+    with atomic_path(target) as tmp:
+        tmp.write_text("new")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600 and target.read_text() == "new"
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    with atomic_path(link) as tmp:
+        tmp.write_text("through")
+    assert link.is_symlink() and target.read_text() == "through"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert _names(tmp_path) == ["link.json", "secret.json"]
+
+
+def test_all_or_none_when_a_commit_fails(tmp_path, monkeypatch) -> None:
+    import precisebn.files as files
+
+    (tmp_path / "a.txt").write_text("old a")
+    plan = OutputPlan()
+    plan.add("a", tmp_path / "a.txt")
+    plan.add("b", tmp_path / "b.txt")
+    real_replace, calls = os.replace, []
+
+    def failing_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device", str(dst))
+        real_replace(src, dst)
+
+    def write_both() -> None:
+        with plan.staged() as tmp:
+            tmp["a"].write_text("new a")
+            tmp["b"].write_text("new b")
+
+    monkeypatch.setattr(files.os, "replace", failing_second)
+    with pytest.raises(OSError, match="No space"):
+        write_both()
+    monkeypatch.setattr(files.os, "replace", real_replace)
+    assert (tmp_path / "a.txt").read_text() == "old a"  # put back
+    assert _names(tmp_path) == ["a.txt"]
+
+
+def test_interrupt_leaves_no_temporary_and_removes_created_folders(tmp_path) -> None:
+    plan = OutputPlan()
+    plan.add("out", tmp_path / "new" / "deeper" / "out.txt")
+
+    def interrupted() -> None:
+        with plan.staged() as tmp:
+            tmp["out"].write_text("half")
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupted()
+    assert _names(tmp_path) == []
+
+
+SIGTERM_SCRIPT = """
+import sys, time
+from pathlib import Path
+from precisebn.files import OutputPlan
+plan = OutputPlan()
+plan.add("a", sys.argv[1])
+plan.add("b", sys.argv[2])
+with plan.staged() as tmp:
+    tmp["a"].write_text("new")
+    print("staged", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_sigterm_removes_temporaries_and_ends_the_process(tmp_path) -> None:
+    (tmp_path / "a.txt").write_text("old")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGTERM_SCRIPT, str(tmp_path / "a.txt"), str(tmp_path / "b.txt")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "staged"
+    assert any(".precisebn-" in n for n in _names(tmp_path))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == -signal.SIGTERM  # still killed by the signal, as without precisebn
+    assert _names(tmp_path) == ["a.txt"] and (tmp_path / "a.txt").read_text() == "old"
+
+
+def test_stale_temporaries_of_killed_runs_are_removed(tmp_path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".out.pt.precisebn-{dead.pid}-0123abcd.tmp"
+    alive = tmp_path / f".out.pt.precisebn-{os.getppid()}-0123abcd.tmp"  # a running process: kept
+    other = tmp_path / ".other.pt.precisebn-1-0123abcd.tmp"
+    for p in (stale, alive, other):
+        p.write_text("left by a SIGKILL")
+    with atomic_path(tmp_path / "out.pt") as tmp:
+        tmp.write_text("new")
+    assert _names(tmp_path) == sorted([alive.name, other.name, "out.pt"])
+
+
+def test_population_save_and_report_to_json_keep_permissions(tmp_path) -> None:
+    import torch
+
+    import precisebn
+
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(3))
+    stats = precisebn.estimate(model, [torch.randn(4, 3)])
+    for path, write in (
+        (tmp_path / "s.safetensors", stats.save),
+        (tmp_path / "r.json", precisebn.apply(model, stats).to_json),
+    ):
+        path.write_text("old")
+        path.chmod(0o600)
+        link = path.with_name("link-" + path.name)
+        link.symlink_to(path)
+        write(link)
+        assert link.is_symlink() and path.read_bytes() != b"old" and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert not [n for n in _names(tmp_path) if n.endswith(".tmp")]

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import precisebn
-from precisebn.errors import InvalidArgumentError
+from precisebn.errors import InvalidArgumentError, StatsMismatchError
 
 
 def net() -> nn.Module:
@@ -107,3 +107,44 @@ def test_saved_file_has_normal_permissions(tmp_path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE(os.stat(tmp_path / "s.safetensors").st_mode) == 0o666 & ~umask
+
+
+def test_save_refuses_an_extension_it_does_not_honour(tmp_path) -> None:
+    stats = precisebn.estimate(net(), batches(), forward=forward)
+    for name in ("stats.pt", "stats.pth", "stats"):
+        with pytest.raises(InvalidArgumentError, match=r"\*\.safetensors"):
+            stats.save(tmp_path / name)
+    assert list(tmp_path.iterdir()) == []
+    stats.save(tmp_path / "stats.bin", format="safetensors")
+    assert precisebn.PopulationStats.load(tmp_path / "stats.bin").samples == stats.samples
+    with pytest.raises(InvalidArgumentError, match="only format"):
+        stats.save(tmp_path / "s.safetensors", format="torch")
+
+
+def test_state_dict_names_reached_layers_with_a_prefix() -> None:
+    model = net()
+    stats = precisebn.estimate(model, batches(), forward=forward)
+    sd = stats.state_dict(prefix="module.")
+    assert list(sd) == [f"module.{n}.running_{b}" for n in ("1", "3") for b in ("mean", "var")]  # "4" never ran
+    x = torch.cat(batches()).double()
+    first = model[0].double()(x)  # the first layer's inputs, computed here
+    torch.testing.assert_close(sd["module.1.running_mean"], first.mean(0))
+    torch.testing.assert_close(sd["module.1.running_var"], first.var(0, unbiased=False))
+    target = net()
+    target.load_state_dict(stats.state_dict(), strict=False)
+    assert torch.allclose(target[1].running_mean, first.mean(0).float())
+
+
+@pytest.mark.parametrize(("mean", "var"), [(torch.zeros(3), torch.ones(4)), (torch.tensor(0.0), torch.tensor(1.0))])
+def test_load_refuses_mean_and_var_that_do_not_pair(tmp_path, mean, var) -> None:
+    good = tmp_path / "good.safetensors"
+    precisebn.estimate(net(), batches(), forward=forward).save(good)
+    from safetensors import safe_open
+
+    with safe_open(str(good), framework="pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    tensors["1.mean"], tensors["1.var"] = mean.double(), var.double()
+    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=metadata)
+    with pytest.raises(StatsMismatchError, match=r"layer '1' of .*bad\.safetensors"):
+        precisebn.PopulationStats.load(tmp_path / "bad.safetensors")

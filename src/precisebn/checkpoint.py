@@ -10,7 +10,6 @@ tensors replaced, in the same format and layout, atomically.
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import warnings
 from collections.abc import Mapping
@@ -29,10 +28,14 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointMismatchError",
+    "buffer_names",
     "checkpoint_format",
     "load_checkpoint",
     "load_into",
     "save_checkpoint",
+    "stats_replacement",
+    "verify_written",
+    "write_checkpoint",
 ]
 
 Format = Literal["torch", "safetensors"]
@@ -100,27 +103,44 @@ def load_checkpoint(path: str | os.PathLike[str], *, trust: bool = False) -> Che
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's FutureWarnings about weights_only
             obj = torch.load(path, map_location="cpu", weights_only=not trust)
-    except pickle.UnpicklingError as exc:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        if found and not trust:
-            raise CheckpointError(
-                f"checkpoint {str(path)!r} holds Python objects besides tensors (first: {found.group(1)}), "
-                "which a safe (weights_only) load refuses. Save model.state_dict() instead, or, only if you "
-                "trust the file's source, pass --trust-checkpoint (unpickling can run arbitrary code)."
-            ) from None
-        raise _unreadable(path, exc) from None
-    except Exception as exc:  # zip/pickle errors of every kind: KeyError, EOFError, OSError, RuntimeError...
-        raise _unreadable(path, exc) from None
+    except Exception as exc:  # zip/pickle errors of every kind: UnpicklingError, EOFError, RuntimeError...
+        raise _unreadable(path, exc, trust) from None
     sd, container, key = _find_state_dict(obj, path)
     return Checkpoint(path, "torch", sd, container, key)
 
 
-def _unreadable(path: Path, exc: BaseException) -> CheckpointError:
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    if "Weights only load failed" in first or not first:
-        first = "not a valid pickle/zip file"
+def _first_sentence(text: str, limit: int = 300) -> str:
+    """The first sentence of ``text`` (whole, or shortened at a word with an ellipsis)."""
+    text = " ".join(text.split())
+    end = re.search(r"[.!?](\s|$)", text)
+    sentence = text[: end.start() + 1] if end else text
+    if len(sentence) > limit:
+        sentence = sentence[:limit].rsplit(" ", 1)[0] + " …"
+    return sentence.rstrip(".")
+
+
+def _unreadable(path: Path, exc: BaseException, trust: bool) -> CheckpointError:
+    text = str(exc)
+    if "Weights only load failed" in text and not trust:
+        found = re.search(r"(?:GLOBAL|global:? GLOBAL) ([\w.]+)", text)
+        if found:
+            return CheckpointError(
+                f"checkpoint {str(path)!r} references the Python object {found.group(1)}, which the safe "
+                "(weights_only) load refuses; nothing in the file was run. Save model.state_dict() with "
+                "torch.save instead, or, only if you trust the file's source, pass --trust-checkpoint "
+                "(unpickling can run arbitrary code)."
+            )
+        detail = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n|$)", text.strip())
+        why = f" ({_first_sentence(detail.group(1))})" if detail else ""
+        return CheckpointError(
+            f"checkpoint {str(path)!r} cannot be read by the safe (weights_only) loader{why}: it is not a "
+            "torch.save file of tensors (corrupt, or a plain pickle holding Python objects). Re-save it with "
+            "torch.save(model.state_dict(), path), or, only if you trust its source, pass --trust-checkpoint "
+            "(unpickling can run arbitrary code)."
+        )
+    first = _first_sentence(text) or type(exc).__name__
     return CheckpointError(
-        f"cannot read checkpoint {str(path)!r} as a PyTorch file ({type(exc).__name__}: {first[:200]}). "
+        f"cannot read checkpoint {str(path)!r} as a PyTorch file ({type(exc).__name__}: {first}). "
         "Is it complete, and written by torch.save or safetensors?"
     )
 
@@ -171,27 +191,124 @@ def _find_state_dict(obj: Any, path: Path) -> tuple[dict[str, Tensor], dict[str,
     )
 
 
-def save_checkpoint(ckpt: Checkpoint, replace: Mapping[str, Tensor], path: str | os.PathLike[str]) -> None:
-    """Writes ``ckpt`` with the tensors in ``replace`` swapped in, atomically.
-
-    Same format and layout as the input (the enclosing dict and safetensors metadata
-    are kept); replaced tensors take the dtype of the ones they replace. If anything
-    fails, ``path`` is left as it was.
-    """
+def _replaced(ckpt: Checkpoint, replace: Mapping[str, Tensor]) -> dict[str, Tensor]:
     unknown = [k for k in replace if k not in ckpt.state_dict]
     if unknown:
         raise InvalidArgumentError(f"cannot replace tensors missing from the checkpoint: {unknown[:5]}")
     sd = dict(ckpt.state_dict)
     for k, v in replace.items():
         sd[k] = v.detach().to("cpu", sd[k].dtype).clone()
+    return sd
+
+
+def write_checkpoint(ckpt: Checkpoint, replace: Mapping[str, Tensor], path: str | os.PathLike[str]) -> None:
+    """Writes ``ckpt`` with the tensors in ``replace`` swapped in to ``path`` directly.
+
+    Same format and layout as the input (the enclosing dict and safetensors metadata
+    are kept); replaced tensors take the dtype of the ones they replace. Use
+    :func:`save_checkpoint`, or a :class:`~precisebn.files.OutputPlan`'s staged
+    path, for an atomic write.
+    """
+    sd = _replaced(ckpt, replace)
+    if ckpt.format == "safetensors":
+        st = require("safetensors.torch", "io", "writing .safetensors checkpoints")
+        # save() to bytes, not save_file(): the latter recreates the file with mode 0600
+        Path(path).write_bytes(st.save({k: v.contiguous() for k, v in sd.items()}, metadata=ckpt.metadata or None))
+    else:
+        obj: Any = sd if ckpt.container is None else {**ckpt.container, ckpt.key: sd}
+        torch.save(obj, path)
+
+
+def save_checkpoint(ckpt: Checkpoint, replace: Mapping[str, Tensor], path: str | os.PathLike[str]) -> None:
+    """Writes ``ckpt`` with the tensors in ``replace`` swapped in, atomically.
+
+    As :func:`write_checkpoint`; if anything fails, ``path`` is left as it was.
+    """
+    _replaced(ckpt, replace)  # refuse unknown names before creating anything
     with atomic_path(path) as tmp:
-        if ckpt.format == "safetensors":
-            st = require("safetensors.torch", "io", "writing .safetensors checkpoints")
-            # save() to bytes, not save_file(): the latter recreates the file with mode 0600
-            tmp.write_bytes(st.save({k: v.contiguous() for k, v in sd.items()}, metadata=ckpt.metadata or None))
-        else:
-            obj: Any = sd if ckpt.container is None else {**ckpt.container, ckpt.key: sd}
-            torch.save(obj, tmp)
+        write_checkpoint(ckpt, replace, tmp)
+
+
+def verify_written(
+    ckpt: Checkpoint, replace: Mapping[str, Tensor], path: str | os.PathLike[str], *, trust: bool = False
+) -> None:
+    """Reloads the checkpoint written to ``path`` and checks every replaced tensor.
+
+    Raises:
+        CheckpointError: A replaced tensor (an alias, say) does not hold its new value.
+    """
+    if ckpt.format == "torch":
+        written = load_checkpoint(Path(path), trust=trust).state_dict
+    else:
+        written = require("safetensors.torch", "io", "reading .safetensors checkpoints").load_file(str(path))
+    expected = _replaced(ckpt, replace)
+    wrong = [k for k in replace if k not in written or not _bitwise_equal(written[k], expected[k])]
+    if wrong:
+        raise CheckpointError(
+            f"the checkpoint written for {str(ckpt.path)!r} does not hold the new values of {len(wrong)} tensor(s) "
+            f"({', '.join(wrong[:4])}); nothing was written. Please report this with --debug's output."
+        )
+
+
+def _bitwise_equal(a: Tensor, b: Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def buffer_names(model: nn.Module, modules: list[str], buffers: tuple[str, ...], prefix: str = "") -> dict[str, str]:
+    """Every state_dict name of the ``buffers`` of the named ``modules``, aliases included.
+
+    A module registered under two parents has two names in ``model.state_dict()``;
+    both are returned. Maps checkpoint name (``prefix`` + state_dict name) to the
+    buffer's name in ``model.state_dict()``.
+    """
+    wanted = {id(m) for n, m in model.named_modules() if n in set(modules)}
+    out = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if id(module) in wanted:
+            for buffer in buffers:
+                if getattr(module, buffer, None) is not None:
+                    key = f"{name}.{buffer}" if name else buffer
+                    out[prefix + key] = key
+    return out
+
+
+def stats_replacement(ckpt: Checkpoint, stats: Mapping[str, Any]) -> tuple[dict[str, Tensor], str]:
+    """The checkpoint tensors that a statistics file replaces, checked by name and shape.
+
+    Args:
+        ckpt: The checkpoint.
+        stats: A :class:`~precisebn.PopulationStats`.
+
+    Returns:
+        ``{checkpoint name: tensor}`` for every reached layer's ``running_mean`` and
+        ``running_var``, and the prefix found on the checkpoint's names (``module.``...).
+
+    Raises:
+        CheckpointMismatchError: A layer is missing from the checkpoint, or its channels differ.
+    """
+    wanted = stats.state_dict()  # type: ignore[attr-defined]
+    if not wanted:
+        raise CheckpointMismatchError("the statistics file has no layer that was reached; nothing to apply.")
+    prefix = _best_prefix(list(ckpt.state_dict), set(wanted))
+    missing = [prefix + k for k in wanted if prefix + k not in ckpt.state_dict]
+    shapes = [
+        f"{prefix + k}: checkpoint {tuple(ckpt.state_dict[prefix + k].shape)}, statistics {tuple(v.shape)}"
+        for k, v in wanted.items()
+        if prefix + k in ckpt.state_dict and tuple(ckpt.state_dict[prefix + k].shape) != tuple(v.shape)
+    ]
+    if missing or shapes:
+        parts = []
+        for label, items in (("missing from the checkpoint", missing), ("shape mismatch", shapes)):
+            if items:
+                more = f" and {len(items) - 4} more" if len(items) > 4 else ""
+                parts.append(f"{len(items)} {label} ({'; '.join(items[:4])}{more})")
+        raise CheckpointMismatchError(
+            f"the statistics do not fit checkpoint {str(ckpt.path)!r}: {', '.join(parts)}. Apply statistics "
+            "measured on the model this checkpoint belongs to."
+        )
+    return {prefix + k: v for k, v in wanted.items()}, prefix
 
 
 def load_into(model: nn.Module, ckpt: Checkpoint) -> str:

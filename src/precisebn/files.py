@@ -1,26 +1,291 @@
-"""Writing files atomically: a temporary file in the same folder, then a rename."""
+"""Writing files safely: every output planned before any work, staged, then committed together.
+
+* **Planned.** :class:`OutputPlan` resolves each output to its real absolute path —
+  following symlinks and ``..``, whether or not its folder exists yet — and refuses
+  one that is an input, another output, a folder, or under a folder that cannot be
+  written, before anything is computed.
+* **Staged.** :meth:`OutputPlan.staged` gives a temporary file next to each target
+  (``.NAME.precisebn-PID-RANDOM.tmp``, in the target's own folder); the work writes
+  there.
+* **Committed together.** When the block ends without error, every temporary file is
+  renamed onto its target (``os.replace``); if one rename fails, the targets already
+  replaced get their old content back. On any error, ``SIGINT`` (Ctrl-C) or
+  ``SIGTERM``, every temporary file is removed and the targets are left as they were;
+  ``SIGTERM`` then ends the process as it would have.
+* **Permissions and links.** A replaced file keeps its permission bits (a new one gets
+  ``0666 & ~umask``). A symlink is written *through*: its target gets the new content
+  and the link stays a link.
+
+``SIGKILL`` cannot be caught: a killed run may leave ``.NAME.precisebn-PID-*.tmp``
+files; the next write to the same target removes those whose process is gone.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
-from collections.abc import Iterator
+import re
+import secrets
+import signal
+import stat
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import FrameType
 
-__all__ = ["atomic_path"]
+from .errors import InvalidArgumentError
+
+__all__ = ["OutputPlan", "atomic_path", "real_path"]
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+_MARK = ".precisebn-"
+
+
+def real_path(path: str | os.PathLike[str]) -> Path:
+    """The absolute path ``path`` names once its folders exist: symlinks and ``..`` resolved.
+
+    Example:
+        >>> import os
+        >>> real_path("missing-dir/../x.pt") == real_path("x.pt") == real_path(os.path.abspath("x.pt"))
+        True
+    """
+    return Path(os.path.realpath(os.path.abspath(os.fspath(path))))
+
+
+def _same(a: Path, b: Path) -> bool:
+    if a == b:
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while files were staged."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_exception() -> Iterator[None]:
+    """Turns SIGTERM into an exception for the block (main thread, default handler only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not signal.SIG_DFL:  # the program handles SIGTERM itself (or ignores it)
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise _Terminated
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, previous)
+        os.kill(os.getpid(), signal.SIGTERM)  # die as the signal meant, now that the files are clean
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. another user's process
+        return True
+    return True
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Removes ``.NAME.precisebn-PID-*.tmp`` left by a killed run whose process is gone."""
+    pattern = re.compile(re.escape(f".{target.name}{_MARK}") + r"(\d+)-[0-9a-f]+\.tmp")
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(target.parent):
+            found = pattern.fullmatch(entry.name)
+            if found and int(found.group(1)) != os.getpid() and not _pid_alive(int(found.group(1))):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+
+
+class OutputPlan:
+    """The outputs of one operation, checked up front and written all together or not at all.
+
+    Args:
+        inputs: Files the operation reads, by label (``{"CHECKPOINT": path}``); no
+            output may be one of them unless :meth:`add` says it replaces it.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> plan = OutputPlan({"input": folder / "in.txt"})
+        >>> _ = plan.add("--out", folder / "out.txt")
+        >>> _ = plan.add("--log", folder / "sub" / ".." / "out.txt")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        precisebn.errors.InvalidArgumentError: --log ... is the same file as --out ...
+        >>> with plan.staged() as tmp:
+        ...     _ = tmp["--out"].write_text("done")
+        >>> (folder / "out.txt").read_text()
+        'done'
+    """
+
+    def __init__(self, inputs: Mapping[str, str | os.PathLike[str]] | None = None) -> None:
+        self.inputs = {label: (os.fspath(p), real_path(p)) for label, p in (inputs or {}).items()}
+        self.outputs: dict[str, tuple[str, Path]] = {}
+
+    def add(self, label: str, path: str | os.PathLike[str], *, replaces: str | None = None) -> Path:
+        """Plans one output; returns its real path.
+
+        Args:
+            label: How the message names it (the option, e.g. ``"--report"``).
+            path: Where it goes.
+            replaces: The label of the input it may replace (``--in-place``).
+
+        Raises:
+            InvalidArgumentError: It is an input (other than ``replaces``), another
+                output, a folder, or under a file or a folder that cannot be written.
+        """
+        text, real = os.fspath(path), real_path(path)
+        for other, (other_text, other_real) in self.inputs.items():
+            if other != replaces and _same(real, other_real):
+                hint = ", or pass --in-place to replace the checkpoint" if other == "CHECKPOINT" else ""
+                raise InvalidArgumentError(
+                    f"{label} {text!r} is the input {other} {other_text!r} ({real}); writing it would destroy the "
+                    f"input. Choose another path{hint}."
+                )
+        for other, (other_text, other_real) in self.outputs.items():
+            if _same(real, other_real):
+                raise InvalidArgumentError(
+                    f"{label} {text!r} is the same file as {other} {other_text!r} ({real}); give each output its "
+                    "own path."
+                )
+        if real.is_dir():
+            raise InvalidArgumentError(f"{label} {text!r} is a folder; give a file path.")
+        ancestor = real.parent
+        while not ancestor.exists():
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            raise InvalidArgumentError(f"{label} {text!r}: {str(ancestor)!r} is a file, not a folder.")
+        if not os.access(ancestor, os.W_OK | os.X_OK):
+            raise InvalidArgumentError(
+                f"{label} {text!r}: the folder {str(ancestor)!r} is not writable; choose another path."
+            )
+        self.outputs[label] = (text, real)
+        return real
+
+    @contextlib.contextmanager
+    def staged(self) -> Iterator[dict[str, Path]]:
+        """Yields a temporary path per output (by label); commits them all when the block succeeds."""
+        temps: dict[str, Path] = {}
+        created: list[Path] = []
+        committed = False
+        with _sigterm_as_exception():
+            try:
+                for label, (_, target) in self.outputs.items():
+                    created += _make_parents(target.parent)
+                    _remove_stale_temporaries(target)
+                    try:
+                        fd, name = _mkstemp(target)
+                    except OSError as exc:
+                        raise OSError(exc.errno, exc.strerror, str(target)) from None
+                    os.close(fd)
+                    temps[label] = Path(name)
+                    os.chmod(name, _mode_for(target))
+                try:
+                    yield temps
+                except OSError as exc:  # name the output, not its hidden temporary file
+                    renamed = self._renamed(exc)
+                    if renamed is exc:
+                        raise
+                    raise renamed from exc
+                self._commit(temps)
+                committed = True
+            finally:
+                for tmp in temps.values():
+                    with contextlib.suppress(FileNotFoundError):
+                        tmp.unlink()
+                if not committed:
+                    for folder in reversed(created):
+                        with contextlib.suppress(OSError):
+                            folder.rmdir()
+
+    def _renamed(self, exc: OSError) -> OSError:
+        name = Path(os.fspath(exc.filename)).name if exc.filename else ""
+        for text, target in self.outputs.values():
+            if name.startswith(f".{target.name}{_MARK}"):
+                return OSError(exc.errno, exc.strerror, text)
+        return exc
+
+    def _commit(self, temps: dict[str, Path]) -> None:
+        done: list[tuple[Path, Path | None]] = []  # (target, backup of its old content or None)
+        try:
+            for label, tmp in temps.items():
+                target = self.outputs[label][1]
+                os.chmod(tmp, _mode_for(target))  # the writer may have recreated the file
+                backup = None
+                if target.exists():
+                    backup = tmp.with_name(tmp.name[:-4] + ".old.tmp")
+                    try:
+                        os.link(target, backup)
+                    except OSError:
+                        backup = None
+                os.replace(tmp, target)
+                done.append((target, backup))
+        except BaseException:
+            for target, backup in reversed(done):  # put the old contents back
+                with contextlib.suppress(OSError):
+                    if backup is None:
+                        target.unlink()
+                    else:
+                        os.replace(backup, target)
+            raise
+        finally:
+            for _, backup in done:
+                if backup is not None:
+                    with contextlib.suppress(OSError):
+                        backup.unlink()
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for f in reversed(missing):
+        f.mkdir()
+    return list(reversed(missing))
+
+
+def _mkstemp(target: Path) -> tuple[int, str]:
+    for _ in range(100):
+        name = target.with_name(f".{target.name}{_MARK}{os.getpid()}-{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), str(name)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"cannot create a temporary file next to {target}")
+
+
+def _mode_for(target: Path) -> int:
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        return 0o666 & ~_UMASK
 
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yields a temporary path next to ``path``; renames it onto ``path`` on success.
 
-    Whatever the block writes to the temporary path replaces ``path`` in one step
-    (``os.replace``); if the block raises, the temporary file is removed and ``path``
-    is left as it was (absent, or its old content).
+    A one-output :class:`OutputPlan`: whatever the block writes to the temporary path
+    replaces ``path`` in one step; if the block raises (or SIGTERM arrives), the
+    temporary file is removed and ``path`` is left as it was. An existing file keeps
+    its permission bits; a symlink is written through to its target.
 
     Example:
         >>> import tempfile, pathlib
@@ -30,15 +295,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         >>> target.read_text()
         'done'
     """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    tmp = Path(name)
-    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes it 0600; give it a normal file's mode
-    try:
-        yield tmp
-        os.replace(tmp, target)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+    plan = OutputPlan()
+    plan.add("output", path)
+    with plan.staged() as temps:
+        yield temps["output"]

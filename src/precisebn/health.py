@@ -7,7 +7,7 @@ Works on the tensors alone (no model needed): a layer is every prefix ``P`` with
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -153,7 +153,8 @@ class StatsDiff:
         only_b: Layers only in B.
         mismatched: Common layers whose channel counts differ.
         other_same: Other tensors (weights...) present in both and equal.
-        other_differ: Other tensors present in both that differ (or differ in shape).
+        other_differ: Other tensors present in both that differ (in values, shape or dtype).
+        dtype_differ: ``"name: dtype A vs dtype B"`` for every tensor in both whose dtypes differ.
     """
 
     report: Report
@@ -162,6 +163,7 @@ class StatsDiff:
     mismatched: list[str]
     other_same: int
     other_differ: int
+    dtype_differ: list[str] = field(default_factory=list)
 
 
 def diff_stats(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> StatsDiff:
@@ -179,7 +181,10 @@ def diff_stats(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> StatsDiff:
         rows.append(LayerReport(name, "", x.channels, 0, 0, x.mean, x.var, y.mean, y.var, DEFAULT_EPS, True))
     stat_keys = {f"{n}.{s}" if n else s for n in {*ea, *eb} for s in ("running_mean", "running_var")}
     others = [k for k in a if k in b and k not in stat_keys and not k.endswith("num_batches_tracked")]
-    same = sum(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in others)
+    same = sum(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in others)
+    dtypes = [
+        f"{k}: {a[k].dtype} vs {b[k].dtype}".replace("torch.", "") for k in a if k in b and a[k].dtype != b[k].dtype
+    ]
     return StatsDiff(
         Report(rows, 0, 0, 0.0, "diff"),
         [n for n in ea if n not in eb],
@@ -187,6 +192,7 @@ def diff_stats(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> StatsDiff:
         mismatched,
         same,
         len(others) - same,
+        dtypes,
     )
 
 
@@ -219,8 +225,18 @@ def format_diff(diff: StatsDiff, name_a: str = "A", name_b: str = "B") -> str:
         if names:
             more = f" and {len(names) - 10} more" if len(names) > 10 else ""
             lines.append(f"{label}: {', '.join(names[:10])}{more}")
+    if diff.dtype_differ:
+        more = f" and {len(diff.dtype_differ) - 10} more" if len(diff.dtype_differ) > 10 else ""
+        lines.append(f"dtypes differ: {'; '.join(diff.dtype_differ[:10])}{more}")
+    retyped = {d.split(":")[0] for d in diff.dtype_differ}
     identical = sum(
-        bool(torch.equal(r.old_mean, r.new_mean) and torch.equal(r.old_var, r.new_var)) for r in diff.report.layers
+        bool(torch.equal(r.old_mean, r.new_mean) and torch.equal(r.old_var, r.new_var))
+        and not {
+            f"{r.name}.running_mean" if r.name else "running_mean",
+            f"{r.name}.running_var" if r.name else "running_var",
+        }
+        & retyped
+        for r in diff.report.layers
     )
     lines.append(
         f"{len(diff.report.layers)} layers compared, {identical} identical; other tensors: "

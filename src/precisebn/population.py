@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ._optional import require
 from ._version import __version__
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, StatsMismatchError
 from .files import atomic_path
 
 __all__ = ["FORMAT", "LayerStats", "PopulationStats"]
@@ -108,12 +108,53 @@ class PopulationStats(Mapping[str, LayerStats]):
             "layers": {k: {"count": v.count, "calls": v.calls, "type": v.layer_type} for k, v in self.layers.items()},
         }
 
-    def save(self, path: str | os.PathLike[str]) -> None:
+    def state_dict(self, prefix: str = "") -> dict[str, Tensor]:
+        """The statistics as a model's state_dict entries: ``running_mean`` and ``running_var``.
+
+        Only layers that were reached are included (the others have no statistics);
+        tensors are float64 — ``load_state_dict`` and :func:`precisebn.apply` cast them
+        to the buffers' dtype.
+
+        Args:
+            prefix: Put before every name (``"module."`` for a DDP-wrapped model's checkpoint).
+
+        Example:
+            >>> import torch, precisebn
+            >>> model = torch.nn.Sequential(torch.nn.BatchNorm1d(2))
+            >>> stats = precisebn.estimate(model, [torch.tensor([[0.0, 1.0], [2.0, 5.0]])])
+            >>> {k: v.tolist() for k, v in stats.state_dict("module.").items()}
+            {'module.0.running_mean': [1.0, 3.0], 'module.0.running_var': [1.0, 4.0]}
+        """
+        out = {}
+        for name, s in self.layers.items():
+            if s.reached:
+                head = f"{prefix}{name}." if name else prefix
+                out[head + "running_mean"] = s.mean
+                out[head + "running_var"] = s.var
+        return out
+
+    def save(self, path: str | os.PathLike[str], format: str | None = None) -> None:
         """Writes the statistics to a safetensors file, atomically (no pickle).
 
         Tensors are ``"<layer>.mean"`` and ``"<layer>.var"`` (float64); counts, calls,
-        layer types and provenance are JSON in the file's metadata.
+        layer types and provenance are JSON in the file's metadata. An existing file
+        keeps its permission bits; a symlink is written through to its target.
+
+        Args:
+            path: The file; its name must end in ``.safetensors`` unless ``format`` is given.
+            format: ``"safetensors"`` (the only format) to write it under any name.
+
+        Raises:
+            InvalidArgumentError: Another extension (``.pt`` would suggest a
+                ``torch.load``-able pickle, which this is not), or an unknown format.
         """
+        if format not in (None, "safetensors"):
+            raise InvalidArgumentError(f"PopulationStats.save(format={format!r}): the only format is 'safetensors'.")
+        if format is None and not os.fspath(path).lower().endswith(".safetensors"):
+            raise InvalidArgumentError(
+                f"PopulationStats.save({os.fspath(path)!r}): statistics are written as safetensors, which that "
+                "name does not say. Name the file *.safetensors, or pass format='safetensors' to keep the name."
+            )
         st = require("safetensors.torch", "io", "PopulationStats.save()")
         tensors = {}
         for name, s in self.layers.items():
@@ -129,6 +170,8 @@ class PopulationStats(Mapping[str, LayerStats]):
 
         Raises:
             InvalidArgumentError: The file is not a precisebn statistics file.
+            StatsMismatchError: A layer's mean and variance do not have one value
+                per channel each (a damaged or hand-edited file).
         """
         require("safetensors.torch", "io", "PopulationStats.load()")
         from safetensors import safe_open
@@ -153,7 +196,9 @@ class PopulationStats(Mapping[str, LayerStats]):
                     )
                     for name, info in header["layers"].items()
                 }
-        except (InvalidArgumentError, FileNotFoundError):
+            for name, layer in layers.items():
+                _check_layer(path, name, layer)
+        except (InvalidArgumentError, StatsMismatchError, FileNotFoundError):
             raise
         except Exception as exc:  # safetensors' own error type, bad JSON, missing keys
             raise InvalidArgumentError(
@@ -168,4 +213,18 @@ class PopulationStats(Mapping[str, LayerStats]):
             float(header["seconds"]),
             int(header["world_size"]),
             dict(header["versions"]),
+        )
+
+
+def _check_layer(path: str | os.PathLike[str], name: str, layer: LayerStats) -> None:
+    where = f"layer {name!r} of {os.fspath(path)!r}"
+    if layer.mean.dim() != 1 or layer.var.dim() != 1:
+        raise StatsMismatchError(
+            f"{where}: mean and var must be vectors (one value per channel); got shapes "
+            f"{tuple(layer.mean.shape)} and {tuple(layer.var.shape)}. The file is damaged; measure it again."
+        )
+    if layer.mean.shape != layer.var.shape:
+        raise StatsMismatchError(
+            f"{where}: {layer.mean.shape[0]} means but {layer.var.shape[0]} variances; each channel needs one "
+            "of each. The file is damaged; measure it again."
         )

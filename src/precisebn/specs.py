@@ -1,10 +1,11 @@
 """Turning the CLI's ``--model`` and ``--data`` specifications into a model and batches.
 
-* ``--model torchvision:NAME`` builds a torchvision model (no weights downloaded);
-  ``--model package.module:factory`` calls the user's factory.
-* ``--data FOLDER`` reads images (ImageFolder layout or a flat folder) with the usual
-  resize / centre-crop / ImageNet-normalise transform; ``--data package.module:function``
-  calls the user's function, which returns an iterable of batches.
+* ``--model torchvision:NAME`` builds a torchvision model, ``--model timm:NAME`` a timm
+  model (no weights downloaded by either); ``--model package.module:factory`` calls the
+  user's factory.
+* ``--data FOLDER`` reads images (ImageFolder layout or a flat folder) with the
+  preprocessing of :mod:`precisebn.images`; ``--data package.module:function`` calls the
+  user's function, which returns an iterable of batches.
 
 Both accept keyword arguments as JSON (``'{"num_classes": 10}'``) or
 ``key=value,key=value`` (values parsed as JSON when they can be).
@@ -28,8 +29,11 @@ from torch import nn
 
 from ._optional import require
 from .errors import EmptyDataError, InvalidArgumentError
+from .images import IMAGENET_MEAN, IMAGENET_STD, ImageFiles, Preprocessing, batch_indices, image_batches
 
 __all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
     "ImageFiles",
     "SpecError",
     "batch_indices",
@@ -39,9 +43,6 @@ __all__ = [
     "resolve_data",
     "resolve_model",
 ]
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class SpecError(InvalidArgumentError):
@@ -131,7 +132,7 @@ def _call(obj: Any, kwargs: dict[str, Any], what: str) -> Any:
 
 
 def resolve_model(spec: str, kwargs: dict[str, Any] | None = None) -> nn.Module:
-    """Builds the model named by ``spec`` (``torchvision:NAME`` or ``package.module:factory``).
+    """Builds the model named by ``spec`` (``torchvision:NAME``, ``timm:NAME`` or ``package.module:factory``).
 
     Raises:
         SpecError: Unknown name, the factory raised, or it returned no ``nn.Module``.
@@ -149,6 +150,15 @@ def resolve_model(spec: str, kwargs: dict[str, Any] | None = None) -> nn.Module:
                 "see torchvision.models.list_models() for the names."
             )
         model = _call(lambda **kw: models.get_model(name, weights=None, **kw), kwargs, f"torchvision model {name!r}")
+    elif source == "timm" and sep:
+        timm = require("timm", "timm", "--model timm:NAME")
+        if not timm.is_model(name):
+            known = timm.list_models()
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise SpecError(f"--model {spec!r}: timm has no model {name!r}; {hint}see timm.list_models().")
+        # pretrained=False: nothing is downloaded; the weights come from the checkpoint
+        model = _call(lambda **kw: timm.create_model(name, pretrained=False, **kw), kwargs, f"timm model {name!r}")
     else:
         factory = load_object(spec, "--model")
         model = factory if isinstance(factory, nn.Module) else _call(factory, kwargs, f"--model {spec!r}")
@@ -157,88 +167,21 @@ def resolve_model(spec: str, kwargs: dict[str, Any] | None = None) -> nn.Module:
     return model
 
 
-class ImageFiles(torch.utils.data.Dataset):
-    """Every image under ``root`` (recursively, hidden files skipped, sorted), transformed.
-
-    A file that cannot be decoded gives a zero image and its error message; the
-    batches from :func:`image_batches` raise with the file's name (also across
-    DataLoader workers).
-    """
-
-    def __init__(self, root: str | os.PathLike[str], image_size: int = 224) -> None:
-        require("PIL", "images", "--data FOLDER")
-        folder = require("torchvision.datasets.folder", "images", "--data FOLDER")
-        t = require("torchvision.transforms", "images", "--data FOLDER")
-        self.root = Path(root)
-        self.files = sorted(
-            p
-            for p in self.root.rglob("*")
-            if p.is_file()
-            and folder.has_file_allowed_extension(p.name, folder.IMG_EXTENSIONS)
-            and not any(part.startswith(".") for part in p.relative_to(self.root).parts)
-        )
-        self.loader = folder.default_loader
-        self.image_size = image_size
-        self.transform = t.Compose(
-            [
-                t.Resize(round(image_size / 0.875)),
-                t.CenterCrop(image_size),
-                t.ToTensor(),
-                t.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-            ]
-        )
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, str]:
-        try:
-            return self.transform(self.loader(str(self.files[i]))), ""
-        except Exception as exc:
-            why = "not an image file Pillow can read" if type(exc).__name__ == "UnidentifiedImageError" else exc
-            return torch.zeros(3, self.image_size, self.image_size), f"cannot read image {str(self.files[i])!r}: {why}"
-
-
-def batch_indices(n: int, batch_size: int, seed: int = 0) -> list[list[int]]:
-    """A seeded random order of ``range(n)`` cut into batches of ``batch_size``.
-
-    A last batch of a single sample joins the one before (a BatchNorm layer in
-    training mode cannot take one value per channel).
-
-    Example:
-        >>> [len(b) for b in batch_indices(9, 4)]
-        [4, 5]
-    """
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    batches = [order[i : i + batch_size] for i in range(0, n, batch_size)]
-    if len(batches) > 1 and len(batches[-1]) == 1:
-        last = batches.pop()
-        batches[-1] += last
-    return batches
-
-
-def image_batches(dataset: ImageFiles, batch_size: int, workers: int = 0, seed: int = 0) -> Iterator[torch.Tensor]:
-    """Batches of images in the order of :func:`batch_indices`; raises on the first unreadable file."""
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=batch_indices(len(dataset), batch_size, seed), num_workers=workers
-    )
-    for images, errors in loader:
-        bad = [e for e in errors if e]
-        if bad:
-            raise InvalidArgumentError(f"{bad[0]}. Remove or replace the file ({len(bad)} unreadable in this batch).")
-        yield images
-
-
 def resolve_data(
     spec: str,
     *,
     batch_size: int = 64,
-    image_size: int = 224,
+    preprocessing: Preprocessing | None = None,
     workers: int = 0,
     seed: int = 0,
     kwargs: dict[str, Any] | None = None,
+    skipped: list[str] | None = None,
 ) -> tuple[Iterable[Any], int | None]:
     """The batches named by ``spec``: an image folder or ``package.module:function``.
+
+    Args:
+        preprocessing: An image folder's transform (default: the ImageNet default).
+        skipped: A list to collect unreadable images in, instead of failing on the first.
 
     Returns:
         The batches, and the number of samples when known (an image folder's images).
@@ -249,13 +192,13 @@ def resolve_data(
     """
     path = Path(spec)
     if path.is_dir():
-        dataset = ImageFiles(path, image_size)
+        dataset = ImageFiles(path, (preprocessing or Preprocessing("ImageNet default")).build())
         if not len(dataset):
             raise EmptyDataError(
                 f"--data {spec!r}: no images found in the folder (looked recursively for "
                 "jpg/jpeg/png/ppm/bmp/pgm/tif/tiff/webp files). Point --data at a folder of images."
             )
-        return image_batches(dataset, batch_size, workers, seed), len(dataset)
+        return image_batches(dataset, batch_size, workers, seed, skipped=skipped), len(dataset)
     if path.exists():
         raise SpecError(f"--data {spec!r} is a file; pass a folder of images or package.module:function")
     if ":" not in spec:

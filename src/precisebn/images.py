@@ -1,0 +1,325 @@
+"""Image folders for the CLI: the preprocessing that follows the model, and the batches.
+
+The transform applied to every image comes from, in order of precedence:
+
+1. ``--transform package.module:function`` — the function takes a PIL image and
+   returns a tensor; nothing else is applied.
+2. Explicit options — ``--image-size``, ``--resize``, ``--crop``, ``--interpolation``,
+   ``--mean``, ``--std`` — each overriding one field of the base below.
+3. The base: a ``timm:NAME`` model's own data config (input size, crop fraction,
+   interpolation, mean/std); the transforms of the torchvision weights named with
+   ``--weights``; otherwise the ImageNet default (resize 256, centre crop 224,
+   bilinear, ImageNet mean/std), with a warning when nothing asked for it.
+
+The resulting transform is resize (shorter side), centre crop, to-tensor, normalise.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._optional import require
+from .errors import InvalidArgumentError
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "INTERPOLATIONS",
+    "ImageFiles",
+    "Preprocessing",
+    "batch_indices",
+    "image_batches",
+    "resolve_preprocessing",
+]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+INTERPOLATIONS = ("nearest", "nearest-exact", "bilinear", "bicubic", "box", "hamming", "lanczos")
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """How an image folder's images become tensors.
+
+    Attributes:
+        source: Where the settings come from (``"timm data config of resnet18"``,
+            ``"torchvision weights ResNet18_Weights.IMAGENET1K_V1"``, ``"ImageNet default"``,
+            ``"--transform m:f"``), plus ``", overridden: ..."`` for explicit options.
+        resize: Shorter side resized to this many pixels, or ``None`` for no resize.
+        crop: Centre crop to this square size, or ``None`` for no crop.
+        interpolation: The resize's interpolation (a torchvision ``InterpolationMode`` value).
+        mean: Per-channel mean subtracted after scaling pixels to [0, 1].
+        std: Per-channel standard deviation divided by.
+        transform: ``package.module:function`` when a custom transform is used
+            (the fields above are then unused).
+        asked: Whether anything (the model, ``--weights``, an option) chose these
+            settings; ``False`` for the ImageNet default applied by default.
+    """
+
+    source: str
+    resize: int | None = 256
+    crop: int | None = 224
+    interpolation: str = "bilinear"
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    transform: str | None = None
+    asked: bool = True
+
+    def describe(self) -> str:
+        """One line for the report.
+
+        Example:
+            >>> print(Preprocessing("ImageNet default").describe())  # doctest: +NORMALIZE_WHITESPACE
+            resize 256 (bilinear), centre crop 224, mean (0.485, 0.456, 0.406),
+            std (0.229, 0.224, 0.225) [ImageNet default]
+        """
+        if self.transform:
+            return f"custom transform {self.transform}"
+        parts = [
+            f"resize {self.resize} ({self.interpolation})" if self.resize else "no resize",
+            f"centre crop {self.crop}" if self.crop else "no crop",
+            f"mean {tuple(self.mean)}",
+            f"std {tuple(self.std)}",
+        ]
+        return ", ".join(parts) + f" [{self.source}]"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable settings (what the CLI's report stores)."""
+        d = asdict(self)
+        d["mean"], d["std"] = list(self.mean), list(self.std)
+        d["description"] = self.describe()
+        return d
+
+    def build(self) -> Callable[[Any], torch.Tensor]:
+        """The torchvision transform (PIL image → normalised float tensor)."""
+        if self.transform:
+            from .specs import load_object
+
+            fn = load_object(self.transform, "--transform")
+            if not callable(fn):
+                raise InvalidArgumentError(f"--transform {self.transform!r} is a {type(fn).__name__}, not a function")
+            return fn  # type: ignore[no-any-return]
+        t = require("torchvision.transforms", "images", "--data FOLDER")
+        steps: list[Any] = []
+        if self.resize:
+            steps.append(t.Resize(self.resize, interpolation=t.InterpolationMode(self.interpolation)))
+        if self.crop:
+            steps.append(t.CenterCrop(self.crop))
+        steps += [t.ToTensor(), t.Normalize(self.mean, self.std)]
+        return t.Compose(steps)  # type: ignore[no-any-return]
+
+
+def _from_timm(name: str, model: nn.Module) -> Preprocessing:
+    timm_data = require("timm.data", "timm", "--model timm:NAME")
+    cfg = timm_data.resolve_data_config({}, model=model)
+    size = cfg["input_size"][-2:]
+    if size[0] != size[1] or cfg.get("crop_mode", "center") != "center":
+        raise InvalidArgumentError(
+            f"timm model {name!r} wants {size[0]}x{size[1]} inputs with crop_mode {cfg.get('crop_mode')!r}, which "
+            "the CLI's transform does not reproduce; pass --transform package.module:function with timm's own "
+            "timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))."
+        )
+    crop = int(size[0])
+    return Preprocessing(
+        f"timm data config of {name}",
+        resize=math.floor(crop / float(cfg.get("crop_pct", 1.0))),
+        crop=crop,
+        interpolation=str(cfg.get("interpolation", "bilinear")),
+        mean=tuple(float(v) for v in cfg["mean"]),
+        std=tuple(float(v) for v in cfg["std"]),
+    )
+
+
+def torchvision_weights(model_name: str, weights: str) -> Any:
+    """The torchvision weights enum member named ``weights`` (full name, or short for ``model_name``)."""
+    models = require("torchvision.models", "images", "--weights")
+    try:
+        if "." in weights:
+            return models.get_weight(weights)
+        return models.get_model_weights(model_name)[weights]
+    except (KeyError, ValueError, AttributeError) as exc:
+        try:
+            names = [w.name for w in models.get_model_weights(model_name)] + ["DEFAULT"]
+        except (KeyError, ValueError):
+            names = []
+        raise InvalidArgumentError(
+            f"--weights {weights!r}: not a torchvision weights name for {model_name!r} ({exc}); "
+            f"use one of {', '.join(names) or 'the names in torchvision.models.get_model_weights(NAME)'}."
+        ) from None
+
+
+def _from_weights(model_name: str, weights: str) -> Preprocessing:
+    member = torchvision_weights(model_name, weights)
+    t = member.transforms()  # reads the preset; downloads nothing
+    return Preprocessing(
+        f"torchvision weights {type(member).__name__}.{member.name}",
+        resize=int(t.resize_size[0]),
+        crop=int(t.crop_size[0]),
+        interpolation=str(t.interpolation.value),
+        mean=tuple(float(v) for v in t.mean),
+        std=tuple(float(v) for v in t.std),
+    )
+
+
+def resolve_preprocessing(
+    model_spec: str,
+    model: nn.Module | None,
+    *,
+    weights: str | None = None,
+    image_size: int | None = None,
+    resize: int | str | None = "base",
+    crop: int | str | None = "base",
+    interpolation: str | None = None,
+    mean: tuple[float, ...] | None = None,
+    std: tuple[float, ...] | None = None,
+    transform: str | None = None,
+) -> Preprocessing:
+    """The preprocessing for ``--model model_spec`` with the given overrides.
+
+    ``resize``/``crop``: ``"base"`` keeps the base's value, ``None`` turns the step
+    off, an int sets it. ``image_size`` sets the crop and scales the base's resize
+    in proportion (224 → 256 becomes 32 → 37).
+
+    Example:
+        >>> p = resolve_preprocessing("my.models:make", None, image_size=32, mean=(0.5,) * 3, std=(0.25,) * 3)
+        >>> (p.resize, p.crop, p.mean, p.std, p.asked)
+        (37, 32, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), True)
+        >>> resolve_preprocessing("my.models:make", None).asked
+        False
+    """
+    if transform:
+        return Preprocessing(f"--transform {transform}", resize=None, crop=None, transform=transform)
+    source, _, name = model_spec.partition(":")
+    if source == "timm" and model is not None:
+        base = _from_timm(name, model)
+    elif weights:
+        base = _from_weights(name, weights)
+    else:
+        base = Preprocessing("ImageNet default", asked=False)
+    changes: dict[str, Any] = {}
+    if image_size is not None:
+        changes["crop"] = image_size
+        if base.resize and base.crop:
+            changes["resize"] = round(image_size * base.resize / base.crop)
+    if resize != "base":
+        changes["resize"] = resize
+    if crop != "base":
+        changes["crop"] = crop
+    for key, value in (("interpolation", interpolation), ("mean", mean), ("std", std)):
+        if value is not None:
+            changes[key] = value
+    if not changes:
+        return base
+    overridden = ", ".join(f"{k}={v}" for k, v in changes.items())
+    return replace(base, **changes, source=f"{base.source}, overridden: {overridden}", asked=True)
+
+
+class ImageFiles(torch.utils.data.Dataset):
+    """Every image under ``root`` (recursively, hidden files skipped, sorted), transformed.
+
+    An item is ``(tensor, "")``, or ``(empty tensor, error message)`` for a file that
+    cannot be read; :func:`image_batches` raises or skips (also across DataLoader workers).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], transform: Callable[[Any], torch.Tensor]) -> None:
+        require("PIL", "images", "--data FOLDER")
+        folder = require("torchvision.datasets.folder", "images", "--data FOLDER")
+        self.root = Path(root)
+        self.files = sorted(
+            p
+            for p in self.root.rglob("*")
+            if p.is_file()
+            and folder.has_file_allowed_extension(p.name, folder.IMG_EXTENSIONS)
+            and not any(part.startswith(".") for part in p.relative_to(self.root).parts)
+        )
+        self.loader = folder.default_loader
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, str]:
+        try:
+            image = self.loader(str(self.files[i]))
+        except Exception as exc:
+            why = "not an image file Pillow can read" if type(exc).__name__ == "UnidentifiedImageError" else exc
+            return torch.empty(0), f"{str(self.files[i])!r}: {why}"
+        out = self.transform(image)
+        if not isinstance(out, torch.Tensor):
+            raise InvalidArgumentError(
+                f"the image transform returned a {type(out).__name__} for {str(self.files[i])!r}, not a tensor; "
+                "end a --transform with torchvision.transforms.ToTensor() (or PILToTensor and a conversion)."
+            )
+        return out, ""
+
+
+def _collate(items: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor | None, list[str]]:
+    good = [x for x, error in items if not error]
+    errors = [error for _, error in items if error]
+    if not good:
+        return None, errors
+    shapes = {tuple(x.shape) for x in good}
+    if len(shapes) > 1:
+        raise InvalidArgumentError(
+            f"images of different shapes after preprocessing ({', '.join(map(str, sorted(shapes)[:3]))}) cannot "
+            "form a batch; add a crop (--crop S or --image-size S) or a --transform that gives one size."
+        )
+    return torch.stack(good), errors
+
+
+def batch_indices(n: int, batch_size: int, seed: int = 0) -> list[list[int]]:
+    """A seeded random order of ``range(n)`` cut into batches of ``batch_size``.
+
+    A last batch of a single sample joins the one before (a BatchNorm layer in
+    training mode cannot take one value per channel).
+
+    Example:
+        >>> [len(b) for b in batch_indices(9, 4)]
+        [4, 5]
+    """
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    batches = [order[i : i + batch_size] for i in range(0, n, batch_size)]
+    if len(batches) > 1 and len(batches[-1]) == 1:
+        last = batches.pop()
+        batches[-1] += last
+    return batches
+
+
+def image_batches(
+    dataset: ImageFiles,
+    batch_size: int,
+    workers: int = 0,
+    seed: int = 0,
+    *,
+    skipped: list[str] | None = None,
+) -> Iterator[torch.Tensor]:
+    """Batches of images in the order of :func:`batch_indices`.
+
+    Args:
+        skipped: ``None``: raise on the first unreadable file. A list: leave such
+            files out of their batch (it gets smaller) and append their messages.
+    """
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=batch_indices(len(dataset), batch_size, seed),
+        num_workers=workers,
+        collate_fn=_collate,
+    )
+    for images, errors in loader:
+        if errors:
+            if skipped is None:
+                raise InvalidArgumentError(
+                    f"cannot read image {errors[0]}. Remove or replace the file, or pass --skip-bad-images "
+                    f"({len(errors)} unreadable in this batch)."
+                )
+            skipped.extend(errors)
+        if images is not None:
+            yield images
