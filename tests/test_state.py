@@ -281,7 +281,9 @@ def stats_for(model: nn.Module, **override: torch.Tensor) -> PopulationStats:
     stats = precisebn.estimate(model, data())
     layers = dict(stats.layers)
     s = layers["1"]
-    layers["1"] = LayerStats(override.get("mean", s.mean), override.get("var", s.var), s.count, s.calls, s.layer_type)
+    layers["1"] = LayerStats(
+        override.get("mean", s.mean), override.get("var", s.var), s.count, s.calls, s.layer_type, s.path
+    )
     return PopulationStats(layers, stats.samples, stats.batches, stats.mode)
 
 
@@ -353,22 +355,51 @@ def test_apply_interrupted_while_building_the_report_writes_nothing(monkeypatch:
 # -- layers whose figures were never produced ---------------------------------------------
 
 
-def test_instance_level_forward_is_measured_from_the_input() -> None:
+def test_instance_level_forward_that_ignores_the_buffers_is_not_updated() -> None:
     model = mlp()
-    model[1].forward = lambda x: x * 1.0  # replaced on the instance: running buffers never touched
-    truth = compute_truth(model, data())
+    model[1].forward = lambda x: x * 1.0  # replaced on the instance: running buffers never used
+    before = state_snapshot(model[1])
+    truth = compute_truth(model, data(), select=lambda n, _: n == "4")
     report = precisebn.recalibrate(model, data())
-    assert report["1"].updated
-    assert max_rel_error(model[1].running_mean, truth["1"].mean, truth["1"].var.sqrt()) <= 1e-6
-    assert max_rel_error(model[1].running_var, truth["1"].var) <= 1e-6
+    assert not report["1"].updated and report["1"].calls == 4
+    assert precisebn.estimate(model, data())["1"].path == "none"
+    assert_unchanged(model[1], before)
+    assert max_rel_error(model[4].running_var, truth["4"].var) <= 1e-5  # the others are measured
 
 
-def test_layer_that_stops_tracking_at_run_time_is_an_error_not_an_update() -> None:
+def test_instance_level_forward_that_delegates_keeps_the_fast_path() -> None:
     model = mlp()
-    before = state_snapshot(model)
+    original = model[1].forward
+    model[1].forward = lambda x: original(x)  # e.g. a logging or profiling wrapper
+    truth = compute_truth(model, data())
+    stats = precisebn.estimate(model, data())
+    assert stats["1"].path == "fast"
+    assert max_rel_error(stats["1"].var, truth["1"].var) <= 1e-5
+
+
+def test_layer_that_never_tracks_is_not_updated() -> None:
+    model = mlp()
+    before = state_snapshot(model[1])
 
     def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        m[1].track_running_stats = False  # its forward now normalises without writing running buffers
+        m[1].track_running_stats = False  # its forward now normalises without its running buffers
+        try:
+            return m(x)
+        finally:
+            m[1].track_running_stats = True
+
+    report = precisebn.recalibrate(model, data(), forward=forward)
+    assert not report["1"].updated and report["4"].updated
+    assert_unchanged(model[1], before)
+
+
+def test_layer_that_stops_tracking_after_verification_is_an_error_not_an_update() -> None:
+    model = mlp()
+    before = state_snapshot(model)
+    batches = iter(range(100))
+
+    def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        m[1].track_running_stats = next(batches) == 0  # writes its buffers in the first batch only
         try:
             return m(x)
         finally:

@@ -1,39 +1,55 @@
 """Capturing each layer's statistics during the forward passes, without host syncs.
 
-Two paths, chosen per layer by :func:`precisebn.layers.find_norm_layers`:
+What is measured: for every selected layer, the tensor it normalises with its running
+buffers (found by :class:`~precisebn.watch.Watch`; for torch's own layers, its input).
+Two paths, chosen per layer by verifying it, not by its class:
 
-* ``"layer"`` — the layer's own figures. In training mode with momentum 1.0 a
-  BatchNorm layer leaves exactly the batch mean and unbiased variance in its running
-  buffers, which :func:`~precisebn.layers.recalibration_state` has pointed at one
-  flat scratch buffer per device/dtype. After each batch that whole buffer is added
-  to two float64 sums around a fixed shift per channel (the first batch's mean):
+* ``"fast"`` — the layer's own figures. In training mode with momentum 1.0 a BatchNorm
+  layer leaves exactly the batch mean and unbiased variance in its running buffers,
+  which :func:`~precisebn.layers.recalibration_state` has pointed at one flat scratch
+  buffer per device/dtype. After each batch that whole buffer is added to two float64
+  sums around a fixed shift per channel (the first batch's mean):
   ``s1 += n·(μ_b − K)`` and ``s2 += n·(μ_b − K)² + (n − 1)·σ²_b`` — five whole-buffer
   kernels, whatever the number of layers (see
   :meth:`~precisebn.stats.RunningMoments.from_shifted_sums` for the precision). A
-  wrapper run before the layer's forward (see ``RecalibrationState.add_pre_hook``)
-  records only the number of values per channel (a host integer from
-  the input's shape; the counts stay on the host), and — for a layer called several
-  times in one forward — keeps the previous call's figures before the layer overwrites
-  them; those are merged with Chan's formula.
-* ``"input"`` — the same wrapper reduces the layer's input in float64 on every call
-  (InstanceNorm, custom ``forward``, half-precision buffers, SyncBatchNorm across
-  processes).
+  wrapper around the layer's forward records only the number of values per channel
+  (a host integer from the input's shape), and — for a layer called several times in
+  one forward — keeps the previous call's figures before the layer overwrites them;
+  those are merged with Chan's formula.
 
-Nothing here reads a device value on the host; the only host-to-device traffic is the
-per-channel count vector of each distinct combination of per-layer counts (usually one
-or two per run: the last batch is often smaller), kept in a small cache.
+  The path is verified on the batch in which a layer is first called: every call then
+  also records what the layer normalises with its buffers, reduces it in float64, and
+  compares the figures the layer left behind (:func:`~precisebn.watch.discrepancy`,
+  one host read at the end of that batch for all layers). A layer that normalises
+  exactly one tensor of its input's size per call and whose figures match within
+  :data:`~precisebn.watch.TOLERANCE` keeps the fast path; any other moves to the
+  float64 path with that batch's float64 figures (a biased variance stored, buffers
+  left untouched, a transformed input, channels_last rounding); a layer that never
+  normalises with its running buffers is left out (count 0: not updated).
+* ``"float64"`` — what the layer normalises with its buffers is reduced in float64 on
+  every call (half-precision buffers, SyncBatchNorm across processes, layers that
+  failed verification, ``capture="float64"``).
+
+Outside the verifying batch nothing here reads a device value on the host; the only
+host-to-device traffic is the per-channel count vector of each distinct combination
+of per-layer counts (usually one or two per run), kept in a small cache.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .errors import InvalidArgumentError, UnsupportedLayerError
 from .layers import RecalibrationState
 from .stats import RunningMoments
+from .watch import TOLERANCE, Watch, discrepancy, moments_of
+
+logger = logging.getLogger("precisebn")
 
 __all__ = ["Collector"]
 
@@ -61,18 +77,23 @@ class Collector:
     def __init__(self, state: RecalibrationState) -> None:
         self.layers = state.layers
         self._counters = state.counters
+        self._views = state.views
         n = len(self.layers)
         self.calls = [0] * n
         self.counts = [0] * n  # values per channel seen by each layer, on the host
+        # "verify" until the end of the first batch that calls the layer, then "fast", "float64" or "none"
+        self.paths = ["verify" if layer.path == "fast" else "float64" for layer in self.layers]
+        self._checked_calls = [False] * n  # whether finish() may check calls against the layer's counter
         self._stashed = [0] * n  # ... of which in calls kept apart (several calls per batch)
         self._row = [0] * (n + 1)  # values per channel of each layer in this batch
         self._extras: list[tuple[int, int, Tensor, Tensor]] = []
-        self._kept: dict[int, RunningMoments] = {}  # input-captured layers, and stashed calls
+        self._kept: dict[int, RunningMoments] = {}  # float64-path layers, and stashed calls
+        self._trials: dict[int, _Trial] = {}  # layers being verified in this batch
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
-        self._own: dict[int, tuple[_Group, int]] = {}  # own-figure layer -> (group, offset)
+        self._own: dict[int, tuple[_Group, int]] = {}  # fast-path layer -> (group, offset)
         for scratch in state.groups:
-            own = [(i, off) for i, off in zip(scratch.layer_ids, scratch.offsets) if self.layers[i].capture == "layer"]
+            own = [(i, off) for i, off in zip(scratch.layer_ids, scratch.offsets) if self.layers[i].path == "fast"]
             if not own:
                 continue
             position_layer = torch.full((scratch.buffer.shape[1],), n, dtype=torch.long)  # n: padding, others
@@ -82,12 +103,9 @@ class Collector:
             self._groups.append(g)
             self._own.update((i, (g, off)) for i, off in own)
         for i, layer in enumerate(self.layers):
-            if layer.capture == "layer":
-                state.add_pre_hook(layer.module, self._own_hook(i, *state.views[i]))
-            else:
-                state.add_pre_hook(layer.module, self._input_hook(i))
+            state.wrap_forward(layer.module, self._call(i))
 
-    # -- hooks -------------------------------------------------------------------------
+    # -- calls -------------------------------------------------------------------------
 
     def _too_few(self, i: int, x: Tensor) -> InvalidArgumentError:
         return InvalidArgumentError(
@@ -97,8 +115,8 @@ class Collector:
             "last batch holds a single sample)."
         )
 
-    def _check(self, i: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
-        if not module.training:
+    def _check(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+        if not self.layers[i].module.training:
             raise InvalidArgumentError(
                 f"layer {self.layers[i].name!r} was switched to eval mode during recalibration "
                 "(by the model or forward=); precisebn needs it in training mode to measure it. "
@@ -112,42 +130,57 @@ class Collector:
             )
         return x
 
-    def _own_hook(self, i: int, mean_view: Tensor, var_view: Tensor):
+    def _call(self, i: int) -> Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]:
         channels = self.layers[i].channels
+        mean_view, var_view = self._views[i]
+        paths = self.paths
 
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            x = self._check(i, module, args, kwargs)
+        def fast(x: Tensor) -> int:
             n = x.numel() // channels
             if n == 1:
                 raise self._too_few(i, x)
             row = self._row
-            if row[i]:  # second call in this batch: keep the first call's figures
+            if row[i]:  # another call in this batch: keep the previous call's figures
                 self._extras.append((i, row[i], mean_view.clone(), var_view.clone()))
                 self._stashed[i] += row[i]
             row[i] = n
             self.counts[i] += n
             self.calls[i] += 1
+            return n
 
-        return hook
-
-    def _input_hook(self, i: int):
-        layer = self.layers[i]
-
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            x = self._check(i, module, args, kwargs)
-            if x.device.type == "mps":
-                x = x.cpu()
-            moments = RunningMoments.from_data(x, layer.channel_dim(x))
-            self.counts[i] += x.numel() // layer.channels
-            self._keep(i, moments)
+        def call(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            path = paths[i]
+            if path == "fast":
+                fast(self._check(i, args, kwargs))
+                return forward(*args, **kwargs)
+            if path == "verify":
+                x = self._check(i, args, kwargs)
+                trial = self._trials.get(i) or self._trials.setdefault(i, _Trial(self.counts[i], self._stashed[i]))
+                counter = self._counters[i]
+                before = counter._version if counter is not None else -1
+                n = fast(x)
+                with Watch(self.layers[i].module) as watch:
+                    out = forward(*args, **kwargs)
+                trial.add(watch.seen, x, n, channels, mean_view, var_view, float(self.layers[i].module.eps))
+                trial.counted &= counter is not None and counter._version == before + 1
+                return out
+            self._check(i, args, kwargs)
+            with Watch(self.layers[i].module) as watch:
+                out = forward(*args, **kwargs)
             self.calls[i] += 1
+            if path == "float64" and watch.seen:
+                self.counts[i] += sum(t.numel() // channels for t in watch.seen)
+                self._keep(i, moments_of(watch.seen))  # type: ignore[arg-type]
+            return out
 
-        return hook
+        return call
 
     # -- batches -----------------------------------------------------------------------
 
     def end_batch(self) -> None:
         """Merges the figures of the batch that just ran (call after each forward)."""
+        if self._trials:
+            self._settle()
         if not self._groups:
             return
         row, self._row = self._row, [0] * (len(self.layers) + 1)
@@ -163,6 +196,38 @@ class Collector:
             g.s2.addcmul_(nd, d).addcmul_(var, count_minus_one)
         if self._extras:
             self._merge_extras()
+
+    def _settle(self) -> None:
+        """Decides the path of every layer verified in this batch (one host read per device)."""
+        trials, self._trials = self._trials, {}
+        scores: dict[torch.device, list[tuple[int, Tensor]]] = {}
+        for i, trial in trials.items():
+            for d in trial.discrepancies:
+                scores.setdefault(d.device, []).append((i, d))
+        worst = dict.fromkeys(trials, 0.0)
+        for pairs in scores.values():
+            for (i, _), value in zip(pairs, torch.stack([d for _, d in pairs]).tolist()):
+                worst[i] = max(worst[i], value)
+        for i, trial in trials.items():
+            dtype = self.layers[i].module.running_mean.dtype
+            if trial.fits and worst[i] <= TOLERANCE[dtype]:
+                self.paths[i] = "fast"
+                self._checked_calls[i] = trial.counted
+                continue
+            # undo this batch's fast-path bookkeeping; use the float64 figures of what it normalised
+            self.counts[i], self._stashed[i], self._row[i] = trial.counts, trial.stashed, 0
+            self._extras = [e for e in self._extras if e[0] != i]
+            if trial.moments is None:
+                self.paths[i] = "none"
+                continue
+            self.paths[i] = "float64"
+            self.counts[i] += trial.values
+            self._keep(i, trial.moments)
+            logger.info(
+                "precisebn: layer %r measured in float64 (its own figures are %s)",
+                self.layers[i].name,
+                f"off by {worst[i]:.2g}" if trial.fits else "not those of what it normalises",
+            )
 
     def _counts_on_device(self, row: list[int]) -> list[tuple[Tensor, Tensor]]:
         """Per-channel (n, n - 1) of each group for a batch's per-layer counts (cached)."""
@@ -209,7 +274,7 @@ class Collector:
         """
         for i, layer in enumerate(self.layers):
             counter = self._counters[i]
-            if layer.capture == "layer" and counter is not None and counter._version != self.calls[i]:
+            if self._checked_calls[i] and counter is not None and counter._version != self.calls[i]:
                 raise UnsupportedLayerError(
                     f"layer {layer.name!r} ({layer.type_name}) was called {self.calls[i]} times, but its forward "
                     f"computed batch statistics {counter._version} times: something replaced or bypassed torch's "
@@ -223,7 +288,7 @@ class Collector:
             merged[id(g)] = RunningMoments.from_shifted_sums(g.per_channel(summed), shift, g.s1, g.s2)
         out = []
         for i, layer in enumerate(self.layers):
-            if layer.capture == "layer":
+            if self.paths[i] == "fast":
                 g, start = self._own[i]
                 m = merged[id(g)][start : start + layer.channels]
                 if i in self._kept:  # calls before the last one in a batch
@@ -252,3 +317,33 @@ class _Group:
     def per_channel(self, per_layer: Tensor) -> Tensor:
         """Spreads a host vector of per-layer values over this group's channels, on its device."""
         return _to_device(per_layer[self.position_layer], self.device)
+
+
+class _Trial:
+    """What one layer's calls showed in the batch that verifies its fast path."""
+
+    __slots__ = ("counted", "counts", "discrepancies", "fits", "moments", "stashed", "values")
+
+    def __init__(self, counts: int, stashed: int) -> None:
+        self.counts, self.stashed = counts, stashed  # the layer's bookkeeping before this batch
+        self.fits = True  # one normalised tensor per call, of the input's size and channels
+        self.counted = True  # each call incremented the layer's num_batches_tracked once
+        self.discrepancies: list[Tensor] = []
+        self.moments: RunningMoments | None = None  # float64 moments of what it normalised
+        self.values = 0  # ... and their number per channel
+
+    def add(self, seen: list[Tensor], x: Tensor, n: int, channels: int, mean: Tensor, var: Tensor, eps: float) -> None:
+        moments = moments_of(seen)
+        if moments is None:
+            self.fits = False
+            return
+        self.values += sum(t.numel() // channels for t in seen)
+        if self.moments is None:
+            self.moments = moments
+        else:
+            self.moments.merge(moments)
+        t = seen[0]
+        if len(seen) != 1 or t.numel() != x.numel() or t.dim() < 2 or t.shape[1] != channels:
+            self.fits = False
+            return
+        self.discrepancies.append(discrepancy(mean, var, moments, eps))

@@ -87,7 +87,7 @@ def update_bn_stats(
                     progress=progress == "tqdm",
                     distributed=False,
                     process_group=None,
-                    _capture=None,
+                    capture="auto",
                     _mode="keep",
                 )
         except EmptyDataError as exc:

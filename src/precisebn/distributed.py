@@ -202,6 +202,7 @@ class RankContext:
             int(sum(row[1] for row in table)),
             int(sum(row[2] for row in table)),
             local.mode,
+            local.paths,
             seconds=max(row[4] for row in table),
             world_size=self.world_size,
         )

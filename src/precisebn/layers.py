@@ -13,11 +13,11 @@ import difflib
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.nn.modules.batchnorm import _NormBase
 
 from .errors import InvalidArgumentError, LayerNotFoundError, ModelChangedWarning, UninitializedLayerError
 from .state import StateSnapshot, refuse_uninitialized
@@ -33,12 +33,10 @@ __all__ = [
 ]
 
 Mode = Literal["norm", "train", "keep"]
-Capture = Literal["layer", "input"]
+Capture = Literal["auto", "float64"]
+Path = Literal["fast", "float64"]
 LayerSelection = str | type | tuple[type, ...] | Callable[[str, nn.Module], bool] | Iterable[str] | None
 
-# Layers whose forward is torch's own: with momentum 1.0 their running buffers hold
-# exactly the batch mean and unbiased variance after each call.
-_STANDARD_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward)
 _OWN_FIGURE_DTYPES = (torch.float32, torch.float64)
 _ALIGN = 16  # elements; keeps every scratch slice 64-byte aligned for cuDNN
 _NO_FORWARD = object()  # marks a module without an instance-level forward
@@ -88,16 +86,17 @@ class NormLayer:
     Attributes:
         name: Qualified name in the model (``""`` for the model itself).
         module: The layer.
-        capture: ``"layer"`` reads the batch statistics the layer computes itself in
-            training mode (the fast path: torch's own BatchNorm forward, float32/64
-            buffers); ``"input"`` reduces the layer's input in float64 (InstanceNorm,
-            subclasses that override ``forward``, half-precision buffers,
-            SyncBatchNorm across processes).
+        path: ``"fast"``: a candidate for reading the batch figures the layer leaves in
+            its running buffers with momentum 1.0 (float32/64 buffers), verified on its
+            first calls against a float64 reduction of what it normalises (see
+            :mod:`precisebn.capture`); ``"float64"``: what the layer normalises with its
+            running buffers is reduced in float64 on every call (half-precision buffers,
+            SyncBatchNorm across processes, ``capture="float64"``).
     """
 
     name: str
     module: _NormBase
-    capture: Capture
+    path: Path
 
     @property
     def channels(self) -> int:
@@ -107,25 +106,15 @@ class NormLayer:
     def type_name(self) -> str:
         return type(self.module).__name__
 
-    def channel_dim(self, x: Tensor) -> int:
-        """The channel dimension of an input of this layer."""
-        if isinstance(self.module, nn.modules.instancenorm._InstanceNorm):
-            return 0 if x.dim() == self.module._get_no_batch_dim() else 1
-        return 1 if x.dim() > 1 else 0
 
-
-def _capture_kind(module: _NormBase, capture: Capture | None) -> Capture:
-    if capture is not None:
-        return capture
-    own = (
-        type(module).forward in _STANDARD_FORWARDS
-        and "forward" not in module.__dict__  # an instance-level forward is not torch's own
-        and isinstance(module._buffers.get("num_batches_tracked"), Tensor)  # how calls are verified
+def _path(module: _NormBase, capture: Capture) -> Path:
+    fast = (
+        capture == "auto"
         and module.running_mean.dtype in _OWN_FIGURE_DTYPES
         and module.running_var.dtype in _OWN_FIGURE_DTYPES
-        and not _sync_active(module)
+        and not _sync_active(module)  # its figures are those of all processes, not this one's
     )
-    return "layer" if own else "input"
+    return "fast" if fast else "float64"
 
 
 def _matcher(selection: LayerSelection, candidates: dict[str, nn.Module]) -> Callable[[str, nn.Module], bool]:
@@ -174,7 +163,7 @@ def find_norm_layers(
     model: nn.Module,
     layers: LayerSelection = None,
     *,
-    capture: Capture | None = None,
+    capture: Capture = "auto",
     require: bool = True,
 ) -> list[NormLayer]:
     """The normalization layers of ``model`` to recalibrate, in module order.
@@ -183,8 +172,8 @@ def find_norm_layers(
         model: The model to search.
         layers: ``None`` (every layer with running statistics), qualified names, a
             type or tuple of types, or a predicate ``(name, module) -> bool``.
-        capture: Force a capture path for every layer (``"layer"`` or ``"input"``);
-            by default each layer gets the fastest exact one.
+        capture: ``"auto"``: each layer gets the fastest path that verifies exact
+            (see :class:`NormLayer`); ``"float64"``: every layer on the float64 path.
         require: Raise :class:`LayerNotFoundError` when nothing is selected.
 
     Raises:
@@ -206,7 +195,7 @@ def find_norm_layers(
                 "its number of channels is known, then recalibrate."
             )
         if has_running_stats(module):
-            found.append(NormLayer(name, module, _capture_kind(module, capture)))
+            found.append(NormLayer(name, module, _path(module, capture)))
     if require and not found:
         raise LayerNotFoundError(
             "no normalization layer with running statistics was selected "
@@ -237,26 +226,37 @@ class RecalibrationState:
     counters: list[Tensor | None]  # each layer's scratch num_batches_tracked (one increment per own call)
     _wrapped: list[tuple[nn.Module, object]] = field(default_factory=list)
 
-    def add_pre_hook(
-        self, module: nn.Module, hook: Callable[[nn.Module, tuple[object, ...], dict[str, object]], None]
+    def wrap_forward(
+        self, module: nn.Module, call: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
     ) -> None:
-        """Runs ``hook(module, args, kwargs)`` before every call of ``module``'s forward, until the
+        """Routes every call of ``module``'s forward through ``call(forward, args, kwargs)``
+        (which must call ``forward(*args, **kwargs)`` and return its result), until the
         state is restored.
 
-        Done by wrapping ``forward`` on the instance rather than with
-        ``register_forward_pre_hook``: a module with hooks leaves PyTorch's fast call path,
-        which costs several microseconds per call — more than the whole bookkeeping of a
-        small layer. The instance attribute is removed (or the previous one put back) on exit.
+        Done by wrapping ``forward`` on the instance rather than with hooks: a module with
+        hooks leaves PyTorch's fast call path, which costs several microseconds per call —
+        more than the whole bookkeeping of a small layer. The instance attribute is removed
+        (or the previous one put back) on exit.
         """
         previous = module.__dict__.get("forward", _NO_FORWARD)
         forward = module.forward
 
-        def wrapped(*args: object, **kwargs: object) -> object:
-            hook(module, args, kwargs)
-            return forward(*args, **kwargs)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            return call(forward, args, kwargs)
 
         self._wrapped.append((module, previous))
         module.forward = wrapped  # type: ignore[method-assign]
+
+    def add_pre_hook(
+        self, module: nn.Module, hook: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]
+    ) -> None:
+        """Runs ``hook(module, args, kwargs)`` before every call of ``module``'s forward."""
+
+        def call(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            hook(module, args, kwargs)
+            return forward(*args, **kwargs)
+
+        self.wrap_forward(module, call)
 
 
 def _allocate_scratch(layers: Sequence[NormLayer]) -> tuple[list[ScratchGroup], list[tuple[Tensor, Tensor]]]:

@@ -59,8 +59,9 @@ class Pass:
             collector = Collector(state)
             samples, batches = self._loop(collector, abort)
             moments = collector.finish()
+        paths = [p if p != "verify" else "none" for p in collector.paths]  # "verify": never called
         result = Measurement(
-            selected, moments, list(collector.calls), list(collector.counts), samples, batches, self.mode
+            selected, moments, list(collector.calls), list(collector.counts), samples, batches, self.mode, paths
         )
         result.check()
         result.seconds = time.perf_counter() - start
@@ -135,6 +136,7 @@ class Measurement:
     samples: int
     batches: int
     mode: str
+    paths: list[str]  # per layer: "fast", "float64" or "none" (never normalised with its running buffers)
     seconds: float = 0.0
     world_size: int = 1
 
@@ -158,12 +160,12 @@ class Measurement:
 
     def to_population(self) -> PopulationStats:
         layers = {}
-        for layer, m, count, calls in zip(self.layers, self.moments, self.counts, self.calls):
+        for layer, m, count, calls, path in zip(self.layers, self.moments, self.counts, self.calls, self.paths):
             if count > 0:
                 mean, var = m.mean, m.var
             else:
                 mean, var = torch.full_like(m.mean, float("nan")), torch.full_like(m.mean, float("nan"))
-            layers[layer.name] = LayerStats(mean, var, count, calls, layer.type_name)
+            layers[layer.name] = LayerStats(mean, var, count, calls, layer.type_name, path if count > 0 else "none")
         return PopulationStats(layers, self.samples, self.batches, self.mode, self.seconds, self.world_size)
 
 

@@ -31,6 +31,9 @@ class LayerStats:
             layer was never reached, and then ``mean``/``var`` are NaN.
         calls: Forward calls of the layer during the passes (all ranks).
         layer_type: The layer's class name.
+        path: How it was measured: ``"fast"`` (the layer's own batch figures, verified
+            against float64), ``"float64"`` (what it normalises, reduced in float64) or
+            ``"none"`` (never normalised with its running buffers: not reached).
     """
 
     mean: Tensor
@@ -38,6 +41,7 @@ class LayerStats:
     count: int
     calls: int
     layer_type: str
+    path: str = "fast"
 
     @property
     def reached(self) -> bool:
@@ -90,7 +94,7 @@ class PopulationStats(Mapping[str, LayerStats]):
     def to(self, device: torch.device | str) -> PopulationStats:
         """A copy with every tensor on ``device``."""
         moved = {
-            k: LayerStats(v.mean.to(device), v.var.to(device), v.count, v.calls, v.layer_type)
+            k: LayerStats(v.mean.to(device), v.var.to(device), v.count, v.calls, v.layer_type, v.path)
             for k, v in self.layers.items()
         }
         return PopulationStats(
@@ -105,7 +109,10 @@ class PopulationStats(Mapping[str, LayerStats]):
             "seconds": self.seconds,
             "world_size": self.world_size,
             "versions": self.versions,
-            "layers": {k: {"count": v.count, "calls": v.calls, "type": v.layer_type} for k, v in self.layers.items()},
+            "layers": {
+                k: {"count": v.count, "calls": v.calls, "type": v.layer_type, "path": v.path}
+                for k, v in self.layers.items()
+            },
         }
 
     def state_dict(self, prefix: str = "") -> dict[str, Tensor]:
@@ -193,6 +200,7 @@ class PopulationStats(Mapping[str, LayerStats]):
                         int(info["count"]),
                         int(info["calls"]),
                         str(info["type"]),
+                        str(info.get("path", "fast")),
                     )
                     for name, info in header["layers"].items()
                 }

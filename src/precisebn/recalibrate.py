@@ -45,9 +45,12 @@ DEFAULT_NUM_SAMPLES = 8192
 mmcls' default; Wu & Johnson 2021 find 10³–10⁴ samples enough)."""
 
 _MODES = ("norm", "train")
+_CAPTURES = ("auto", "float64")
 
 
-def check_options(*, num_samples: Any = None, num_batches: Any = None, forward: Any = None, mode: Any = "norm") -> None:
+def check_options(
+    *, num_samples: Any = None, num_batches: Any = None, forward: Any = None, mode: Any = "norm", capture: Any = "auto"
+) -> None:
     """Raises :class:`~precisebn.errors.InvalidArgumentError` for an option that
     :func:`estimate` would refuse (for callers that take options long before using them)."""
     for name, value in (("num_samples", num_samples), ("num_batches", num_batches)):
@@ -63,6 +66,8 @@ def check_options(*, num_samples: Any = None, num_batches: Any = None, forward: 
         raise InvalidArgumentError(f"forward must be a callable forward(model, batch), got {forward!r}")
     if mode not in _MODES:
         raise InvalidArgumentError(f"mode must be 'norm' or 'train', got {mode!r}")
+    if capture not in _CAPTURES:
+        raise InvalidArgumentError(f"capture must be 'auto' or 'float64', got {capture!r}")
 
 
 def _as_count(value: Any) -> int | None:
@@ -101,7 +106,7 @@ def estimate(
     progress: bool = False,
     distributed: Literal["auto"] | bool = "auto",
     process_group: Any = None,
-    _capture: Capture | None = None,
+    capture: Capture = "auto",
     _mode: Mode | None = None,
 ) -> PopulationStats:
     """Measures the population statistics of the model's normalization layers.
@@ -137,6 +142,11 @@ def estimate(
         distributed: ``"auto"`` merges the statistics of all ranks when a process
             group of more than one rank is initialised; ``False`` keeps ranks apart.
         process_group: The group to merge over (default: the default group).
+        capture: ``"auto"``: each layer's own batch figures where they verify (on the
+            batch that first calls the layer) against a float64 reduction of what it
+            normalises — costing little more than the forward passes — and a float64
+            reduction of that tensor on every call where they do not. ``"float64"``:
+            the float64 reduction for every layer (exact to float64 rounding, slower).
 
     Returns:
         The statistics, keyed by qualified layer name (relative to the unwrapped model).
@@ -172,7 +182,7 @@ def estimate(
             progress=progress,
             distributed=distributed,
             process_group=process_group,
-            _capture=_capture,
+            capture=capture,
             _mode=_mode,
         )
 
@@ -191,7 +201,7 @@ def _estimate(
     progress: bool,
     distributed: Any,
     process_group: Any,
-    _capture: Capture | None,
+    capture: Any,
     _mode: Mode | None,
 ) -> PopulationStats:
     """:func:`estimate`, holding the model in ``guard`` (so that :func:`recalibrate` can
@@ -199,7 +209,7 @@ def _estimate(
     the distributed failure protocol, so a mistake on one rank reaches all of them."""
     ctx = _dist.RankContext.resolve(distributed, process_group)
     try:
-        check_options(num_samples=num_samples, num_batches=num_batches, forward=forward, mode=mode)
+        check_options(num_samples=num_samples, num_batches=num_batches, forward=forward, mode=mode, capture=capture)
         use_all = isinstance(num_samples, str) and num_samples == "all"
         num_samples = None if use_all or num_samples is None else operator.index(num_samples)
         num_batches = None if num_batches is None else operator.index(num_batches)
@@ -221,7 +231,7 @@ def _estimate(
             model, data, forward or default_forward, num_samples, num_batches, target, progress, _mode or mode, explicit
         )
         guard.enter_context(exclusive(model))
-        selected = find_norm_layers(model, layers, capture=_capture)
+        selected = find_norm_layers(model, layers, capture=capture)
         local = run.measure(selected, abort=ctx.poll if ctx is not None else None)
     except BaseException as exc:
         if ctx is None:
@@ -328,8 +338,15 @@ def _apply(model: nn.Module, stats: PopulationStats) -> Report:
     with torch.no_grad(), restore_on_error(targets):
         for target, value in zip(targets, new):
             target.copy_(value)
-    for name in (r.name for r in rows if not r.updated):
-        logger.warning("precisebn: layer %r was not reached by any forward pass; its statistics were kept", name)
+    for name, _, s in entries:
+        if not s.reached:
+            logger.warning(
+                "precisebn: layer %r %s; its statistics were kept",
+                name,
+                f"was called {s.calls} times but never normalised with its running buffers"
+                if s.calls
+                else "was not reached by any forward pass",
+            )
     return report
 
 
@@ -370,6 +387,7 @@ def recalibrate(
     progress: bool = False,
     distributed: Literal["auto"] | bool = "auto",
     process_group: Any = None,
+    capture: Capture = "auto",
 ) -> Report:
     """Recomputes the running statistics of the model's normalization layers exactly.
 
@@ -405,7 +423,7 @@ def recalibrate(
             progress=progress,
             distributed=distributed,
             process_group=process_group,
-            _capture=None,
+            capture=capture,
             _mode=None,
         )
         return _apply(unwrap(model), stats)

@@ -1,0 +1,156 @@
+"""Each layer's path chosen by verifying what it does: the statistics of what a layer
+normalises with its running buffers, against float64 truths computed here."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+from timm.layers import BatchNormAct2d
+from torch import nn
+
+import precisebn
+from conftest import compute_truth, max_rel_error
+
+
+def images(sizes: tuple[int, ...] = (4, 6, 3), seed: int = 0, hw: int = 8) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, 3, hw, hw, generator=g) * 2 + 1 for n in sizes]
+
+
+def stats_of(xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 mean and population variance per channel (dimension 1) of all of ``xs``."""
+    flat = torch.cat([x.detach().to(torch.float64).transpose(0, 1).reshape(x.shape[1], -1) for x in xs], 1)
+    return flat.mean(1), flat.var(1, unbiased=False)
+
+
+def assert_close(layer: nn.Module, mean: torch.Tensor, var: torch.Tensor, tol: float = 1e-5) -> None:
+    assert max_rel_error(layer.running_mean, mean, torch.maximum(mean.abs(), var.sqrt())) <= tol
+    assert max_rel_error(layer.running_var, var) <= tol
+
+
+def test_timm_batchnormact_takes_the_fast_path_exactly() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), BatchNormAct2d(8), nn.Conv2d(8, 8, 1), BatchNormAct2d(8, act_layer="silu")
+    )
+    data = images()
+    truth = compute_truth(model, data)
+    stats = precisebn.estimate(model, data)
+    assert {s.path for s in stats.values()} == {"fast"}
+    precisebn.apply(model, stats)
+    for name, t in truth.items():
+        assert_close(model.get_submodule(name), t.mean, t.var)
+
+
+def test_real_timm_model_every_layer_fast_and_exact() -> None:
+    torch.manual_seed(0)
+    model = timm.create_model("mobilenetv3_small_050", pretrained=False, num_classes=10)
+    data = images((4, 4), hw=32)
+    truth = compute_truth(model, data)
+    stats = precisebn.estimate(model, data)
+    assert len(stats) == len(truth) > 20
+    assert {s.path for s in stats.values()} == {"fast"}
+    for name, t in truth.items():
+        scale = torch.maximum(t.mean.abs(), t.var.sqrt())
+        assert max_rel_error(stats[name].mean, t.mean, scale) <= 1e-5, name
+        assert max_rel_error(stats[name].var, t.var) <= 1e-5, name
+
+
+class BiasedVariance(nn.BatchNorm2d):
+    """Stores the *biased* batch variance in its running buffer (as detectron2's
+    NaiveSyncBatchNorm does); normalises its input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
+            with torch.no_grad():
+                m = self.momentum
+                self.running_mean.mul_(1 - m).add_(mean, alpha=m)
+                self.running_var.mul_(1 - m).add_(var, alpha=m)
+        return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0)
+
+
+def test_subclass_storing_a_biased_variance_falls_back_exactly() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), BiasedVariance(4))
+    data = images((2, 3, 2), hw=4)  # 4 values per sample and channel: the bias is 1/(n-1), far above rounding
+    stats = precisebn.estimate(model, data)
+    assert stats["1"].path == "float64"
+    precisebn.apply(model, stats)
+    mean, var = stats_of([model[0](x) for x in data])
+    assert_close(model[1], mean, var, 1e-6)
+
+
+class TransformsItsInput(nn.BatchNorm2d):
+    """Normalises ``2x + 1`` (same size as its input) with its running buffers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * 2 + 1)
+
+
+class SubsamplesItsInput(nn.BatchNorm2d):
+    """Normalises every other column of its input (a smaller tensor) with its running buffers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x[..., ::2])
+
+
+@pytest.mark.parametrize(
+    ("cls", "transform", "path"),
+    [
+        (TransformsItsInput, lambda h: h * 2 + 1, "fast"),
+        (SubsamplesItsInput, lambda h: h[..., ::2], "float64"),
+    ],
+)
+def test_statistics_of_what_the_layer_normalises(cls, transform, path: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), cls(4))
+    data = images()
+    with torch.no_grad():
+        normalised = [transform(model[0](x)) for x in data]
+    mean, var = stats_of(normalised)
+    report = precisebn.recalibrate(model, data)
+    assert report["1"].count == sum(t.numel() // 4 for t in normalised)
+    assert precisebn.estimate(model, data)["1"].path == path
+    assert_close(model[1], mean, var)
+    # so that its eval-mode output is the float64 normalisation of what it normalises
+    model.eval()
+    with torch.no_grad():
+        out = model(data[0]).double()
+        h = normalised[0].double()
+        shape = (1, -1, 1, 1)
+        expected = (h - mean.view(shape)) / (var.view(shape) + model[1].eps).sqrt()
+        expected = expected * model[1].weight.double().view(shape) + model[1].bias.double().view(shape)
+    assert float((out - expected).abs().max()) <= 1e-4
+
+
+def test_float64_option_is_exact_on_channels_last_resnet18() -> None:
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None).to(memory_format=torch.channels_last)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(2, 3, 224, 224, generator=g).to(memory_format=torch.channels_last) for _ in range(2)]
+    truth = compute_truth(model, data)
+    exact = precisebn.estimate(model, data, capture="float64")
+    auto = precisebn.estimate(model, data)
+    assert {s.path for s in exact.values()} == {"float64"}
+    for name, t in truth.items():
+        scale = torch.maximum(t.mean.abs(), t.var.sqrt())
+        assert max_rel_error(exact[name].mean, t.mean, scale) <= 1e-7, name
+        assert max_rel_error(exact[name].var, t.var) <= 1e-7, name
+        assert max_rel_error(auto[name].mean, t.mean, scale) <= 1e-5, name
+        assert max_rel_error(auto[name].var, t.var) <= 1e-5, name
+
+
+def test_large_mean_over_std_falls_back_where_float32_figures_are_off() -> None:
+    """|mean|/std = 1e4 with batches of 2: torch's float32 figures are off by percents, so the
+    verification moves the layer to float64, which is exact."""
+    layer = nn.BatchNorm1d(4)
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(2, 4, generator=g, dtype=torch.float64) * 1e-2 + 1e4).float() for _ in range(20)]
+    truth = compute_truth(layer, batches)[""]
+    stats = precisebn.estimate(layer, batches)[""]
+    assert stats.path == "float64"
+    assert max_rel_error(stats.var, truth.var) <= 1e-9
