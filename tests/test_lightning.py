@@ -11,13 +11,14 @@ import copy
 import csv
 import importlib
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L  # the 'lightning' extra, part of precisebn[dev]
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.loggers import CSVLogger
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
@@ -36,17 +37,19 @@ def make_data(n: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def loader(x: torch.Tensor, y: torch.Tensor, batch_size: int = 16, shuffle: bool = False) -> Any:
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)
+def loader(x: torch.Tensor, y: torch.Tensor, batch_size: int = 16, shuffle: bool = False, generator: Any = None) -> Any:
+    dataset = torch.utils.data.TensorDataset(x, y)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator)
 
 
 class TinyNet(L.LightningModule):
     """Linear -> BatchNorm1d -> ReLU -> Dropout -> Linear; records losses and, at the
     first validation batch, the weights and statistics validation runs with."""
 
-    def __init__(self, dropout: float = 0.0) -> None:
+    def __init__(self, dropout: float = 0.0, norm: bool = True) -> None:
         super().__init__()
-        layers = [torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Dropout(dropout)]
+        layers = [torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8) if norm else torch.nn.Identity()]
+        layers += [torch.nn.ReLU(), torch.nn.Dropout(dropout)]
         self.net = torch.nn.Sequential(*layers, torch.nn.Linear(8, 1))
         self.losses: list[torch.Tensor] = []
         self.validated: list[tuple[int, dict[str, torch.Tensor]]] = []
@@ -177,7 +180,8 @@ def test_before_validation_and_checkpoint_once_per_step(tmp_path: Path, float64_
     assert float(row["precisebn/mean_shift"]) > 0 and float(row["precisebn/var_ratio"]) > 0
 
 
-def test_training_is_untouched(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shuffling", ["global generator", "loader's own generator"])
+def test_training_is_untouched(tmp_path: Path, shuffling: str) -> None:
     x, y = make_data()
 
     def run(callbacks: list[Any], directory: Path) -> TinyNet:
@@ -185,7 +189,8 @@ def test_training_is_untouched(tmp_path: Path) -> None:
         model = TinyNet(dropout=0.5)
         every3 = ModelCheckpoint(dirpath=directory, every_n_train_steps=3, save_top_k=-1)
         trainer = make_trainer(directory, max_epochs=2, callbacks=[*callbacks, every3], enable_checkpointing=True)
-        trainer.fit(model, loader(x, y, batch_size=8, shuffle=True), loader(x[:16], y[:16]))
+        own = torch.Generator().manual_seed(0) if shuffling == "loader's own generator" else None
+        trainer.fit(model, loader(x, y, batch_size=8, shuffle=True, generator=own), loader(x[:16], y[:16]))
         return model
 
     before, after = Probe(), Probe()
@@ -305,6 +310,13 @@ def test_options_are_checked_early(tmp_path: Path) -> None:
         PreciseBN(data=(b for b in [torch.zeros(2, 4)]))
     with pytest.raises(InvalidArgumentError, match="swa_epoch_start"):
         PreciseWeightAveraging(swa_epoch_start=-1)
+    # Resuming from a checkpoint whose entry for the callback is not what it saved.
+    with pytest.raises(InvalidArgumentError, match="last_step"):
+        PreciseBN().load_state_dict({"last_step": 2.5, "stale": False, "computations": 1})
+    with pytest.raises(InvalidArgumentError, match="unknown key"):
+        PreciseBN().load_state_dict({"latest_update_step": 4})
+    with pytest.raises(InvalidArgumentError, match="got a list"):
+        PreciseWeightAveraging().load_state_dict({"latest_update_step": 4, "precisebn": [4, False, 1]})
 
     class TwoLoaders(TinyNet):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -357,25 +369,31 @@ def test_precise_weight_averaging(tmp_path: Path, float64_truth: Any, averaging:
     trainer.fit(model, torch.utils.data.DataLoader(Stream(), batch_size=16), loader(x[:16], y[:16]))
 
     assert trainer.global_step == 12 and trainer.current_epoch == 3  # no extra epoch
-    # SWA: validations see 0, 0, 1 averaged models and training ends with 2 (computed for the
-    # epoch-end checkpoint, or else at the end of training): three computations. EMA: a new
-    # average at every step, one computation per validation, and the end of training
-    # shares the last one.
-    assert callback.computations == 3
+    # SWA: the first average is taken at the end of epoch 1, after its validation, so the
+    # validations see 0, 0 and 1 averaged models: the first two run on the live model (as
+    # with Lightning's StochasticWeightAveraging) and cost nothing; training ends with 2
+    # averaged models. EMA: a new average at every step, one computation per validation,
+    # and the end of training shares the last one.
+    live = 2 if averaging == "swa" else 0
+    assert callback.computations == 3 - live // 2
     averaged = callback.averaged_model.module
     for p, q in zip(model.parameters(), averaged.parameters()):
         assert torch.equal(p, q)
     assert_precise(float64_truth, model.state_dict(), x)
-    for _, state in model.validated:  # validation ran on the averaged weights
+    assert len(model.validated) == 3
+    for _, state in model.validated[live:]:  # validation ran on the averaged weights
         assert_precise(float64_truth, state, x)
+    if averaging == "swa":
+        assert not torch.equal(model.validated[0][1]["net.0.weight"], model.validated[1][1]["net.0.weight"])
     files = sorted(tmp_path.glob("*.ckpt"))
     assert len(files) == (3 if checkpointing else 0)
-    for path in files:
-        checkpoint = torch.load(path, weights_only=False)
-        assert_precise(float64_truth, checkpoint["state_dict"], x)  # the averaged weights
-    if averaging == "swa":
-        expected = (model.validated[0][1]["net.0.weight"], model.validated[1][1]["net.0.weight"])
-        assert torch.equal(*expected)  # no average before the end of epoch 1
+    for i, path in enumerate(files):  # saved at the end of each epoch, after its average
+        state = torch.load(path, weights_only=False)["state_dict"]
+        if i < live // 2:  # no average yet (epoch 0): the live model, which validation saw
+            assert state.keys() == model.validated[i][1].keys()
+            assert all(torch.equal(v, model.validated[i][1][k]) for k, v in state.items())
+        else:
+            assert_precise(float64_truth, state, x)  # the averaged weights
 
 
 def test_legacy_pytorch_lightning_package(tmp_path: Path, float64_truth: Any) -> None:
@@ -453,3 +471,115 @@ def test_ddp_spawn_two_ranks_identical_union_statistics(tmp_path: Path, float64_
     assert_precise(float64_truth, ranks[0], x)  # the union of both ranks' shards
     mean_error, _ = precision_errors(float64_truth, ranks[0], x[::2])
     assert mean_error > 1e-4  # not one rank's shard alone
+
+
+def test_swa_validates_the_live_model_until_the_first_average(tmp_path: Path, float64_truth: Any) -> None:
+    x, y = make_data()
+
+    def run(callbacks: list[Any], max_epochs: int = 4) -> TinyNet:
+        torch.manual_seed(0)
+        model = TinyNet()
+        trainer = make_trainer(tmp_path, max_epochs=max_epochs, callbacks=callbacks)
+        trainer.fit(model, loader(x, y), loader(x[:16], y[:16]))
+        return model
+
+    plain = run([])  # validated[i]: the weights and statistics at the end of epoch i
+    swa = PreciseWeightAveraging(num_samples="all", swa_epoch_start=2)
+    averaged = run([swa])
+    assert [step for step, _ in averaged.validated] == [4, 8, 12, 16]
+
+    def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # The validations of epochs 0-2 come before the first average (the end of epoch 2):
+    # they see the live model, weights and statistics, exactly as without the callback.
+    for i in range(3):
+        assert same(averaged.validated[i][1], plain.validated[i][1]), i
+    # Epoch 3's validation: the average of one model (the weights at the end of epoch 2)
+    # with precise statistics.
+    weights = [k for k, _ in averaged.named_parameters()]
+    assert all(torch.equal(averaged.validated[3][1][k], plain.validated[2][1][k]) for k in weights)
+    assert_precise(float64_truth, averaged.validated[3][1], x)
+    # After training: the mean of the weights at the ends of epochs 2 and 3, precise statistics.
+    for k in weights:
+        mean = (plain.validated[2][1][k].double() + plain.validated[3][1][k].double()) / 2
+        assert torch.allclose(averaged.state_dict()[k].double(), mean, rtol=0, atol=1e-6), k
+    assert_precise(float64_truth, averaged.state_dict(), x)
+    assert swa.computations == 2  # epoch 3's validation and the end of training; nothing for the initial copy
+
+    # Training that ends before the first average keeps its trained weights, and says so.
+    late = PreciseWeightAveraging(num_samples="all", swa_epoch_start=5)
+    with pytest.warns(PreciseBNWarning, match="ended after 2 epochs before any average"):
+        short = run([late], max_epochs=2)
+    assert same(short.state_dict(), plain.validated[1][1])
+    assert late.computations == 0
+
+
+def test_lightning_swa_epoch_start_k_is_precise_swa_epoch_start_k_minus_2(tmp_path: Path) -> None:
+    """The README's mapping, against the installed Lightning: its ``swa_epoch_start=k``
+    (1-based) averages the weights at the start of epochs k-1 ... max_epochs-1 (0-based),
+    i.e. at the ends of epochs k-2 ... max_epochs-2; ``PreciseWeightAveraging`` with
+    ``swa_epoch_start=k-2`` averages the ends of epochs k-2 ... max_epochs-1 (one more:
+    the final weights)."""
+    x, y = make_data()
+
+    class Ends(L.Callback):
+        def __init__(self) -> None:
+            self.weights: list[dict[str, torch.Tensor]] = []
+
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            self.weights.append({k: p.detach().double().clone() for k, p in pl_module.named_parameters()})
+
+    def run(model: TinyNet, callback: Any) -> tuple[TinyNet, list[dict[str, torch.Tensor]]]:
+        ends = Ends()  # before the averaging callback: the live weights
+        trainer = make_trainer(tmp_path, max_epochs=6, callbacks=[ends, callback], num_sanity_val_steps=0)
+        trainer.fit(model, loader(x, y))
+        return model, ends.weights
+
+    def assert_mean_of(model: TinyNet, ends: list[dict[str, torch.Tensor]]) -> None:
+        for k, p in model.named_parameters():
+            mean = torch.stack([end[k] for end in ends]).mean(0)
+            assert torch.allclose(p.double(), mean, rtol=0, atol=1e-6), k
+
+    # Lightning's SWA adds an epoch to models with BatchNorm (and moves the weights during
+    # it): a model without BatchNorm shows which weights it averages.
+    model, ends = run(TinyNet(norm=False), StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=4))
+    assert len(ends) == 6
+    assert_mean_of(model, ends[2:5])
+    model, ends = run(TinyNet(), PreciseWeightAveraging(num_samples="all", swa_epoch_start=2))
+    assert len(ends) == 6
+    assert_mean_of(model, ends[2:6])
+
+
+@pytest.mark.parametrize("averaging", [False, True])
+def test_a_model_without_normalization_layers_trains_with_one_warning(tmp_path: Path, averaging: bool) -> None:
+    x, y = make_data()
+
+    def run(callback: Any, directory: Path) -> TinyNet:
+        torch.manual_seed(0)
+        model = TinyNet(norm=False)
+        every3 = ModelCheckpoint(dirpath=directory, every_n_train_steps=3, save_top_k=-1)
+        callbacks = [callback, every3]
+        trainer = make_trainer(directory, max_epochs=2, callbacks=callbacks, enable_checkpointing=True)
+        trainer.fit(model, loader(x, y), loader(x[:16], y[:16]))
+        return model
+
+    if averaging:  # compared with Lightning's own WeightAveraging
+        ours, reference = PreciseWeightAveraging(num_samples="all"), WeightAveraging(use_buffers=False)
+    else:  # compared with no callback
+        ours, reference = PreciseBN(num_samples="all", every_n_train_steps=2), L.Callback()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with_ours = run(ours, tmp_path / "ours")
+    messages = [str(w.message) for w in caught if issubclass(w.category, PreciseBNWarning)]
+    assert len(messages) == 1 and "no normalization layer" in messages[0], messages
+    assert ours.computations == 0 and ours.last_report is None
+    expected = run(reference, tmp_path / "reference")
+    assert torch.equal(torch.stack(with_ours.losses), torch.stack(expected.losses))
+    assert len(with_ours.validated) == len(expected.validated) == 2
+    for (step, state), (expected_step, expected_state) in zip(with_ours.validated, expected.validated):
+        assert step == expected_step and all(torch.equal(v, expected_state[k]) for k, v in state.items())
+    for p, q in zip(with_ours.parameters(), expected.parameters()):
+        assert torch.equal(p, q)
+    files = sorted(p.name for p in (tmp_path / "ours").glob("*.ckpt"))
+    assert files == sorted(p.name for p in (tmp_path / "reference").glob("*.ckpt")) and len(files) == 2

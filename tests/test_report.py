@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 
+import pytest
 import torch
 from torch import nn
 
@@ -63,3 +65,34 @@ def test_to_dict_is_json_serialisable_and_complete(tmp_path) -> None:
     saved = json.loads((tmp_path / "r.json").read_text())
     assert "new_var" not in saved["layers"][0]
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_report_is_a_read_only_mapping_of_layer_names() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 5, 1), nn.BatchNorm2d(5))
+    model.add_module("head", nn.Sequential(nn.Flatten(), nn.LazyLinear(2), nn.BatchNorm1d(2)))
+    batches = [torch.randn(4, 3, 6, 6) for _ in range(3)]
+    model(batches[0])  # initialises the lazy layer
+    r = precisebn.recalibrate(model, batches, num_samples="all")
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert names == ["1", "4", "head.2"]
+
+    assert isinstance(r, Mapping)
+    assert len(r) == 3
+    assert list(r) == names and list(r.keys()) == names  # module order
+    assert "4" in r and "head.2" in r and "3" not in r and "nope" not in r and 1 not in r
+    assert [row.name for row in r.values()] == names
+    assert dict(r.items()) == {row.name: row for row in r.layers}
+    assert r.get("nope") is None and r.get("1") is r["1"]
+    assert {name: row.channels for name, row in r.items()} == {"1": 4, "4": 5, "head.2": 2}
+    assert r["head.2"].count == 12 and r["1"].count == 3 * 4 * 4 * 4  # values per channel
+    with pytest.raises(KeyError):
+        r["nope"]
+    with pytest.raises(TypeError):
+        r["1"] = r["4"]  # type: ignore[index]
+    with pytest.raises(TypeError):
+        del r["1"]  # type: ignore[attr-defined]
+    # what it had before is unchanged
+    assert r.updated == names and r.not_reached == [] and r.samples == 12 and r.batches == 3
+    assert [row["name"] for row in r.to_dict()["layers"]] == names
+    assert str(r).splitlines()[-1].startswith("3 layers updated")

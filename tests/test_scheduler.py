@@ -160,5 +160,91 @@ def test_bad_arguments_are_refused_at_construction() -> None:
     scheduler = precisebn.PreciseBNScheduler(model, list)
     with pytest.raises(EmptyDataError):
         scheduler.update(1)
-    with pytest.raises(TypeError):
-        scheduler.update(1.5)  # type: ignore[arg-type]
+
+
+def _indexed_loader(kind: str, seed: int) -> torch.utils.data.DataLoader:
+    """A shuffling loader over 40 samples whose randomness is its own generator's, held
+    where ``kind`` says; each batch's second tensor holds the samples' indices."""
+    dataset = torch.utils.data.TensorDataset(torch.randn(40, 5) * 3 + 2, torch.arange(40))
+    g = torch.Generator().manual_seed(seed)
+    if kind == "loader":
+        return torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True, generator=g)
+    if kind == "sampler":
+        sampler = torch.utils.data.RandomSampler(dataset, generator=g)
+        return torch.utils.data.DataLoader(dataset, batch_size=8, sampler=sampler)
+    if kind == "batch_sampler":
+        batches = torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(dataset, generator=g), 8, False)
+        return torch.utils.data.DataLoader(dataset, batch_sampler=batches)
+    assert kind == "persistent_workers"  # measured through a twin loader
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=8, shuffle=True, generator=g, num_workers=1, persistent_workers=True
+    )
+
+
+@pytest.mark.parametrize("kind", ["loader", "sampler", "batch_sampler", "persistent_workers"])
+def test_a_loaders_own_generator_keeps_the_training_order(kind: str) -> None:
+    def train(with_scheduler: bool) -> list[list[int]]:
+        model = make_model()
+        loader = _indexed_loader(kind, seed=0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        scheduler = precisebn.PreciseBNScheduler(model, loader, num_samples=16)
+        orders = []
+        for _ in range(3):
+            order = []
+            for i, (x, index) in enumerate(loader):
+                order += index.tolist()
+                loss = model(x).square().mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if with_scheduler and i == 1:
+                    scheduler.update(len(orders) * 10 + i)  # in the middle of every epoch
+            orders.append(order)
+        if with_scheduler:
+            assert scheduler.computations == 3
+        return orders
+
+    without = train(with_scheduler=False)
+    assert without[0] != without[1] != without[2]  # the loader does shuffle every epoch
+    assert train(with_scheduler=True) == without
+
+
+def test_steps_must_be_integers() -> None:
+    model, data = make_model(), make_batches(2)
+    scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all")
+    for bad in (3.0, 2.5, "3", None, True):
+        with pytest.raises(InvalidArgumentError, match=r"step must be an integer.*int\(step\)"):
+            scheduler.update(bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match="step must be an integer"):
+            scheduler.is_current(bad)  # type: ignore[arg-type]
+    assert scheduler.computations == 0 and scheduler.last_step is None
+    assert scheduler.update(np.int64(3)) is not None  # numpy and 0-d integer tensors are integers
+    assert scheduler.update(torch.tensor(3)) is None
+    assert scheduler.last_step == 3 and type(scheduler.last_step) is int
+    assert type(scheduler.state_dict()["last_step"]) is int
+
+
+def test_load_state_dict_refuses_what_state_dict_does_not_write() -> None:
+    model, data = make_model(), make_batches(2)
+    scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all")
+    scheduler.update(4)
+    good = scheduler.state_dict()
+    bad_states = [
+        ([4, False, 1], "got a list"),
+        (model.state_dict(), "unknown key"),  # the model's state instead of the scheduler's
+        ({"last_step": 4, "computations": 1}, "missing key.*'stale'"),
+        ({**good, "last_step": 4.5}, "last_step"),
+        ({**good, "last_step": "4"}, "last_step"),
+        ({**good, "stale": "no"}, "stale"),
+        ({**good, "computations": -1}, "computations"),
+        ({**good, "computations": 1.0}, "computations"),
+    ]
+    for state, message in bad_states:
+        with pytest.raises(InvalidArgumentError, match=message):
+            scheduler.load_state_dict(state)  # type: ignore[arg-type]
+    assert scheduler.state_dict() == good  # a refused state changes nothing
+    scheduler.load_state_dict({"last_step": np.int64(9), "stale": False, "computations": np.int64(5)})
+    assert (scheduler.last_step, scheduler.computations) == (9, 5)
+    assert scheduler.update(9) is None
+    scheduler.load_state_dict({"last_step": None, "stale": False, "computations": 0})
+    assert scheduler.update(9) is not None and scheduler.computations == 1

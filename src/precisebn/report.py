@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,10 +96,23 @@ def _finite_or_none(v: float) -> float | None:
 
 
 @dataclass
-class Report:
+class Report(Mapping[str, LayerReport]):
     """The result of :func:`precisebn.recalibrate` / :func:`precisebn.apply`.
 
-    ``str(report)`` is a table, one row per layer; :meth:`to_dict` is JSON-serialisable.
+    A read-only mapping of qualified layer name to :class:`LayerReport`, in module
+    order: ``report["layer1.0.bn1"]``, ``"bn" in report``, ``len(report)``,
+    ``for name in report``, ``report.items()``... (:attr:`layers` is the same rows as
+    a list). ``str(report)`` is a table, one row per layer; :meth:`to_dict` is
+    JSON-serialisable.
+
+    Example:
+        >>> import torch, precisebn
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.BatchNorm1d(4))
+        >>> report = precisebn.recalibrate(model, [torch.randn(8, 3)], num_samples="all")
+        >>> len(report), list(report), "1" in report, "0" in report
+        (2, ['1', '2'], True, False)
+        >>> {name: row.count for name, row in report.items()}
+        {'1': 8, '2': 8}
 
     Attributes:
         layers: One :class:`LayerReport` per selected layer, in module order.
@@ -121,6 +135,12 @@ class Report:
             if layer.name == name:
                 return layer
         raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return (layer.name for layer in self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
 
     @property
     def updated(self) -> list[str]:

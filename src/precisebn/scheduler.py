@@ -12,7 +12,10 @@ A recalibration never changes the course of training: the forward passes run und
 :func:`precisebn.recalibrate`), and by default the random number generators
 (torch's on the CPU and on the model's CUDA devices, Python's ``random``, NumPy's
 global one) are put back as they were, so that a shuffling loader, random
-augmentations or dropout during the passes do not shift what training draws next.
+augmentations or dropout during the passes do not shift what training draws next. The
+data's own generators are put back too: a DataLoader's ``generator=``, its sampler's
+and its batch sampler's, so that a loader that shuffles with its own generator keeps
+the order of the epochs to come.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import contextlib
 import operator
 import random
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -75,8 +78,10 @@ class PreciseBNScheduler:
         num_samples, num_batches, forward, mode, layers, device, progress,
             distributed, process_group: As for :func:`precisebn.recalibrate`.
         preserve_rng: Put the random number generators back as they were after
-            each computation (default), so that training draws the same random
-            numbers as without the recalibration.
+            each computation (default): torch's global ones, Python's ``random``,
+            NumPy's global one, and the data's own (a DataLoader's ``generator``, its
+            sampler's, its batch sampler's), so that training draws the same random
+            numbers, and sees the same batch order, as without the recalibration.
 
     Example:
         >>> import torch, precisebn
@@ -147,7 +152,7 @@ class PreciseBNScheduler:
 
     def is_current(self, step: int) -> bool:
         """Whether the statistics were computed at ``step`` and nothing invalidated them since."""
-        return self._last_step == operator.index(step) and not self._stale
+        return self._last_step == check_step(step, "step") and not self._stale
 
     def update(self, step: int, *, force: bool = False) -> Report | None:
         """Recalibrates unless the statistics were already computed at ``step``.
@@ -162,14 +167,19 @@ class PreciseBNScheduler:
             nothing was done.
 
         Raises:
+            InvalidArgumentError: ``step`` is not an integer.
             PreciseBNError: Whatever :func:`precisebn.recalibrate` raises; the model is
                 then unchanged and the step is not recorded, so the next call tries again.
         """
-        step = operator.index(step)
+        step = check_step(step, "step")
         if not force and self.is_current(step):
             return None
-        rng = preserved_rng(self.model) if self.preserve_rng else contextlib.nullcontext()
-        with rng:
+        if self.preserve_rng:
+            with preserved_rng(self.model):
+                batches = fresh_batches(self.data)
+                with preserved_generators(data_generators(self.data, batches)):
+                    report = recalibrate(self.model, batches, **self._options)
+        else:
             report = recalibrate(self.model, fresh_batches(self.data), **self._options)
         self._last_step, self._stale, self._last_report = step, False, report
         self._computations += 1
@@ -185,13 +195,20 @@ class PreciseBNScheduler:
         """What to save with a checkpoint: the last step and the number of computations."""
         return {"last_step": self._last_step, "stale": self._stale, "computations": self._computations}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores what :meth:`state_dict` returned (together with the model's weights
-        and statistics saved at the same time)."""
-        last = state.get("last_step")
-        self._last_step = None if last is None else int(last)
-        self._stale = bool(state.get("stale", False))
-        self._computations = int(state.get("computations", 0))
+        and statistics saved at the same time).
+
+        Raises:
+            InvalidArgumentError: ``state`` is not what :meth:`state_dict` returns (keys
+                missing or unknown, values of the wrong type); nothing is changed.
+        """
+        checked = check_state(state, f"{type(self).__name__}.load_state_dict")
+        self._last_step, self._stale, self._computations = (
+            checked["last_step"],
+            checked["stale"],
+            checked["computations"],
+        )
 
     def __repr__(self) -> str:
         return (
@@ -201,6 +218,66 @@ class PreciseBNScheduler:
 
 
 # -- helpers shared with the Lightning integrations -------------------------------------
+
+_STATE_KEYS = ("last_step", "stale", "computations")
+
+
+def check_step(step: Any, name: str, hint: str = "pass int(step) if it holds a whole number of steps") -> int:
+    """``step`` as an ``int``: a Python or NumPy integer, or a 0-d integer tensor (anything
+    with ``__index__``); floats (even integral ones: a float step is usually a mistake, and
+    ``int()`` is one call away), bools and strings are refused."""
+    value = _integer(step)
+    if value is not None:
+        return value
+    raise InvalidArgumentError(
+        f"{name} must be an integer (e.g. the number of optimizer steps taken), got {step!r} "
+        f"({type(step).__name__}); {hint}."
+    )
+
+
+def _integer(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def check_state(state: Any, where: str) -> dict[str, Any]:
+    """The scheduler state ``state`` (what :meth:`PreciseBNScheduler.state_dict`
+    returns) with plain Python values, or an :class:`InvalidArgumentError` saying what
+    does not fit."""
+    expected = "the dict that state_dict() returned, with keys 'last_step', 'stale' and 'computations'"
+    if not isinstance(state, Mapping):
+        raise InvalidArgumentError(f"{where}: expected {expected}; got a {type(state).__name__}.")
+    unknown = [key for key in state if key not in _STATE_KEYS]
+    missing = [key for key in _STATE_KEYS if key not in state]
+    if unknown or missing:
+        found = []
+        if unknown:
+            shown = ", ".join(repr(k) for k in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+            found.append(f"unknown key(s) {shown}")
+        if missing:
+            found.append(f"missing key(s) {', '.join(map(repr, missing))}")
+        raise InvalidArgumentError(
+            f"{where}: expected {expected}; found {' and '.join(found)}. Pass the state saved from the same "
+            "kind of object (not, e.g., the model's state_dict)."
+        )
+    last = state["last_step"]
+    stale = state["stale"]
+    computations = state["computations"]
+    if last is not None:
+        last = check_step(last, f"{where}: 'last_step'", "pass the state that state_dict() returned")
+    if not isinstance(stale, bool):
+        raise InvalidArgumentError(f"{where}: 'stale' must be True or False, got {stale!r} ({type(stale).__name__}).")
+    count = _integer(computations)
+    if count is None or count < 0:
+        raise InvalidArgumentError(
+            f"{where}: 'computations' must be a non-negative integer, got {computations!r} "
+            f"({type(computations).__name__})."
+        )
+    return {"last_step": last, "stale": stale, "computations": count}
 
 
 def check_data(data: Any) -> None:
@@ -216,6 +293,55 @@ def check_data(data: Any) -> None:
             "data must be a re-iterable of batches (a DataLoader, a list) or a zero-argument callable "
             f"returning one, got {type(data).__name__}"
         )
+
+
+class MappedBatches(Iterable[Any]):
+    """The batches of ``source`` with ``fn`` applied to each, iterated lazily.
+
+    ``source`` stays visible to :func:`data_generators`, so that its generators are
+    put back after a computation that iterated these batches.
+    """
+
+    def __init__(self, source: Iterable[Any], fn: Callable[[Any], Any]) -> None:
+        self.source = source
+        self.fn = fn
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.source:
+            yield self.fn(batch)
+
+
+def data_generators(*sources: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects that iterating ``sources`` draws from, besides the
+    global ones: each DataLoader's ``generator`` (worker seeds and the default shuffling
+    sampler), its sampler's, its batch sampler's and the batch sampler's sampler's."""
+    found: dict[int, torch.Generator] = {}
+
+    def add(holder: Any) -> None:
+        generator = getattr(holder, "generator", None)
+        if isinstance(generator, torch.Generator):
+            found.setdefault(id(generator), generator)
+
+    for source in sources:
+        while isinstance(source, MappedBatches):
+            source = source.source
+        if isinstance(source, torch.utils.data.DataLoader):
+            add(source)
+            add(source.sampler)
+            add(source.batch_sampler)
+            add(getattr(source.batch_sampler, "sampler", None))
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def preserved_generators(generators: Iterable[torch.Generator]) -> Iterator[None]:
+    """Puts each generator's state back on exit."""
+    states = [(generator, generator.get_state()) for generator in generators]
+    try:
+        yield
+    finally:
+        for generator, state in states:
+            generator.set_state(state)
 
 
 def fresh_batches(data: Data) -> Iterable[Any]:
@@ -240,6 +366,7 @@ def _twin_loader(loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLo
         "multiprocessing_context": loader.multiprocessing_context,
         "prefetch_factor": loader.prefetch_factor,
         "persistent_workers": False,
+        "generator": loader.generator,  # as the loader would seed its workers (put back afterwards)
     }
     if isinstance(loader.dataset, torch.utils.data.IterableDataset) or loader.batch_sampler is None:
         return torch.utils.data.DataLoader(

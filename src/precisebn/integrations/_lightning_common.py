@@ -26,14 +26,21 @@ callbacks to the end, and runs validation at the end of an epoch before
 The guard is :class:`~precisebn.PreciseBNScheduler`'s: one computation per
 ``trainer.global_step``. A training batch that ends without an optimizer step after a
 computation at the same step (gradient accumulation) moves the running statistics, so
-it invalidates that computation.
+it invalidates that computation. Like the scheduler, a computation puts back the global
+random number generators and the training data's own (a DataLoader's ``generator``,
+its sampler's), so the batch order of later epochs is unchanged. A model without any
+normalization layer with running statistics gets one warning and no computation.
 
 The averaging companion recomputes the averaged copy's statistics in
 ``on_validation_start`` (before ``WeightAveraging`` swaps the averaged weights in, in
 ``on_validation_epoch_start``), in ``on_save_checkpoint`` (before ``WeightAveraging``
 puts the averaged state into the checkpoint) and in ``on_train_end`` (before it copies
 the averaged weights and buffers into the module); its guard is the averaged model's
-``n_averaged``, which changes exactly when the average does.
+``n_averaged``, which changes exactly when the average does. Until the first average
+exists (``n_averaged == 0``, e.g. before ``swa_epoch_start``) the averaged copy holds
+only the module's initial weights, so validation, checkpoints and the end of training
+use the live module instead, as Lightning's ``StochasticWeightAveraging`` does before
+averaging starts: no weights are swapped and nothing is computed.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -49,10 +56,10 @@ from torch import nn
 
 from ..data import Forward
 from ..errors import InvalidArgumentError, PreciseBNWarning
-from ..layers import LayerSelection
+from ..layers import LayerSelection, has_running_stats
 from ..recalibrate import check_options
 from ..report import Report
-from ..scheduler import Data, PreciseBNScheduler, check_data, fresh_batches
+from ..scheduler import Data, MappedBatches, PreciseBNScheduler, check_data, check_state, fresh_batches
 
 __all__ = ["AveragingMixin", "PreciseBNMixin"]
 
@@ -105,6 +112,7 @@ class _Recalibrator:
     """Options and the computation shared by both callbacks."""
 
     _log_prefix = "precisebn"
+    _without_layers = "training goes on without them"
 
     def _init_options(
         self,
@@ -132,6 +140,7 @@ class _Recalibrator:
         self._scheduler: PreciseBNScheduler | None = None
         self._pending_state: dict[str, Any] | None = None
         self._last_report: Report | None = None
+        self._warned_no_layers = False
 
     def _make_scheduler(self, trainer: Any, model: nn.Module) -> PreciseBNScheduler:
         scheduler = PreciseBNScheduler(
@@ -147,24 +156,47 @@ class _Recalibrator:
         if self._pending_state is not None:
             scheduler.load_state_dict(self._pending_state)
             self._pending_state = None
+        self._warned_no_layers = False
         return scheduler
 
-    def _batches(self, trainer: Any) -> Iterator[Any]:
-        """The batches of one computation, moved as the Trainer moves training batches."""
+    def _batches(self, trainer: Any) -> Iterable[Any]:
+        """The batches of one computation, moved as the Trainer moves training batches
+        (a :class:`MappedBatches`, through which the scheduler finds the data's own
+        random number generators to put back)."""
         source = self.data if self.data is not None else _training_loader(trainer)
         module = trainer.lightning_module
         # What the training loop does to each batch: the (datamodule's or module's)
         # on_before_batch_transfer, then transfer_batch_to_device and on_after_batch_transfer.
         before = getattr(module, "_on_before_batch_transfer", None)
-        for batch in fresh_batches(source):
+
+        def move(batch: Any) -> Any:
             if before is not None:
                 batch = before(batch, dataloader_idx=0)
-            yield trainer.strategy.batch_to_device(batch)
+            return trainer.strategy.batch_to_device(batch)
+
+        return MappedBatches(fresh_batches(source), move)
+
+    def _has_layers(self, trainer: Any, model: nn.Module) -> bool:
+        """Whether ``model`` has a normalization layer to recalibrate; warns once per
+        ``fit`` (on rank 0) when it has none."""
+        if any(has_running_stats(m) for m in model.modules()):
+            return True
+        if not self._warned_no_layers and trainer.is_global_zero:
+            warnings.warn(
+                f"{type(self).__name__}: the model ({type(model).__name__}) has no normalization layer with "
+                "running statistics (BatchNorm*, SyncBatchNorm, InstanceNorm* with track_running_stats=True), so "
+                f"there are no statistics to recompute and {self._without_layers}. Remove the callback to "
+                "silence this warning.",
+                PreciseBNWarning,
+                stacklevel=2,
+            )
+        self._warned_no_layers = True
+        return False
 
     def _compute(self, trainer: Any, step: int) -> Report | None:
         """Recalibrates unless current for ``step``; logs the figures of a computation."""
         scheduler = self._scheduler
-        if scheduler is None or scheduler.is_current(step):
+        if scheduler is None or scheduler.is_current(step) or not self._has_layers(trainer, scheduler.model):
             return None
         # Validation (and checkpoints saved at its end) run under inference_mode; leave it
         # so that what the computation creates (the report's tensors included) is made of
@@ -221,11 +253,12 @@ class _Recalibrator:
             return self._scheduler.state_dict()
         return dict(self._pending_state or {"last_step": None, "stale": False, "computations": 0})
 
-    def _load_scheduler_state(self, state: dict[str, Any]) -> None:
+    def _load_scheduler_state(self, state: Any) -> None:
+        checked = check_state(state, f"{type(self).__name__}.load_state_dict")  # refused now, not at setup
         if self._scheduler is not None:
-            self._scheduler.load_state_dict(state)
+            self._scheduler.load_state_dict(checked)
         else:
-            self._pending_state = dict(state)
+            self._pending_state = checked
 
     def _refresh_own_state(self, checkpoint: dict[str, Any]) -> None:
         # The callbacks' states were collected before on_save_checkpoint runs.
@@ -336,6 +369,7 @@ class AveragingMixin(_Recalibrator):
     """The behaviour of ``PreciseWeightAveraging``, on top of Lightning's ``WeightAveraging``."""
 
     _log_prefix = "precisebn_averaged"
+    _without_layers = "weight averaging goes on as in Lightning's WeightAveraging"
 
     def __init__(
         self,
@@ -371,6 +405,7 @@ class AveragingMixin(_Recalibrator):
                 f"swa_epoch_start must be a non-negative integer or None, got {swa_epoch_start!r}"
             )
         self.swa_epoch_start = swa_epoch_start
+        self._swapped = False
 
     def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
         if self.swa_epoch_start is not None:
@@ -387,8 +422,13 @@ class AveragingMixin(_Recalibrator):
         # counts one more model (one host read of a scalar, at most once per trigger).
         return int(self._average_model.n_averaged)  # type: ignore[attr-defined]
 
+    def _has_average(self) -> bool:
+        """Whether the averaged model holds an average (before the first one, it holds a
+        copy of the module's initial weights)."""
+        return self._average_model is not None and self._averaged_version() > 0  # type: ignore[attr-defined]
+
     def _compute_averaged(self, trainer: Any) -> Report | None:
-        if self._average_model is None or not _fitting(trainer):  # type: ignore[attr-defined]
+        if not _fitting(trainer) or not self._has_average():
             return None
         return self._compute(trainer, self._averaged_version())
 
@@ -407,13 +447,40 @@ class AveragingMixin(_Recalibrator):
         self._compute_averaged(trainer)
         super().on_validation_start(trainer, pl_module)  # type: ignore[misc]
 
+    def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        # Without an average yet, validate the live module (as StochasticWeightAveraging
+        # does before averaging starts), not the averaged copy's initial weights.
+        self._swapped = self._has_average()
+        if self._swapped:
+            super().on_validation_epoch_start(trainer, pl_module)  # type: ignore[misc]
+
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._swapped:  # swap back only what on_validation_epoch_start swapped
+            self._swapped = False
+            super().on_validation_epoch_end(trainer, pl_module)  # type: ignore[misc]
+
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         # Before WeightAveraging puts the averaged model's state into the checkpoint.
         if self._compute_averaged(trainer) is not None:
             self._refresh_own_state(checkpoint)
         super().on_save_checkpoint(trainer, pl_module, checkpoint)  # type: ignore[misc]
+        if "current_model_state" in checkpoint and not self._has_average():
+            # No average yet: the weights to use (and those validation measured) are the
+            # live module's. The averaging state still goes along, so resuming is unchanged.
+            checkpoint["state_dict"] = checkpoint["current_model_state"]
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._average_model is not None and not self._has_average():  # type: ignore[attr-defined]
+            if trainer.is_global_zero:
+                when = "" if self.swa_epoch_start is None else f" (swa_epoch_start={self.swa_epoch_start})"
+                warnings.warn(
+                    f"{type(self).__name__}: training ended after {trainer.current_epoch} epochs before any average "
+                    f"was taken{when}, so the module keeps its trained weights and statistics; train for more "
+                    "epochs or start averaging earlier.",
+                    PreciseBNWarning,
+                    stacklevel=2,
+                )
+            return
         # Before WeightAveraging copies the averaged weights and buffers into the module.
         self._compute_averaged(trainer)
         super().on_train_end(trainer, pl_module)  # type: ignore[misc]

@@ -76,9 +76,11 @@ class PreciseBN(PreciseBNMixin, _pl.Callback):
     the precision plugin's forward context, with every batch moved as training batches
     are (``on_before_batch_transfer``, ``transfer_batch_to_device``,
     ``on_after_batch_transfer``). Gradients, optimizer state, training flags, momenta
-    and the random number generators are left as they were: a run with the callback
-    trains exactly like one without it, unless validation results feed back into
-    training.
+    and the random number generators (the global ones and the training data's own: a
+    DataLoader's ``generator``, its sampler's) are left as they were: a run with the
+    callback trains exactly like one without it, unless validation results feed back
+    into training. A model without normalization layers gets one
+    :class:`~precisebn.errors.PreciseBNWarning` and no computation.
 
     With ``strategy="ddp"`` every rank measures its own shard of the training data and
     all ranks end with identical statistics over the union (``num_samples`` is the
@@ -149,6 +151,17 @@ if _WeightAveraging is not None:
         ``progress``, ``log``) mean the same; the figures are logged as
         ``precisebn_averaged/...``. Use it instead of :class:`PreciseBN`, not with it:
         validation and checkpoints see the averaged model.
+
+        Until the first average exists (``averaged_model.n_averaged == 0``, e.g. before
+        the end of epoch ``swa_epoch_start``), the averaged copy holds only the initial
+        weights: validation, checkpoints and the end of training then use the live
+        module, as ``StochasticWeightAveraging`` does before averaging starts (nothing is
+        swapped or measured; a training that ends before any average keeps its trained
+        weights, with a :class:`~precisebn.errors.PreciseBNWarning`). Lightning's
+        ``StochasticWeightAveraging(swa_epoch_start=k)`` counts epochs from 1 and
+        averages at the start of epoch ``k``: the weights at the end of the 0-based
+        epochs ``k - 2`` to ``max_epochs - 2``; ``swa_epoch_start=k - 2`` here averages
+        the same weights and those of the last epoch.
 
         Args:
             swa_epoch_start: Average at the end of every epoch from this epoch on
