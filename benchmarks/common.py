@@ -64,13 +64,40 @@ def _torchvision(name: str) -> Callable[[], nn.Module]:
     return build
 
 
+def _timm(name: str) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import timm
+
+        return timm.create_model(name, pretrained=False)
+
+    return build
+
+
+class ChannelsLast(nn.Module):
+    """A model run in the channels_last memory format (its input converted in forward)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner.to(memory_format=torch.channels_last)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x.contiguous(memory_format=torch.channels_last))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "resnet18": _torchvision("resnet18"),
     "resnet50": _torchvision("resnet50"),
     "mobilenet_v3_large": _torchvision("mobilenet_v3_large"),
     "r3d_18": _torchvision("r3d_18"),
     "mlp": TabularMLP,
+    "densenet121": _torchvision("densenet121"),
+    "resnet18_cl": lambda: ChannelsLast(_torchvision("resnet18")()),
+    "timm_efficientnet_b0": _timm("efficientnet_b0"),
+    "timm_mobilenetv3_large_100": _timm("mobilenetv3_large_100"),
+    "timm_resnet26d": _timm("resnet26d"),
+    "timm_mnasnet_small": _timm("mnasnet_small"),
 }
+
 
 # (sample shape, [(batch size, batches per run), ...]) per model. CPU sizes are chosen so
 # that one run of the floor takes about a second on one thread of a 2-core x86 VM.
@@ -81,6 +108,12 @@ SIZES: dict[str, dict[str, tuple[tuple[int, ...], list[tuple[int, int]]]]] = {
         "mobilenet_v3_large": ((3, 96, 96), [(4, 24), (16, 10)]),
         "r3d_18": ((3, 4, 56, 56), [(2, 7), (8, 2)]),
         "mlp": ((256,), [(32, 200), (256, 60)]),
+        "densenet121": ((3, 32, 32), [(16, 8)]),
+        "resnet18_cl": ((3, 64, 64), [(16, 8)]),
+        "timm_efficientnet_b0": ((3, 64, 64), [(8, 8)]),
+        "timm_mobilenetv3_large_100": ((3, 64, 64), [(8, 12)]),
+        "timm_resnet26d": ((3, 64, 64), [(8, 6)]),
+        "timm_mnasnet_small": ((3, 64, 64), [(8, 16)]),
     },
     "cuda": {  # sized for a few tenths of a second per run on a current data-centre GPU
         "resnet18": ((3, 224, 224), [(32, 20), (128, 10)]),
@@ -88,6 +121,12 @@ SIZES: dict[str, dict[str, tuple[tuple[int, ...], list[tuple[int, int]]]]] = {
         "mobilenet_v3_large": ((3, 224, 224), [(32, 20), (128, 10)]),
         "r3d_18": ((3, 16, 112, 112), [(4, 20), (16, 8)]),
         "mlp": ((256,), [(256, 100), (4096, 30)]),
+        "densenet121": ((3, 64, 64), [(64, 20)]),
+        "resnet18_cl": ((3, 224, 224), [(64, 20)]),
+        "timm_efficientnet_b0": ((3, 224, 224), [(64, 20)]),
+        "timm_mobilenetv3_large_100": ((3, 224, 224), [(64, 20)]),
+        "timm_resnet26d": ((3, 224, 224), [(64, 20)]),
+        "timm_mnasnet_small": ((3, 224, 224), [(64, 20)]),
     },
 }
 # --quick: same models, fewer batches (a smoke test of the harness, not a measurement).

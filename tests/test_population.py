@@ -63,7 +63,7 @@ def test_file_has_no_pickle_and_documented_keys(tmp_path) -> None:
         assert set(f.keys()) == {"1.mean", "1.var", "3.mean", "3.var", "4.mean", "4.var"}
         assert f.get_tensor("1.mean").dtype == torch.float64
         header = json.loads(f.metadata()["precisebn"])
-    assert header["layers"]["1"] == {"count": 18, "calls": 3, "type": "BatchNorm1d"}
+    assert header["layers"]["1"] == {"count": 18, "calls": 3, "type": "BatchNorm1d", "path": "fast"}
 
 
 def test_load_rejects_other_files(tmp_path) -> None:

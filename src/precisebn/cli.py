@@ -193,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rec.add_argument("--mode", choices=("norm", "train"), default="norm", help="other modules in eval or train mode")
     rec.add_argument(
+        "--capture",
+        choices=("auto", "float64"),
+        default="auto",
+        help="auto: each layer's own figures where they verify against float64 (fast); "
+        "float64: reduce what every layer normalises in float64 (exact, slower)",
+    )
+    rec.add_argument(
         "--batch-size", type=_positive_int, default=64, metavar="B", help="batch size; use the training one (64)"
     )
     rec.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the images' random order (default 0)")
@@ -577,6 +584,7 @@ def _cmd_recalibrate(args: argparse.Namespace) -> int:
         num_samples=num_samples,
         num_batches=args.num_batches,
         mode=args.mode,
+        capture=args.capture,
         layers=_layer_selection(args.layers),
         device=device,
         progress=progress,

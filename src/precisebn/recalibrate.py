@@ -329,7 +329,15 @@ def _apply(model: nn.Module, stats: PopulationStats) -> Report:
     _refuse("the statistics cannot be written", problems)
     rows = [
         LayerReport(
-            name, s.layer_type, int(m.running_mean.shape[0]), s.count, s.calls, *values[name], float(m.eps), s.reached
+            name,
+            s.layer_type,
+            int(m.running_mean.shape[0]),
+            s.count,
+            s.calls,
+            *values[name],
+            float(m.eps),
+            s.reached,
+            s.path,
         )
         for name, m, s in entries
     ]

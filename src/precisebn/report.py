@@ -32,6 +32,9 @@ class LayerReport:
             old ones when the layer was not updated).
         eps: The layer's epsilon.
         updated: Whether new statistics were written.
+        path: How the layer was measured: ``"fast"`` (its own batch figures, verified
+            against float64), ``"float64"`` (what it normalises, reduced in float64),
+            ``"none"`` (never normalised with its running buffers, or never called).
     """
 
     name: str
@@ -45,6 +48,7 @@ class LayerReport:
     new_var: Tensor
     eps: float
     updated: bool
+    path: str = "fast"
 
     @property
     def _shift(self) -> Tensor:
@@ -71,7 +75,11 @@ class LayerReport:
 
     @property
     def status(self) -> str:
-        return "updated" if self.updated else "not reached (kept)"
+        if self.updated:
+            return "updated"
+        if self.calls:
+            return "buffers never used (kept)"
+        return "not reached (kept)"
 
     def to_dict(self, values: bool = True) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -81,6 +89,7 @@ class LayerReport:
             "count": self.count,
             "calls": self.calls,
             "updated": self.updated,
+            "path": self.path,
             "mean_shift": _finite_or_none(self.mean_shift),
             "max_mean_shift": _finite_or_none(self.max_mean_shift),
             "var_ratio": _finite_or_none(self.var_ratio),
@@ -183,7 +192,7 @@ class Report(Mapping[str, LayerReport]):
         return plot_report(self, path_or_ax)
 
     def __str__(self) -> str:
-        header = ["layer", "type", "ch", "values/ch", "calls", "|Δμ|/σ mean", "max", "var new/old", "status"]
+        header = ["layer", "type", "ch", "values/ch", "calls", "path", "|Δμ|/σ mean", "max", "var new/old", "status"]
         rows = [
             [
                 r.name or "(model)",
@@ -191,6 +200,7 @@ class Report(Mapping[str, LayerReport]):
                 str(r.channels),
                 str(r.count),
                 str(r.calls),
+                r.path,
                 f"{r.mean_shift:.3g}",
                 f"{r.max_mean_shift:.3g}",
                 f"{r.var_ratio:.3g}",
@@ -199,7 +209,7 @@ class Report(Mapping[str, LayerReport]):
             for r in self.layers
         ]
         kept = len(self.not_reached)
-        lines = [format_table(header, rows, right={2, 3, 4, 5, 6, 7})]
+        lines = [format_table(header, rows, right={2, 3, 4, 6, 7, 8})]
         lines.append(
             f"{len(self.layers) - kept} layers updated, {kept} not reached; {self.samples} samples in "
             f"{self.batches} batches, {self.seconds:.2f} s, mode={self.mode!r}"

@@ -110,12 +110,13 @@ class PreciseBNScheduler:
         progress: bool = False,
         distributed: Literal["auto"] | bool = "auto",
         process_group: Any = None,
+        capture: Literal["auto", "float64"] = "auto",
         preserve_rng: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         check_data(data)
-        check_options(num_samples=num_samples, num_batches=num_batches, forward=forward, mode=mode)
+        check_options(num_samples=num_samples, num_batches=num_batches, forward=forward, mode=mode, capture=capture)
         self.model = model
         self.data = data
         self.preserve_rng = preserve_rng
@@ -129,6 +130,7 @@ class PreciseBNScheduler:
             "progress": progress,
             "distributed": distributed,
             "process_group": process_group,
+            "capture": capture,
         }
         self._last_step: int | None = None
         self._stale = False

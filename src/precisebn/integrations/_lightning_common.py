@@ -125,8 +125,9 @@ class _Recalibrator:
         layers: LayerSelection,
         progress: bool,
         log: bool,
+        capture: Literal["auto", "float64"] = "auto",
     ) -> None:
-        check_options(num_samples=num_samples, num_batches=num_batches, forward=forward, mode=mode)
+        check_options(num_samples=num_samples, num_batches=num_batches, forward=forward, mode=mode, capture=capture)
         if data is not None:
             check_data(data)
         self.num_samples = num_samples
@@ -134,6 +135,7 @@ class _Recalibrator:
         self.data = data
         self.forward = forward
         self.mode = mode
+        self.capture = capture
         self.layers = layers
         self.progress = progress
         self.log = log
@@ -151,6 +153,7 @@ class _Recalibrator:
             forward=self.forward,
             mode=self.mode,
             layers=self.layers,
+            capture=self.capture,
             progress=self.progress and trainer.is_global_zero,
         )
         if self._pending_state is not None:
@@ -294,6 +297,7 @@ class PreciseBNMixin(_Recalibrator):
         forward: Forward | None = None,
         mode: Literal["norm", "train"] = "norm",
         layers: LayerSelection = None,
+        capture: Literal["auto", "float64"] = "auto",
         on_validation: bool = True,
         on_checkpoint: bool = True,
         every_n_train_steps: int | None = None,
@@ -311,6 +315,7 @@ class PreciseBNMixin(_Recalibrator):
             layers=layers,
             progress=progress,
             log=log,
+            capture=capture,
         )
         self.on_validation = on_validation
         self.on_checkpoint = on_checkpoint
@@ -380,6 +385,7 @@ class AveragingMixin(_Recalibrator):
         forward: Forward | None = None,
         mode: Literal["norm", "train"] = "norm",
         layers: LayerSelection = None,
+        capture: Literal["auto", "float64"] = "auto",
         swa_epoch_start: int | None = None,
         device: torch.device | str | int | None = None,
         use_buffers: bool = False,
@@ -397,6 +403,7 @@ class AveragingMixin(_Recalibrator):
             layers=layers,
             progress=progress,
             log=log,
+            capture=capture,
         )
         if swa_epoch_start is not None and (
             isinstance(swa_epoch_start, bool) or not isinstance(swa_epoch_start, int) or swa_epoch_start < 0
