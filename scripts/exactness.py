@@ -35,15 +35,23 @@ def worst(model: nn.Module, truth: dict) -> tuple[float, float]:
     return mean_err, var_err
 
 
-def resnet18() -> None:
-    torch.manual_seed(0)
-    model = torchvision.models.resnet18(weights=None)
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randn(8, 3, 64, 64, generator=g) for _ in range(8)]
-    truth = compute_truth(model, batches)
-    precisebn.recalibrate(model, batches)
-    m, v = worst(model, truth)
-    print(f"resnet18, {len(truth)} BN layers, 8 batches of 8x3x64x64: max rel. error mean {m:.2e}, var {v:.2e}")
+def resnet18(size: int = 64, batch: int = 8, count: int = 8, channels_last: bool = False) -> None:
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    for capture in ("auto", "float64"):
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(weights=None).to(memory_format=layout)
+        g = torch.Generator().manual_seed(1)
+        batches = [
+            torch.randn(batch, 3, size, size, generator=g).contiguous(memory_format=layout) for _ in range(count)
+        ]
+        truth = compute_truth(model, batches)
+        report = precisebn.recalibrate(model, batches, capture=capture)
+        m, v = worst(model, truth)
+        paths = sorted({r.path for r in report.values()})
+        print(
+            f"resnet18{' channels_last' if channels_last else ''}, {len(truth)} BN layers, {count} batches of "
+            f"{batch}x3x{size}x{size}, capture={capture!r} (paths {paths}): max rel. error mean {m:.2e}, var {v:.2e}"
+        )
 
 
 def offset_case(mean: float, std: float, batch: int, batches: int) -> None:
@@ -70,6 +78,7 @@ def offset_case(mean: float, std: float, batch: int, batches: int) -> None:
 
 if __name__ == "__main__":
     resnet18()
+    resnet18(size=224, batch=4, count=2, channels_last=True)
     offset_case(1e4, 1.0, 32, 20)
     offset_case(1e4, 1e-2, 2, 20)
     offset_case(0.0, 1.0, 32, 20)

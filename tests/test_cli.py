@@ -807,3 +807,12 @@ def test_apply_patches_a_checkpoint_from_a_statistics_file(tiny, work, capsys):
     assert "shape mismatch" in capsys.readouterr().err and not Path("p2.pt").exists()
     assert main(["apply", str(wrapped), "s.safetensors", "--out", "s.safetensors"]) == 2
     assert "is the input STATS" in capsys.readouterr().err and _sha(wrapped) == sha
+
+
+def test_capture_float64_is_passed_and_reported(tiny, work, capsys):
+    out = work["dir"] / "out.pt"
+    args = _tiny_args(tiny, work["ckpt"], out, "--crop", "none", "--capture", "float64", "--report", "r.json")
+    assert main(args) == 0
+    assert "float64" in capsys.readouterr().out
+    saved = json.loads((work["dir"] / "r.json").read_text())
+    assert {layer["path"] for layer in saved["layers"]} == {"float64"}

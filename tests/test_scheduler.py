@@ -248,3 +248,14 @@ def test_load_state_dict_refuses_what_state_dict_does_not_write() -> None:
     assert scheduler.update(9) is None
     scheduler.load_state_dict({"last_step": None, "stale": False, "computations": 0})
     assert scheduler.update(9) is not None and scheduler.computations == 1
+
+
+def test_capture_option_reaches_every_computation() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
+    data = [torch.randn(8, 4) for _ in range(3)]
+    scheduler = precisebn.PreciseBNScheduler(model, data, capture="float64")
+    report = scheduler.update(1)
+    assert report is not None and report["1"].path == "float64"
+    with pytest.raises(precisebn.errors.InvalidArgumentError, match="capture must be"):
+        precisebn.PreciseBNScheduler(model, data, capture="exact")

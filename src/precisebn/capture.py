@@ -47,7 +47,7 @@ from torch import Tensor
 from .errors import InvalidArgumentError, UnsupportedLayerError
 from .layers import RecalibrationState
 from .stats import RunningMoments
-from .watch import TOLERANCE, Watch, discrepancy, moments_of
+from .watch import TOLERANCE, Watch, discrepancies, moments_of
 
 logger = logging.getLogger("precisebn")
 
@@ -158,10 +158,10 @@ class Collector:
                 trial = self._trials.get(i) or self._trials.setdefault(i, _Trial(self.counts[i], self._stashed[i]))
                 counter = self._counters[i]
                 before = counter._version if counter is not None else -1
-                n = fast(x)
+                fast(x)
                 with Watch(self.layers[i].module) as watch:
                     out = forward(*args, **kwargs)
-                trial.add(watch.seen, x, n, channels, mean_view, var_view, float(self.layers[i].module.eps))
+                trial.add(watch.seen, x, channels)
                 trial.counted &= counter is not None and counter._version == before + 1
                 return out
             self._check(i, args, kwargs)
@@ -200,14 +200,20 @@ class Collector:
     def _settle(self) -> None:
         """Decides the path of every layer verified in this batch (one host read per device)."""
         trials, self._trials = self._trials, {}
-        scores: dict[torch.device, list[tuple[int, Tensor]]] = {}
+        # each call's figures: those kept when the layer was called again, then what is in its buffers now
+        figures: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        for i, _, mean, var in self._extras:
+            figures.setdefault(i, []).append((mean, var))
+        items, owners = [], []
         for i, trial in trials.items():
-            for d in trial.discrepancies:
-                scores.setdefault(d.device, []).append((i, d))
+            if trial.fits:
+                calls = [*figures.get(i, []), self._views[i]]
+                eps = float(self.layers[i].module.eps)
+                items += [(mean, var, ref, eps) for (mean, var), ref in zip(calls, trial.refs)]
+                owners += [i] * len(trial.refs)
         worst = dict.fromkeys(trials, 0.0)
-        for pairs in scores.values():
-            for (i, _), value in zip(pairs, torch.stack([d for _, d in pairs]).tolist()):
-                worst[i] = max(worst[i], value)
+        for i, value in zip(owners, discrepancies(items)):
+            worst[i] = max(worst[i], value)
         for i, trial in trials.items():
             dtype = self.layers[i].module.running_mean.dtype
             if trial.fits and worst[i] <= TOLERANCE[dtype]:
@@ -322,28 +328,28 @@ class _Group:
 class _Trial:
     """What one layer's calls showed in the batch that verifies its fast path."""
 
-    __slots__ = ("counted", "counts", "discrepancies", "fits", "moments", "stashed", "values")
+    __slots__ = ("counted", "counts", "fits", "moments", "refs", "stashed", "values")
 
     def __init__(self, counts: int, stashed: int) -> None:
         self.counts, self.stashed = counts, stashed  # the layer's bookkeeping before this batch
         self.fits = True  # one normalised tensor per call, of the input's size and channels
         self.counted = True  # each call incremented the layer's num_batches_tracked once
-        self.discrepancies: list[Tensor] = []
+        self.refs: list[RunningMoments] = []  # per call: float64 moments of what it normalised
         self.moments: RunningMoments | None = None  # float64 moments of what it normalised
         self.values = 0  # ... and their number per channel
 
-    def add(self, seen: list[Tensor], x: Tensor, n: int, channels: int, mean: Tensor, var: Tensor, eps: float) -> None:
+    def add(self, seen: list[Tensor], x: Tensor, channels: int) -> None:
         moments = moments_of(seen)
         if moments is None:
             self.fits = False
             return
         self.values += sum(t.numel() // channels for t in seen)
+        t = seen[0]
+        if len(seen) != 1 or t.numel() != x.numel() or t.dim() < 2 or t.shape[1] != channels:
+            self.fits = False
+        else:
+            self.refs.append(RunningMoments(moments.count, moments.mean, moments.m2))  # merge() rebinds moments
         if self.moments is None:
             self.moments = moments
         else:
             self.moments.merge(moments)
-        t = seen[0]
-        if len(seen) != 1 or t.numel() != x.numel() or t.dim() < 2 or t.shape[1] != channels:
-            self.fits = False
-            return
-        self.discrepancies.append(discrepancy(mean, var, moments, eps))

@@ -306,13 +306,20 @@ def recalibration_state(model: nn.Module, layers: Sequence[NormLayer], mode: Mod
         UninitializedLayerError: The model has lazy modules that never ran (the passes
             would materialise them).
     """
-    refuse_uninitialized(model)
+    modules = list(model.named_modules())
+    refuse_uninitialized(modules)
+    swapped = {
+        id(t)
+        for layer in layers
+        for k in ("running_mean", "running_var", "num_batches_tracked")
+        if isinstance(t := layer.module._buffers.get(k), Tensor)
+    }
     with contextlib.ExitStack() as stack:
-        flags = [(m, m.training) for m in model.modules()]
+        flags = [(m, m.training) for _, m in modules]
         stack.callback(_restore_flags, flags)
         momenta = [(layer.module, layer.module.momentum) for layer in layers]
         stack.callback(_restore_momenta, momenta)
-        snapshot = StateSnapshot(model)
+        snapshot = StateSnapshot(modules, uncopied=swapped)
         stack.callback(_restore_snapshot, snapshot)
 
         groups, views = _allocate_scratch(layers)
@@ -330,27 +337,34 @@ def recalibration_state(model: nn.Module, layers: Sequence[NormLayer], mode: Mod
                 m._buffers["num_batches_tracked"] = counter
             counters.append(counter)
             m.momentum = 1.0
-        _set_modes(model, {id(layer.module) for layer in layers}, mode)
+        _set_modes([m for _, m in modules], {id(layer.module) for layer in layers}, mode)
         yield state
 
 
-def _set_modes(model: nn.Module, selected: set[int], mode: Mode) -> None:
+def _set_modes(modules: list[nn.Module], selected: set[int], mode: Mode) -> None:
     # Flags are assigned directly rather than through Module.train(), which models
     # may override with side effects (freezing, re-initialising...).
     if mode == "keep":
         return
-    for m in model.modules():
+    for m in modules:
         if id(m) in selected:
-            m.training = True
+            _set_flag(m, True)
         elif isinstance(m, _NormBase) and m.track_running_stats:
-            m.training = False
+            _set_flag(m, False)
         else:
-            m.training = mode == "train"
+            _set_flag(m, mode == "train")
+
+
+def _set_flag(m: nn.Module, training: bool) -> None:
+    if "training" in m.__dict__ and type(m).__setattr__ is nn.Module.__setattr__:
+        m.__dict__["training"] = training  # what Module.__setattr__ would do, without its lookups
+    else:
+        m.training = training
 
 
 def _restore_flags(flags: list[tuple[nn.Module, bool]]) -> None:
     for m, training in flags:
-        m.training = training
+        _set_flag(m, training)
 
 
 def _restore_momenta(momenta: list[tuple[nn.Module, float | None]]) -> None:

@@ -51,23 +51,11 @@ def _span(t: Tensor) -> Tensor | None:
     return t.as_strided((extent,), (1,), t.storage_offset())
 
 
-def _bits(t: Tensor) -> Tensor:
+def _bytes(t: Tensor) -> Tensor | None:
     try:
-        return t.view(torch.uint8)  # NaN == NaN, -0.0 != 0.0
+        return t.view(torch.uint8)  # compared as bytes: NaN == NaN, -0.0 != 0.0
     except RuntimeError:  # dtypes without a byte view (quantized...)
-        return t
-
-
-def _changed(pairs: list[tuple[_Saved, Tensor]]) -> list[tuple[_Saved, Tensor]]:
-    """The (saved, span) pairs whose bits differ from their copy: one host read per device."""
-    by_device: dict[torch.device, list[tuple[_Saved, Tensor]]] = {}
-    for s, span in pairs:
-        by_device.setdefault(span.device, []).append((s, span))
-    out = []
-    for group in by_device.values():
-        differs = torch.stack([(_bits(span) != _bits(s.copy)).any() for s, span in group]).tolist()  # type: ignore[arg-type]
-        out += [pair for pair, d in zip(group, differs) if d]
-    return out
+        return None
 
 
 @dataclass
@@ -75,38 +63,55 @@ class _Saved:
     name: str
     tensor: Tensor
     version: int | None
-    copy: Tensor | None  # the span's values, or None when not copied
+    copy: Tensor | None  # the span's values (own copy), or None when in a blob or not copied
+    blob: tuple[torch.device, int, int] | None = None  # (device, start, length) in that device's blob
 
 
 class StateSnapshot:
     """Objects and values of a model's buffers and parameters, to be put back later.
 
     Args:
-        model: The model.
+        modules: The model's ``named_modules()``.
+        uncopied: ``id()`` of buffers whose values need no copy (they are swapped out of
+            the model for the duration, and only their objects are put back).
 
-    Memory: one copy of every buffer's storage span, plus the weights of
+    Memory: one copy of every other buffer's storage span (kept as one byte blob per
+    device, compared at the end in one operation), plus the weights of
     ``Embedding``/``EmbeddingBag`` modules with ``max_norm``; parameters otherwise
     cost nothing.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, modules: list[tuple[str, nn.Module]], uncopied: set[int] | None = None) -> None:
         self._dicts: list[tuple[nn.Module, dict[str, Tensor | None], dict[str, nn.Parameter | None], set[str]]] = []
         self._saved: list[_Saved] = []
-        seen: set[int] = set()
+        skip = set(uncopied or ())
+        pieces: dict[torch.device, list[Tensor]] = {}
+        sizes: dict[torch.device, int] = {}
         with torch.no_grad():
-            for prefix, module in model.named_modules():
+            for prefix, module in modules:
                 self._dicts.append(
                     (module, dict(module._buffers), dict(module._parameters), set(module._non_persistent_buffers_set))
                 )
                 copy_params = isinstance(module, _RENORMALISED) and module.max_norm is not None
                 for tensors, copy in ((module._buffers, True), (module._parameters, copy_params)):
                     for key, t in tensors.items():
-                        if not isinstance(t, Tensor) or id(t) in seen:
+                        if not isinstance(t, Tensor) or id(t) in skip:
                             continue
-                        seen.add(id(t))
+                        skip.add(id(t))
+                        saved = _Saved(f"{prefix}.{key}" if prefix else key, t, _version(t), None)
+                        self._saved.append(saved)
                         span = _span(t) if copy else None
-                        name = f"{prefix}.{key}" if prefix else key
-                        self._saved.append(_Saved(name, t, _version(t), None if span is None else span.clone()))
+                        if span is None:
+                            continue
+                        raw = _bytes(span)
+                        if raw is None:
+                            saved.copy = span.clone()
+                            continue
+                        start = sizes.get(span.device, 0)
+                        saved.blob = (span.device, start, raw.numel())
+                        sizes[span.device] = start + raw.numel()
+                        pieces.setdefault(span.device, []).append(raw)
+            self._blobs = {device: torch.cat(raws) for device, raws in pieces.items()}
 
     def restore(self) -> list[str]:
         """Puts every object and changed value back.
@@ -124,26 +129,45 @@ class StateSnapshot:
                 module._non_persistent_buffers_set.clear()
                 module._non_persistent_buffers_set.update(non_persistent)
         lost = []
-        copied: list[tuple[_Saved, Tensor]] = []
-        for s in self._saved:
-            span = _span(s.tensor)
-            if s.copy is not None and span is not None:
-                copied.append((s, span))
-            elif s.version is not None and _version(s.tensor) != s.version:  # a parameter: only its version tells
-                lost.append(s.name)
         with torch.no_grad():
-            for s, span in _changed(copied):
-                with torch.inference_mode() if s.version is None else contextlib.nullcontext():
-                    span.copy_(s.copy)  # type: ignore[arg-type]
+            changed_blobs = self._changed_blobs()
+            for s in self._saved:
+                span = _span(s.tensor)
+                if s.blob is not None:
+                    device, start, length = s.blob
+                    if device not in changed_blobs:
+                        continue
+                    old = self._blobs[device][start : start + length]
+                    if torch.equal(_bytes(span), old):  # type: ignore[arg-type]
+                        continue
+                    self._write(s, span, old.view(span.dtype))  # type: ignore[arg-type]
+                elif s.copy is not None and span is not None:  # a dtype without a byte view
+                    if not torch.equal(span, s.copy):
+                        self._write(s, span, s.copy)
+                elif s.version is not None and _version(s.tensor) != s.version:  # a parameter: only its version tells
+                    lost.append(s.name)
         return lost
 
+    def _changed_blobs(self) -> set[torch.device]:
+        """Devices whose copied buffers changed at all (one comparison per device)."""
+        now: dict[torch.device, list[Tensor]] = {}
+        for s in self._saved:
+            if s.blob is not None:
+                now.setdefault(s.blob[0], []).append(_bytes(_span(s.tensor)))  # type: ignore[arg-type]
+        return {d for d, raws in now.items() if not torch.equal(torch.cat(raws), self._blobs[d])}
 
-def refuse_uninitialized(model: nn.Module) -> None:
-    """Raises :class:`UninitializedLayerError` if any module still has lazy (uninitialised)
-    parameters or buffers: the passes would materialise them, changing the model."""
+    @staticmethod
+    def _write(s: _Saved, span: Tensor, values: Tensor) -> None:
+        with torch.inference_mode() if s.version is None else contextlib.nullcontext():
+            span.copy_(values)
+
+
+def refuse_uninitialized(modules: list[tuple[str, nn.Module]]) -> None:
+    """Raises :class:`UninitializedLayerError` if any of a model's ``named_modules()`` still
+    has lazy (uninitialised) parameters or buffers: the passes would materialise them."""
     lazy = [
-        name or type(model).__name__
-        for name, m in model.named_modules()
+        name or type(m).__name__
+        for name, m in modules
         if any(
             isinstance(t, (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer))
             for t in (*m._parameters.values(), *m._buffers.values())

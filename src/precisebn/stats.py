@@ -89,13 +89,20 @@ class RunningMoments:
         if x.dim() == 0:
             raise ValueError("from_data needs at least one dimension (the channels)")
         xd = x.detach().to(_F64)
-        dims = [d for d in range(xd.dim()) if d != channel_dim % xd.dim()]
+        channel_dim %= xd.dim()
+        dims = [d for d in range(xd.dim()) if d != channel_dim]
         channels = xd.shape[channel_dim]
         count = xd.numel() // channels if channels else 0
         if count == 0:
             return cls.zeros(channels, device=x.device)
-        var, mean = torch.var_mean(xd, dim=dims, correction=0) if dims else (torch.zeros_like(xd), xd)
-        return cls(torch.full_like(mean, float(count)), mean, var * count)
+        if not dims:
+            return cls(torch.ones_like(xd), xd.clone(), torch.zeros_like(xd))
+        # two passes with float64 sums: as exact as var_mean, and several times faster on CPU
+        mean = xd.sum(dims) / count
+        shape = [1] * xd.dim()
+        shape[channel_dim] = channels
+        m2 = (xd - mean.view(shape)).square_().sum(dims)
+        return cls(torch.full_like(mean, float(count)), mean, m2)
 
     @classmethod
     def from_batches(cls, counts: Tensor, means: Tensor, m2s: Tensor) -> RunningMoments:

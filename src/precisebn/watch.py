@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from .stats import RunningMoments
 
-__all__ = ["TOLERANCE", "Watch", "discrepancy"]
+__all__ = ["TOLERANCE", "Watch", "discrepancies", "moments_of"]
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 """Largest :func:`discrepancy` for which a layer's own figures are used (by buffer dtype).
@@ -75,21 +75,45 @@ def moments_of(seen: list[Tensor]) -> RunningMoments | None:
     return out
 
 
-def discrepancy(mean: Tensor, unbiased_var: Tensor, ref: RunningMoments, eps: float) -> Tensor:
-    """How far a layer's figures are from the float64 reference, or may be in other batches.
+def discrepancies(items: list[tuple[Tensor, Tensor, RunningMoments, float]]) -> list[float]:
+    """How far each layer call's figures are from the float64 reference, or may be in other
+    batches; all calls at once, one host read per device.
 
-    The largest over channels of ``|Δmean| / sqrt(var + eps)``, ``|Δvar| / (var + eps)``
-    and ``(u · |mean| / sqrt(var + eps))²``, where ``u`` is the unit roundoff of the
-    figures' dtype: the last is what rounding each batch's mean to that dtype adds to the
-    pooled variance — an error that a single batch can show as zero by luck, and that
-    only matters where ``|mean|/std`` is in the thousands (returns a 0-d tensor; no host
-    read).
+    Each item is a call's ``(mean, unbiased_var)`` figures, the float64 moments of what it
+    normalised and the layer's eps. Its score is the largest over channels of
+    ``|Δmean| / sqrt(var + eps)``, ``|Δvar| / (var + eps)`` and
+    ``(u · |mean| / sqrt(var + eps))²``, where ``u`` is the unit roundoff of the figures'
+    dtype: the last is what rounding each batch's mean to that dtype adds to the pooled
+    variance — an error that a single batch can show as zero by luck, and that only matters
+    where ``|mean|/std`` is in the thousands. NaN scores are infinite.
     """
-    var = ref.m2 / (ref.count - 1).clamp_min(1)
-    mean64, var64 = mean.to(ref.mean.device, torch.float64), unbiased_var.to(ref.mean.device, torch.float64)
-    scale = (var + eps).sqrt()
-    d_mean = (mean64 - ref.mean).abs() / scale
-    d_var = (var64 - var).abs() / (var + eps)
-    d_rounding = (torch.finfo(mean.dtype).eps / 2 * ref.mean.abs() / scale).square()
-    d = torch.maximum(torch.maximum(d_mean, d_var), d_rounding).max()
-    return torch.where(d.isnan(), torch.full_like(d, float("inf")), d)
+    by_device: dict[torch.device, list[int]] = {}
+    for k, (_, _, ref, _) in enumerate(items):
+        by_device.setdefault(ref.mean.device, []).append(k)
+    out = [0.0] * len(items)
+    for device, ks in by_device.items():
+        chosen = [items[k] for k in ks]
+        sizes = [ref.mean.numel() for _, _, ref, _ in chosen]
+        mean = _flat64([m for m, _, _, _ in chosen], device)
+        fig_var = _flat64([v for _, v, _, _ in chosen], device)
+        ref_mean = _flat64([ref.mean for _, _, ref, _ in chosen], device)
+        ref_var = _flat64([ref.m2 / (ref.count - 1).clamp_min(1) for _, _, ref, _ in chosen], device)
+        counts = torch.tensor(sizes, device=device)
+        call = torch.repeat_interleave(torch.arange(len(ks), device=device), counts)
+        eps = torch.tensor([e for _, _, _, e in chosen], dtype=torch.float64, device=device)[call]
+        unit = torch.tensor([torch.finfo(m.dtype).eps / 2 for m, _, _, _ in chosen], dtype=torch.float64, device=device)
+        unit = unit[call]
+        scale = (ref_var + eps).sqrt()
+        d = torch.maximum(
+            torch.maximum((mean - ref_mean).abs() / scale, (fig_var - ref_var).abs() / scale.square()),
+            (unit * ref_mean.abs() / scale).square(),
+        )
+        d = torch.where(d.isnan(), torch.full_like(d, float("inf")), d)
+        worst = torch.zeros(len(ks), dtype=torch.float64, device=device).scatter_reduce_(0, call, d, "amax")
+        for k, value in zip(ks, worst.tolist()):
+            out[k] = value
+    return out
+
+
+def _flat64(tensors: list[Tensor], device: torch.device) -> Tensor:
+    return torch.cat([t.reshape(-1).to(device, torch.float64) for t in tensors])
