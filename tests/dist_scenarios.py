@@ -118,6 +118,32 @@ def float64_union(rank: int, world_size: int) -> Result:
     return {"state": buffers(model)}
 
 
+def _stream(rank: int, fail_at: int | None = None) -> Iterator[torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + rank)
+    for i in itertools.count():
+        if i == fail_at:
+            raise OSError(f"disk read error on rank {rank}")
+        yield torch.randn(4, 3, 6, 6, generator=g) * 2 + rank
+
+
+def auto_union(rank: int, world_size: int) -> Result:
+    """num_samples="auto" on endless streams (rank r's batches differ): one common stop."""
+    model = make_model()
+    stats = precisebn.estimate(model, _stream(rank), num_samples="auto", tolerance=0.05)
+    return {
+        "samples": stats.samples,
+        "batches": stats.batches,
+        "mean": {k: v.mean for k, v in stats.items()},
+        "var": {k: v.var for k, v in stats.items()},
+        "se": max(float(max(v.se_var.nanmedian(), v.se_mean.nanmedian())) for v in stats.values()),
+    }
+
+
+def auto_failure(rank: int, world_size: int) -> Result:
+    """Rank 1's stream fails after 13 batches while the others vote: every rank raises."""
+    return expect_failure(_stream(rank, fail_at=13 if rank == 1 else None), num_samples="auto", tolerance=1e-3)
+
+
 def argument_error(rank: int, world_size: int) -> Result:
     """A mistake on one rank only (data=None) must reach every rank as a DistributedError."""
     return expect_failure(None if rank == 1 else shard(rank, world_size))
@@ -192,6 +218,8 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         global_num_samples,
         ddp,
         float64_union,
+        auto_union,
+        auto_failure,
         argument_error,
         layer_mismatch,
         empty_rank,

@@ -150,6 +150,21 @@ def test_two_ranks(tmp_path: Path) -> None:
     assert results[1]["ctrl_c"]["unchanged"]
 
 
+def test_auto_stops_at_the_same_batch_on_every_rank(tmp_path: Path) -> None:
+    results = run_ranks(2, ["auto_union", "auto_failure"], tmp_path)
+    first = results[0]["auto_union"]
+    assert "error" not in first, first
+    assert first["batches"] % 8 == 0 and first["se"] <= 0.05
+    for res in results:
+        a = res["auto_union"]
+        assert (a["samples"], a["batches"]) == (first["samples"], first["batches"])
+        for name in first["mean"]:
+            assert torch.equal(a["mean"][name], first["mean"][name]) and torch.equal(a["var"][name], first["var"][name])
+        f = res["auto_failure"]
+        assert f["error"] == "DistributedError" and f["failed_ranks"] == [1] and f["unchanged"], f
+        assert "disk read error on rank 1" in f["message"]
+
+
 def test_three_uneven_ranks(tmp_path: Path) -> None:
     results = run_ranks(3, ["union", "empty_rank"], tmp_path)
     check_union(results, 3)

@@ -31,7 +31,12 @@ def test_report_plot_saves_a_png(report, tmp_path):
     top, bottom = fig.axes[:2]
     heights = [bar.get_height() for bar in top.patches]
     assert heights == pytest.approx([r.mean_shift for r in report.layers])
-    assert list(bottom.lines[-1].get_ydata()) == pytest.approx([r.var_ratio for r in report.layers])
+    (ratio,) = [line for line in bottom.lines if line.get_label() == "var new/old"]
+    assert list(ratio.get_ydata()) == pytest.approx([r.var_ratio for r in report.layers])
+    median_bars = bottom.containers[-1]  # the standard errors: median channel (and the worst, thinner)
+    segments = median_bars.lines[2][0].get_segments()
+    expected = [r.var_ratio * r.se_var_median for r in report.layers]
+    assert [abs(seg[1][1] - seg[0][1]) / 2 for seg in segments] == pytest.approx(expected)
     assert [t.get_text() for t in bottom.get_xticklabels()] == ["1", "3"]
     assert sorted(p.name for p in path.parent.iterdir()) == ["report.png"]  # no temporary file left
 

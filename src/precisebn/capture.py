@@ -46,7 +46,7 @@ from torch import Tensor
 
 from .errors import InvalidArgumentError, UnsupportedLayerError
 from .layers import RecalibrationState
-from .stats import RunningMoments
+from .stats import RunningMoments, chan_merge, fold_errors
 from .watch import TOLERANCE, Watch, discrepancies, moments_of
 
 logger = logging.getLogger("precisebn")
@@ -54,6 +54,11 @@ logger = logging.getLogger("precisebn")
 __all__ = ["Collector"]
 
 _COUNT_CACHE = 16  # distinct per-layer count combinations kept on the device
+
+FOLDS = 16
+"""Batches are accumulated into this many interleaved folds (batch b into fold b mod FOLDS),
+so that standard errors can be derived at the end (jackknife over folds) without any
+per-batch work beyond the sums themselves."""
 
 
 def _accumulation_device(device: torch.device) -> torch.device:
@@ -84,10 +89,11 @@ class Collector:
         # "verify" until the end of the first batch that calls the layer, then "fast", "float64" or "none"
         self.paths = ["verify" if layer.path == "fast" else "float64" for layer in self.layers]
         self._checked_calls = [False] * n  # whether finish() may check calls against the layer's counter
-        self._stashed = [0] * n  # ... of which in calls kept apart (several calls per batch)
         self._row = [0] * (n + 1)  # values per channel of each layer in this batch
         self._extras: list[tuple[int, int, Tensor, Tensor]] = []
-        self._kept: dict[int, RunningMoments] = {}  # float64-path layers, and stashed calls
+        self._kept: dict[int, RunningMoments] = {}  # per fold (FOLDS, C): float64-path layers, stashed calls
+        self._batch = 0  # batches ended so far; the current one goes to fold _batch % FOLDS
+        self._summed = [[0] * (n + 1) for _ in range(FOLDS)]  # per fold: values per channel in the sums
         self._trials: dict[int, _Trial] = {}  # layers being verified in this batch
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
@@ -142,7 +148,6 @@ class Collector:
             row = self._row
             if row[i]:  # another call in this batch: keep the previous call's figures
                 self._extras.append((i, row[i], mean_view.clone(), var_view.clone()))
-                self._stashed[i] += row[i]
             row[i] = n
             self.counts[i] += n
             self.calls[i] += 1
@@ -155,7 +160,7 @@ class Collector:
                 return forward(*args, **kwargs)
             if path == "verify":
                 x = self._check(i, args, kwargs)
-                trial = self._trials.get(i) or self._trials.setdefault(i, _Trial(self.counts[i], self._stashed[i]))
+                trial = self._trials.get(i) or self._trials.setdefault(i, _Trial(self.counts[i]))
                 counter = self._counters[i]
                 before = counter._version if counter is not None else -1
                 fast(x)
@@ -181,9 +186,15 @@ class Collector:
         """Merges the figures of the batch that just ran (call after each forward)."""
         if self._trials:
             self._settle()
+        fold = self._batch % FOLDS
+        self._batch += 1
         if not self._groups:
             return
         row, self._row = self._row, [0] * (len(self.layers) + 1)
+        summed = self._summed[fold]
+        for i, n in enumerate(row):
+            if n:
+                summed[i] += n
         for g, (count, count_minus_one) in zip(self._groups, self._counts_on_device(row)):
             mean, var = g.buffer[0], g.buffer[1]
             if g.device != mean.device:
@@ -192,8 +203,8 @@ class Collector:
                 g.shift = mean.to(torch.float64, copy=True)
             d = torch.sub(mean, g.shift)  # float64; garbage only where count is 0
             nd = d * count
-            g.s1.add_(nd)
-            g.s2.addcmul_(nd, d).addcmul_(var, count_minus_one)
+            g.s1[fold].add_(nd)
+            g.s2[fold].addcmul_(nd, d).addcmul_(var, count_minus_one)
         if self._extras:
             self._merge_extras()
 
@@ -221,7 +232,7 @@ class Collector:
                 self._checked_calls[i] = trial.counted
                 continue
             # undo this batch's fast-path bookkeeping; use the float64 figures of what it normalised
-            self.counts[i], self._stashed[i], self._row[i] = trial.counts, trial.stashed, 0
+            self.counts[i], self._row[i] = trial.counts, 0
             self._extras = [e for e in self._extras if e[0] != i]
             if trial.moments is None:
                 self.paths[i] = "none"
@@ -263,15 +274,20 @@ class Collector:
             self._keep(i, RunningMoments.from_batches(count.expand_as(means), means, m2))
 
     def _keep(self, i: int, moments: RunningMoments) -> None:
-        if i in self._kept:
-            self._kept[i].merge(moments)
-        else:
-            self._kept[i] = moments
+        """Merges float64 moments into layer ``i``'s fold of the current batch."""
+        kept = self._kept.get(i)
+        if kept is None:
+            kept = self._kept[i] = RunningMoments.zeros((FOLDS, moments.mean.shape[0]), moments.mean.device)
+        fold = self._batch % FOLDS
+        kept.count[fold], kept.mean[fold], kept.m2[fold] = chan_merge(
+            kept.count[fold], kept.mean[fold], kept.m2[fold], moments.count, moments.mean, moments.m2
+        )
 
     # -- results -----------------------------------------------------------------------
 
     def finish(self) -> list[RunningMoments]:
-        """Each layer's moments over everything it saw (count 0 if never reached).
+        """Each layer's moments per fold, shape ``(FOLDS, channels)``, over everything it saw
+        (count 0 if never reached); see :func:`precisebn.stats.fold_errors`.
 
         Raises:
             UnsupportedLayerError: A layer read through its own figures was called but its
@@ -287,24 +303,39 @@ class Collector:
                     "BatchNorm forward at run time, so the figures precisebn reads were never written. Restore "
                     "the layer's forward, or exclude it with layers=. The model was left unchanged."
                 )
-        summed = torch.tensor([c - s for c, s in zip(self.counts, self._stashed)] + [0], dtype=torch.float64)
+        summed = torch.tensor(self._summed, dtype=torch.float64)  # (FOLDS, layers + 1)
         merged = {}  # per group, all its channels at once
         for g in self._groups:
-            shift = g.shift if g.shift is not None else torch.zeros_like(g.s1)
+            shift = g.shift if g.shift is not None else torch.zeros_like(g.s1[0])
             merged[id(g)] = RunningMoments.from_shifted_sums(g.per_channel(summed), shift, g.s1, g.s2)
         out = []
         for i, layer in enumerate(self.layers):
             if self.paths[i] == "fast":
                 g, start = self._own[i]
-                m = merged[id(g)][start : start + layer.channels]
+                m = merged[id(g)][:, start : start + layer.channels]
                 if i in self._kept:  # calls before the last one in a batch
                     m.merge(self._kept[i].to(m.mean.device))
             elif i in self._kept:
                 m = self._kept[i]
             else:
-                m = RunningMoments.zeros(layer.channels, _accumulation_device(layer.module.running_mean.device))
+                device = _accumulation_device(layer.module.running_mean.device)
+                m = RunningMoments.zeros((FOLDS, layer.channels), device)
             out.append(m)
         return out
+
+    def precision(self) -> float:
+        """The worst layer's median standard error so far: the largest, over layers that
+        hold values, of the median over channels of the mean's error (in standard
+        deviations) and of the variance's relative error; ``inf`` while unknown (one host
+        read per device)."""
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for folds, count in zip(self.finish(), self.counts):
+            if count:
+                _, se_mean, se_var = fold_errors(folds)
+                worst = torch.maximum(se_mean.nanmedian(), se_var.nanmedian())
+                by_device.setdefault(worst.device, []).append(worst)
+        values = [v for group in by_device.values() for v in torch.stack(group).tolist()]
+        return max((v if v == v else float("inf") for v in values), default=float("inf"))
 
 
 class _Group:
@@ -317,21 +348,21 @@ class _Group:
         self.position_layer = position_layer  # host: the layer of each channel (or the padding index)
         self.device = device
         self.shift: Tensor | None = None
-        self.s1 = torch.zeros(buffer.shape[1], dtype=torch.float64, device=device)
-        self.s2 = torch.zeros(buffer.shape[1], dtype=torch.float64, device=device)
+        self.s1 = torch.zeros(FOLDS, buffer.shape[1], dtype=torch.float64, device=device)  # per fold
+        self.s2 = torch.zeros(FOLDS, buffer.shape[1], dtype=torch.float64, device=device)
 
     def per_channel(self, per_layer: Tensor) -> Tensor:
-        """Spreads a host vector of per-layer values over this group's channels, on its device."""
-        return _to_device(per_layer[self.position_layer], self.device)
+        """Spreads host per-layer values (last dimension) over this group's channels, on its device."""
+        return _to_device(per_layer[..., self.position_layer], self.device)
 
 
 class _Trial:
     """What one layer's calls showed in the batch that verifies its fast path."""
 
-    __slots__ = ("counted", "counts", "fits", "moments", "refs", "stashed", "values")
+    __slots__ = ("counted", "counts", "fits", "moments", "refs", "values")
 
-    def __init__(self, counts: int, stashed: int) -> None:
-        self.counts, self.stashed = counts, stashed  # the layer's bookkeeping before this batch
+    def __init__(self, counts: int) -> None:
+        self.counts = counts  # the layer's count before this batch
         self.fits = True  # one normalised tensor per call, of the input's size and channels
         self.counted = True  # each call incremented the layer's num_batches_tracked once
         self.refs: list[RunningMoments] = []  # per call: float64 moments of what it normalised

@@ -88,6 +88,7 @@ def update_bn_stats(
                     distributed=False,
                     process_group=None,
                     capture="auto",
+                    tolerance=None,
                     _mode="keep",
                 )
         except EmptyDataError as exc:

@@ -9,7 +9,9 @@ model's depth or the data's size — all of them after the batch loop:
    once whether any rank failed or selected other layers — and if so all raise the
    same :class:`~precisebn.errors.DistributedError` before anything is written;
 2. ``all_reduce`` (sum) of one flat float64 buffer holding every channel's count
-   ``n_r`` and ``n_r·μ_r`` (and each layer's calls): gives the global count and mean;
+   ``n_r`` and ``n_r·μ_r`` per fold (and each layer's calls): gives the global count and
+   mean of each fold (fold k of the union is fold k of every rank, so the standard errors
+   stay those of interleaved batches);
 3. ``all_reduce`` (sum) of ``M2_r + n_r·(μ_r − μ)²``: gives the global M2.
 
 Step 3 sums squared deviations from the *global* mean, never raw sums of squares,
@@ -27,8 +29,10 @@ batch, not at the process group's timeout. A rank that dies without raising
 
 from __future__ import annotations
 
+import math
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn
 
 import torch
@@ -45,8 +49,17 @@ COLLECTIVES = 3
 POLL_SECONDS = 0.5
 """How often, at most, a rank checks between batches whether another rank failed."""
 
-_OK, _FAILED, _STOPPED = 0.0, 1.0, 2.0
-_ROW = 5  # status, samples, batches, layer digest, seconds
+_OK, _FAILED, _STOPPED, _VOTE = 0.0, 1.0, 2.0, 3.0
+_ROW = 7  # status, samples, batches, layer digest, seconds, weighted precision, has data
+
+
+class _FailedAtVote(Exception):
+    """A vote's exchange showed another rank's failure: that exchange was the status
+    exchange, so the error is raised without another collective."""
+
+    def __init__(self, error: DistributedError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _PeerFailed(Exception):
@@ -113,6 +126,8 @@ class RankContext:
 
     def fail(self, exc: BaseException) -> NoReturn:
         """Reports this rank's failure, learns everyone's status, raises on every rank."""
+        if isinstance(exc, _FailedAtVote):
+            raise exc.error from None
         peer = isinstance(exc, _PeerFailed)
         if not peer and self.store is not None:
             try:
@@ -154,11 +169,44 @@ class RankContext:
 
     # -- collectives -------------------------------------------------------------------
 
-    def _exchange(self, status: float, samples: int, batches: int, digest: int, seconds: float) -> list[list[float]]:
+    def _exchange(
+        self,
+        status: float,
+        samples: int,
+        batches: int,
+        digest: int,
+        seconds: float,
+        precision: float = 0.0,
+        data: bool = False,
+    ) -> list[list[float]]:
         table = torch.zeros(self.world_size, _ROW, dtype=torch.float64, device=self.device)
-        table[self.rank] = torch.tensor([status, samples, batches, digest, seconds], dtype=torch.float64)
-        torch.distributed.all_reduce(table, group=self.group)  # collective 1
+        row = [status, samples, batches, digest, seconds, precision, float(data)]
+        table[self.rank] = torch.tensor(row, dtype=torch.float64)
+        torch.distributed.all_reduce(table, group=self.group)  # collective 1 (and each vote)
         return table.tolist()
+
+    def vote(self, tolerance: float, min_samples: int, max_samples: int) -> Callable[[float, int, bool], bool]:
+        """The ranks' common stopping decision for ``num_samples="auto"``.
+
+        Each call is one small ``all_reduce`` of the status table (so that a rank that
+        fails meanwhile is seen at once, in the same exchange). Each rank brings its own
+        precision ``p_r`` over its ``n_r`` samples; the union's is taken as
+        ``max_r(p_r·√n_r) / √N`` (standard errors shrink as 1/√samples when ranks see
+        alike data). The ranks stop together when that is within ``tolerance`` and N ≥
+        ``min_samples``, when N reaches ``max_samples``, or when no rank has data left.
+        """
+
+        def vote(precision: float, samples: int, has_data: bool) -> bool:
+            weighted = precision * math.sqrt(samples) if math.isfinite(precision) else float("inf")
+            table = self._exchange(_VOTE, samples, 0, 0, 0.0, min(weighted, 1e300), has_data)
+            if any(row[0] == _FAILED for row in table):
+                raise _FailedAtVote(self._failure_error(table))
+            total = sum(row[1] for row in table)
+            union = max(row[5] for row in table) / math.sqrt(max(total, 1.0))
+            no_data = not any(row[6] for row in table)
+            return no_data or total >= max_samples or (total >= min_samples and union <= tolerance)
+
+        return vote
 
     def merge(self, local: Measurement) -> Measurement:
         """Merges every rank's moments exactly; the same result on every rank."""
@@ -175,10 +223,11 @@ class RankContext:
                 "pass the same model architecture and the same layers= selection. No model was changed."
             )
         sizes = [m.mean.numel() for m in local.moments]
+        shapes = [m.mean.shape for m in local.moments]  # (FOLDS, channels): folds merge fold by fold
         home = [m.mean.device for m in local.moments]
-        count = torch.cat([m.count.to(self.device) for m in local.moments])
-        mean = torch.cat([m.mean.to(self.device) for m in local.moments])
-        m2 = torch.cat([m.m2.to(self.device) for m in local.moments])
+        count = torch.cat([m.count.reshape(-1).to(self.device) for m in local.moments])
+        mean = torch.cat([m.mean.reshape(-1).to(self.device) for m in local.moments])
+        m2 = torch.cat([m.m2.reshape(-1).to(self.device) for m in local.moments])
         per_layer = torch.tensor(local.calls + local.counts, dtype=torch.float64, device=self.device)
         first = torch.cat([count, count * mean, per_layer])
         torch.distributed.all_reduce(first, group=self.group)  # collective 2
@@ -191,8 +240,10 @@ class RankContext:
         second = m2 + count * dev * dev
         torch.distributed.all_reduce(second, group=self.group)  # collective 3
         merged = [
-            RunningMoments(c, mu, s).to(d)
-            for c, mu, s, d in zip(total.split(sizes), global_mean.split(sizes), second.split(sizes), home)
+            RunningMoments(c.view(shape), mu.view(shape), s.view(shape)).to(d)
+            for c, mu, s, shape, d in zip(
+                total.split(sizes), global_mean.split(sizes), second.split(sizes), shapes, home
+            )
         ]
         return Measurement(
             local.layers,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +17,22 @@ from .data import Forward, batch_size, to_device
 from .errors import EmptyDataError, InvalidArgumentError, NonFiniteError, ShortDataWarning
 from .layers import Mode, NormLayer, recalibration_state
 from .population import LayerStats, PopulationStats
-from .stats import RunningMoments
+from .stats import RunningMoments, fold_errors
 
-__all__ = ["Measurement", "Pass"]
+__all__ = ["AUTO_CHECK_EVERY", "AUTO_MAX_SAMPLES", "AUTO_MIN_BATCHES", "AUTO_MIN_SAMPLES", "Measurement", "Pass"]
+
+AUTO_MIN_SAMPLES = 256
+"""``num_samples="auto"`` never stops before this many samples (in all)..."""
+AUTO_MIN_BATCHES = 8
+"""... nor before this many batches (on each rank): the standard errors need several folds."""
+AUTO_CHECK_EVERY = 8
+"""It looks at the standard errors after every this many batches (one host read each time)."""
+AUTO_MAX_SAMPLES = 65536
+"""... and stops at this many samples (in all) whatever they say, unless ``num_batches`` is given."""
+
+Vote = Callable[[float, int, bool], bool]
+"""``vote(precision, samples, has_data) -> stop``: the ranks' common decision in a
+distributed ``num_samples="auto"`` (one small collective per call)."""
 
 logger = logging.getLogger("precisebn")
 
@@ -47,11 +60,17 @@ class Pass:
         progress: bool,
         mode: Mode,
         warn_short: bool = True,
+        tolerance: float | None = None,
+        vote: Vote | None = None,
     ) -> None:
         self.model, self.data, self.forward = model, data, forward
         self.num_samples, self.num_batches = num_samples, num_batches
         self.device, self.progress, self.mode = device, progress, mode
         self.warn_short = warn_short
+        self.tolerance = tolerance  # num_samples="auto": stop once the standard errors are this small
+        self.vote = vote
+        self.precision = float("nan")  # the last precision looked at (auto)
+        self._decided = False  # the ranks voted to stop
 
     def measure(self, selected: list[NormLayer], abort: Any = None) -> Measurement:
         start = time.perf_counter()
@@ -100,6 +119,12 @@ class Pass:
                 ):
                     limited = True
                     break
+                if self._precise_enough(collector, samples, batches):
+                    limited = True
+                    break
+            if self.vote is not None and not self._decided:  # out of data or at its cap: join the others' votes
+                while not self.vote(self._precision(collector), samples, False):
+                    pass
         finally:
             if bar is not None:
                 bar.close()
@@ -108,7 +133,12 @@ class Pass:
                 "the data yielded no batch, so there is nothing to measure; pass a non-empty "
                 "iterable of batches (the model was left unchanged)."
             )
-        if self.warn_short and not limited and (self.num_samples, self.num_batches) != (None, None):
+        if (
+            self.warn_short
+            and not limited
+            and (self.num_samples, self.num_batches) != (None, None)
+            and not self.tolerance
+        ):
             asked = " / ".join(
                 f"{k}={v}" for k, v in (("num_samples", self.num_samples), ("num_batches", self.num_batches)) if v
             )
@@ -120,13 +150,26 @@ class Pass:
             )
         return samples, batches
 
+    def _precise_enough(self, collector: Collector, samples: int, batches: int) -> bool:
+        if self.tolerance is None or batches < AUTO_MIN_BATCHES or batches % AUTO_CHECK_EVERY:
+            return False
+        if self.vote is not None:
+            self._decided = self.vote(self._precision(collector), samples, True)
+            return self._decided
+        return samples >= AUTO_MIN_SAMPLES and self._precision(collector) <= self.tolerance
+
+    def _precision(self, collector: Collector) -> float:
+        self.precision = collector.precision()
+        return self.precision
+
 
 @dataclass
 class Measurement:
     """Per-layer moments of one rank's passes (or of all ranks, once merged).
 
-    ``counts`` (values per channel) and ``calls`` are host integers, known without
-    reading the device.
+    ``moments`` are kept per fold, shape ``(FOLDS, channels)`` (batches dealt round-robin
+    into folds; see :func:`precisebn.stats.fold_errors`). ``counts`` (values per channel)
+    and ``calls`` are host integers, known without reading the device.
     """
 
     layers: list[NormLayer]
@@ -149,7 +192,7 @@ class Measurement:
                 by_device.setdefault(m.mean.device, []).append(i)
         bad = []
         for ids in by_device.values():
-            values = torch.cat([t for i in ids for t in (self.moments[i].mean, self.moments[i].m2)])
+            values = torch.cat([t.reshape(-1) for i in ids for t in (self.moments[i].mean, self.moments[i].m2)])
             if not bool(values.isfinite().all()):
                 bad += [
                     i for i in ids if not bool((self.moments[i].mean.isfinite() & self.moments[i].m2.isfinite()).all())
@@ -160,19 +203,24 @@ class Measurement:
 
     def to_population(self) -> PopulationStats:
         layers = {}
-        for layer, m, count, calls, path in zip(self.layers, self.moments, self.counts, self.calls, self.paths):
+        for layer, folds, count, calls, path in zip(self.layers, self.moments, self.counts, self.calls, self.paths):
+            m, se_mean, se_var = fold_errors(folds)
             if count > 0:
                 mean, var = m.mean, m.var
             else:
                 mean, var = torch.full_like(m.mean, float("nan")), torch.full_like(m.mean, float("nan"))
-            layers[layer.name] = LayerStats(mean, var, count, calls, layer.type_name, path if count > 0 else "none")
+            layers[layer.name] = LayerStats(
+                mean, var, count, calls, layer.type_name, path if count > 0 else "none", se_mean, se_var
+            )
         return PopulationStats(layers, self.samples, self.batches, self.mode, self.seconds, self.world_size)
 
 
 def _non_finite_message(bad: list[NormLayer], moments: list[RunningMoments]) -> str:
     parts = []
     for layer, m in zip(bad[:5], moments[:5]):
-        channels = (~(m.mean.isfinite() & m.m2.isfinite())).nonzero().flatten().tolist()
+        channels = (
+            (~(m.mean.isfinite() & m.m2.isfinite())).reshape(-1, layer.channels).any(0).nonzero().flatten().tolist()
+        )
         where = f"{len(channels)} of {layer.channels} channels, first channel {channels[0]}"
         parts.append(f"{layer.name!r} ({layer.type_name}, {where})")
     more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""

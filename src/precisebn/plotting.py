@@ -8,6 +8,7 @@ pyplot so that notebooks show the figure.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +86,16 @@ def _draw_var_ratio(ax: Any, report: Report, twin: bool) -> None:
     ratios = [r.var_ratio for r in report.layers]
     ax.axhline(1.0, color=_OTHER, lw=0.8, ls="--")
     ax.plot(xs, ratios, "o-" if not twin else "o", color=_OTHER if twin else _PRECISE, ms=3, label="var new/old")
+    errors = [(x, r, ratio) for x, r, ratio in zip(xs, report.layers, ratios) if math.isfinite(r.se_var_median)]
+    if errors:  # the median channel's standard error (and the worst channel's, thin)
+        ex = [x for x, _, _ in errors]
+        ey = [ratio for _, _, ratio in errors]
+        worst = [ratio * min(r.se_var_max, 0.99) for _, r, ratio in errors]
+        ax.errorbar(ex, ey, yerr=worst, fmt="none", ecolor=_OTHER, elinewidth=0.5, alpha=0.6)
+        ax.errorbar(
+            ex, ey, yerr=[ratio * r.se_var_median for _, r, ratio in errors], fmt="none", ecolor=_EMA,
+            elinewidth=1.5, capsize=2, label="± standard error (median / worst channel)",
+        )  # fmt: skip
     if all(r > 0 for r in ratios):
         ax.set_yscale("log")
     ax.set_ylabel("var new / old (geometric mean)")
@@ -104,7 +115,8 @@ def _layer_ticks(ax: Any, report: Report) -> None:
 
 
 def plot_demo(results: dict[str, Any], path: str | os.PathLike[str] | None = None) -> Any:
-    """The demo's figure: validation curve, weight averaging, domain shift (one row).
+    """The demo's figure: validation curve, weight averaging, domain shift and, when the
+    results have it, few-shot adaptation (one row).
 
     Args:
         results: What :func:`precisebn.demo.run_demo` returned.
@@ -113,8 +125,10 @@ def plot_demo(results: dict[str, Any], path: str | os.PathLike[str] | None = Non
     Returns:
         The matplotlib ``Figure``.
     """
-    fig = _new_figure("precisebn demo's figure", (15.0, 4.6), interactive=path is None)
-    curve_ax, swa_ax, shift_ax = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.6, 1, 1]})
+    few = results.get("few_shot")
+    widths = [1.6, 1, 1] + [1.5] * bool(few)
+    fig = _new_figure("precisebn demo's figure", (15.0 + 6.0 * bool(few), 4.6), interactive=path is None)
+    curve_ax, swa_ax, shift_ax, *few_ax = fig.subplots(1, len(widths), gridspec_kw={"width_ratios": widths})
     curve = results["validation_curve"]
     pct = [100 * a for a in curve["ema"]], [100 * a for a in curve["precise"]]
     curve_ax.plot(curve["epoch"], pct[0], "o-", color=_EMA, label="EMA running statistics")
@@ -140,6 +154,8 @@ def plot_demo(results: dict[str, Any], path: str | os.PathLike[str] | None = Non
         [_OTHER, _EMA, _PRECISE],
         f"3. Domain shift (contrast ×{shift['contrast']:g}, +{shift['brightness']:g})",
     )
+    if few:
+        _few_shot_panel(few_ax[0], few)
     fig.suptitle(
         f"precisebn demo: scikit-learn digits, small BatchNorm CNN, seed {results['config']['seed']}", fontsize=12
     )
@@ -147,6 +163,30 @@ def plot_demo(results: dict[str, Any], path: str | os.PathLike[str] | None = Non
     if path is not None:
         _save(fig, path)
     return fig
+
+
+def _few_shot_panel(ax: Any, few: dict[str, Any]) -> None:
+    """Accuracy vs number of images: plain re-estimation and each prior, one line style per shift."""
+    counts = few["counts"]
+    prior_colors = ["#ff7f0e", _EMA, "#9467bd", "#8c564b"]
+    for shift, style in zip(few["shifts"], ["-", "--", ":", "-."]):
+        label = shift["name"].split(" ")[0]
+        ax.plot(counts, [100 * a for a in shift["plain"]], "o" + style, color=_PRECISE, label=f"{label}: plain")
+        for (n, accs), color in zip(shift["prior"].items(), prior_colors):
+            ax.plot(counts, [100 * a for a in accs], "s" + style, color=color, ms=4, label=f"{label}: prior N={n}")
+        ax.axhline(100 * shift["training_stats"], color=_OTHER, lw=0.8, ls=style)
+    if len(counts) > 1:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(counts)
+    ax.set_xticklabels([str(c) for c in counts])
+    ax.set(
+        xlabel="unlabelled shifted images",
+        ylabel="validation accuracy (%)",
+        title="4. Few-shot adaptation (grey: train stats)",
+    )
+    ax.set_ylim(0, 105)
+    ax.legend(loc="lower right", fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
 
 
 def _bars(ax: Any, labels: list[str], values: list[float], colors: list[str], title: str) -> None:

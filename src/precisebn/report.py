@@ -35,6 +35,9 @@ class LayerReport:
         path: How the layer was measured: ``"fast"`` (its own batch figures, verified
             against float64), ``"float64"`` (what it normalises, reduced in float64),
             ``"none"`` (never normalised with its running buffers, or never called).
+        se_mean, se_var: Per-channel standard errors of the new mean (in standard
+            deviations) and of the new variance (relative), from the jackknife over
+            batches (see :func:`precisebn.stats.fold_errors`); ``None`` when unknown.
     """
 
     name: str
@@ -49,6 +52,33 @@ class LayerReport:
     eps: float
     updated: bool
     path: str = "fast"
+    se_mean: Tensor | None = None
+    se_var: Tensor | None = None
+
+    def _se(self, values: Tensor | None, how: str) -> float:
+        if values is None or not self.updated or values.numel() == 0:
+            return float("nan")
+        return float(values.median() if how == "median" else values.max())
+
+    @property
+    def se_mean_median(self) -> float:
+        """Median over channels of the mean's standard error, in standard deviations (NaN: unknown)."""
+        return self._se(self.se_mean, "median")
+
+    @property
+    def se_mean_max(self) -> float:
+        """Largest over channels of the mean's standard error, in standard deviations."""
+        return self._se(self.se_mean, "max")
+
+    @property
+    def se_var_median(self) -> float:
+        """Median over channels of the variance's relative standard error (NaN: unknown)."""
+        return self._se(self.se_var, "median")
+
+    @property
+    def se_var_max(self) -> float:
+        """Largest over channels of the variance's relative standard error."""
+        return self._se(self.se_var, "max")
 
     @property
     def _shift(self) -> Tensor:
@@ -90,14 +120,24 @@ class LayerReport:
             "calls": self.calls,
             "updated": self.updated,
             "path": self.path,
+            "se_mean_median": _finite_or_none(self.se_mean_median),
+            "se_mean_max": _finite_or_none(self.se_mean_max),
+            "se_var_median": _finite_or_none(self.se_var_median),
+            "se_var_max": _finite_or_none(self.se_var_max),
             "mean_shift": _finite_or_none(self.mean_shift),
             "max_mean_shift": _finite_or_none(self.max_mean_shift),
             "var_ratio": _finite_or_none(self.var_ratio),
         }
         if values:
-            for key in ("old_mean", "old_var", "new_mean", "new_var"):
-                d[key] = [_finite_or_none(v) for v in getattr(self, key).tolist()]
+            for key in ("old_mean", "old_var", "new_mean", "new_var", "se_mean", "se_var"):
+                t = getattr(self, key)
+                if t is not None:
+                    d[key] = [_finite_or_none(v) for v in t.tolist()]
         return d
+
+
+def _percent(v: float) -> str:
+    return "–" if not math.isfinite(v) else f"{100 * v:.2g}%"
 
 
 def _finite_or_none(v: float) -> float | None:
@@ -192,7 +232,19 @@ class Report(Mapping[str, LayerReport]):
         return plot_report(self, path_or_ax)
 
     def __str__(self) -> str:
-        header = ["layer", "type", "ch", "values/ch", "calls", "path", "|Δμ|/σ mean", "max", "var new/old", "status"]
+        header = [
+            "layer",
+            "type",
+            "ch",
+            "values/ch",
+            "calls",
+            "path",
+            "|Δμ|/σ mean",
+            "max",
+            "var new/old",
+            "±var",
+            "status",
+        ]
         rows = [
             [
                 r.name or "(model)",
@@ -204,17 +256,26 @@ class Report(Mapping[str, LayerReport]):
                 f"{r.mean_shift:.3g}",
                 f"{r.max_mean_shift:.3g}",
                 f"{r.var_ratio:.3g}",
+                _percent(r.se_var_median),
                 r.status,
             ]
             for r in self.layers
         ]
         kept = len(self.not_reached)
-        lines = [format_table(header, rows, right={2, 3, 4, 6, 7, 8})]
+        lines = [format_table(header, rows, right={2, 3, 4, 6, 7, 8, 9})]
         lines.append(
             f"{len(self.layers) - kept} layers updated, {kept} not reached; {self.samples} samples in "
             f"{self.batches} batches, {self.seconds:.2f} s, mode={self.mode!r}"
             + (f", {self.world_size} ranks" if self.world_size > 1 else "")
         )
+        worst = [(r.se_var_median, r.se_mean_median, r.name) for r in self.layers if math.isfinite(r.se_var_median)]
+        if worst:
+            se_var, _, name = max(worst)
+            se_mean = max(w[1] for w in worst)
+            lines.append(
+                f"±var: median standard error of the new variance (jackknife over batches); worst layer "
+                f"{name or '(model)'!r} ±{100 * se_var:.2g}%, the means ±{se_mean:.2g}σ at worst"
+            )
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["RunningMoments", "chan_merge"]
+__all__ = ["RunningMoments", "chan_merge", "fold_errors"]
 
 _F64 = torch.float64
 
@@ -166,3 +166,54 @@ class RunningMoments:
 
     def __repr__(self) -> str:
         return f"RunningMoments(channels={tuple(self.mean.shape)}, device={self.mean.device})"
+
+
+def fold_errors(folds: RunningMoments) -> tuple[RunningMoments, Tensor, Tensor]:
+    """Pooled moments and their standard errors from moments kept per fold.
+
+    ``folds`` has shape ``(K, channels)``: the values split into K disjoint folds (e.g.
+    batches interleaved into K groups). The pooled moments are exact (as if never split);
+    the standard errors come from the delete-one-fold jackknife over the folds that hold
+    values: with ``θ_(-k)`` the estimate without fold k and K' such folds,
+    ``SE² = (K' - 1) / K' · Σ_k (θ_(-k) - mean_k θ_(-k))²``. The folds must be
+    exchangeable (e.g. batches of shuffled data dealt round-robin) for the errors to mean
+    anything.
+
+    Returns:
+        ``(pooled, se_mean, se_var)``: ``se_mean`` is the standard error of the mean in
+        units of the pooled standard deviation, ``se_var`` that of the population
+        variance relative to it; both NaN where fewer than two folds hold values (0 where
+        the variance and its error are both 0, infinite where only the variance is).
+
+    Example:
+        >>> import torch
+        >>> x = torch.arange(8.0).reshape(8, 1)  # 8 values of one channel
+        >>> folds = [RunningMoments.from_data(x[k::4], 1) for k in range(4)]  # 4 folds of 2
+        >>> stacked = RunningMoments(*(torch.stack([getattr(f, a) for f in folds]) for a in ("count", "mean", "m2")))
+        >>> pooled, se_mean, se_var = fold_errors(stacked)
+        >>> pooled.mean.tolist(), pooled.var.tolist()
+        ([3.5], [5.25])
+    """
+    pooled = RunningMoments.from_batches(folds.count, folds.mean, folds.m2)
+    n, mean, m2 = pooled.count, pooled.mean, pooled.m2
+    n_k, d = folds.count, folds.mean - mean
+    rest = n - n_k
+    used = (n_k > 0) & (rest > 0)
+    safe = torch.where(used, rest, torch.ones_like(rest))
+    zero = torch.zeros((), dtype=_F64, device=n.device)
+    # without fold k: mean - n_k (mean_k - mean) / (n - n_k), M2 - M2_k - n_k n (mean_k - mean)^2 / (n - n_k)
+    mean_out = torch.where(used, -n_k * d / safe, zero)  # minus the pooled mean: the jackknife is shift-invariant
+    var_out = torch.where(used, (m2 - folds.m2 - n_k * n / safe * d * d).clamp_min(0) / safe, zero)
+    k = used.sum(0).to(_F64)
+
+    def spread(values: Tensor) -> Tensor:
+        centre = values.sum(0) / k.clamp_min(1)
+        dev = torch.where(used, values - centre, zero)
+        return ((k - 1) / k.clamp_min(1) * (dev * dev).sum(0)).sqrt()
+
+    se_mean, se_var = spread(mean_out), spread(var_out)
+    var = m2 / n.clamp_min(1)
+    nan = torch.full_like(var, float("nan"))
+    rel_mean = torch.where(var > 0, se_mean / var.sqrt(), torch.where(se_mean > 0, float("inf"), 0.0))
+    rel_var = torch.where(var > 0, se_var / var, torch.where(se_var > 0, float("inf"), 0.0))
+    return pooled, torch.where(k >= 2, rel_mean, nan), torch.where(k >= 2, rel_var, nan)
