@@ -816,3 +816,16 @@ def test_capture_float64_is_passed_and_reported(tiny, work, capsys):
     assert "float64" in capsys.readouterr().out
     saved = json.loads((work["dir"] / "r.json").read_text())
     assert {layer["path"] for layer in saved["layers"]} == {"float64"}
+
+
+def test_num_samples_auto_with_a_tolerance(tiny, work, capsys):
+    out = work["dir"] / "out.pt"
+    args = _tiny_args(tiny, work["ckpt"], out, "--crop", "none", "--report", "r.json")
+    args[args.index("--num-samples") + 1] = "auto"
+    assert main([*args, "--tolerance", "5%"]) == 0
+    printed = capsys.readouterr().out
+    assert "±var" in printed
+    saved = json.loads((work["dir"] / "r.json").read_text())
+    assert all(layer["se_var_median"] is not None for layer in saved["layers"])
+    assert main(_tiny_args(tiny, work["ckpt"], "o2.pt", "--tolerance", "0.02")) == 2  # without auto: usage
+    assert "--tolerance goes with --num-samples auto" in capsys.readouterr().err

@@ -24,7 +24,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"code": code, "out": out, "stdout": stdout.getvalue()}
 
 
-def test_demo_writes_the_three_parts(quick_run):
+def test_demo_writes_the_four_parts(quick_run):
     assert quick_run["code"] == 0
     results = json.loads((quick_run["out"] / "results.json").read_text())
     assert results["config"]["epochs"] == 2 and results["config"]["seed"] == 3 and results["config"]["quick"]
@@ -42,18 +42,27 @@ def test_demo_writes_the_three_parts(quick_run):
     # accuracies are counts over the validation set
     n_val = results["data"]["val"]
     assert all(abs(a * n_val - round(a * n_val)) < 1e-9 for a in curve["ema"] + curve["precise"])
+    few = results["few_shot"]
+    assert few["counts"] == [2, 4] and few["draws"] == 1 and few["priors"] == [2.0, 16.0]
+    assert [s["name"] for s in few["shifts"]] == ["strong (part 3)", "moderate"]
+    strong = few["shifts"][0]
+    assert (strong["training_stats"], strong["all_images"]) == (shift["training_stats"], shift["adapted"])
+    for s in few["shifts"]:
+        assert list(s["prior"]) == ["2", "16"]
+        for accs in (s["plain"], *s["prior"].values()):  # one draw: counts over the validation set
+            assert len(accs) == 2 and all(abs(a * n_val - round(a * n_val)) < 1e-9 for a in accs)
     assert results["wall_seconds"] > 0
     assert (quick_run["out"] / "demo.png").read_bytes().startswith(b"\x89PNG")
     text = quick_run["stdout"]
-    for heading in ("1. Validation curve", "2. Weight averaging (SWA)", "3. Domain shift", "wall time"):
+    for heading in ("1. Validation curve", "2. Weight averaging (SWA)", "3. Domain shift", "4. Few-shot", "wall time"):
         assert heading in text
-    assert text.count("→ ") == 3  # one sentence per part
+    assert text.count("→ ") == 4  # one sentence per part
 
 
 def test_demo_is_deterministic(quick_run):
     first = json.loads((quick_run["out"] / "results.json").read_text())
     again = run_demo(DemoConfig(epochs=2, seed=3, quick=True))
-    for part in ("validation_curve", "weight_averaging", "domain_shift"):
+    for part in ("validation_curve", "weight_averaging", "domain_shift", "few_shot"):
         assert again[part] == first[part], part
 
 
@@ -114,6 +123,37 @@ def test_summaries_follow_the_numbers():
     assert "about as well as precise" in flat["validation_curve"]
     assert "happened to fit" in flat["weight_averaging"]
     assert "did not help" in flat["domain_shift"]
+
+
+def _few(plain_strong, prior_strong, plain_moderate, prior_moderate):
+    def shift(name, train, plain, prior):
+        return {"name": name, "training_stats": train, "all_images": 0.99, "plain": [plain, 0.98],
+                "prior": {"2": [prior, 0.97], "16": [0.1, 0.9]}}  # fmt: skip
+
+    return {
+        "few_shot": {
+            "counts": [1, 64],
+            "draws": 5,
+            "shifts": [
+                shift("strong (part 3)", 0.4, plain_strong, prior_strong),
+                shift("moderate", 0.8, plain_moderate, prior_moderate),
+            ],
+        }
+    }
+
+
+def test_few_shot_summary_follows_the_numbers():
+    from precisebn.demo import _few_shot_summary
+
+    mixed = _few_shot_summary(_few(0.75, 0.42, 0.80, 0.90)["few_shot"])
+    assert "From 1 unlabelled image (mean of 5 draws)" in mixed
+    assert "strong shift the best prior (N=2) lost to plain re-estimation (42.0 % vs 75.0 %" in mixed
+    assert "moderate shift the best prior (N=2) beat plain re-estimation (90.0 % vs 80.0 %" in mixed
+    assert "paid off where the training statistics were already closer" in mixed
+    assert "with 64 images plain re-estimation reaches 98.0 % and 98.0 % (all images: 99.0 % and 99.0 %)" in mixed
+    assert "never paid off" in _few_shot_summary(_few(0.75, 0.42, 0.80, 0.70)["few_shot"])
+    assert "paid off at the fewest images" in _few_shot_summary(_few(0.5, 0.6, 0.80, 0.90)["few_shot"])
+    assert "depends on the shift" in _few_shot_summary(_few(0.5, 0.6, 0.80, 0.70)["few_shot"])
 
 
 def test_swa_stale_statistics_are_the_last_models():

@@ -1,4 +1,4 @@
-"""The ``precisebn`` command line: ``demo``, ``recalibrate``, ``apply``, ``inspect``, ``diff``.
+"""The ``precisebn`` command line: ``demo``, ``recalibrate``, ``apply``, ``merge``, ``inspect``, ``diff``.
 
 A thin layer over the library: every command checks all its arguments first (the
 output paths included) before anything is loaded, calls :mod:`precisebn` and prints.
@@ -70,8 +70,28 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 (e.g. 16), got {text!r}")
+    return value
+
+
 def _num_samples(text: str) -> int | str:
-    return "all" if text == "all" else _positive_int(text)
+    return text if text in ("all", "auto") else _positive_int(text)
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1 such as 0.02 (or 2%), got {text!r}")
+    return value
 
 
 def _size_or_none(text: str) -> int:
@@ -151,9 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "demo",
         common,
-        "what precise statistics change, on scikit-learn's digits (CPU, ~15 s)",
+        "what precise statistics change, on scikit-learn's digits (CPU, ~30 s)",
         "Trains a small BatchNorm CNN on scikit-learn's digits and shows what precise statistics change: "
-        "the validation curve, weight averaging and a domain shift. Writes results.json and demo.png.",
+        "the validation curve, weight averaging, a domain shift and few-shot adaptation. Writes results.json "
+        "and demo.png.",
         "precisebn demo --out precisebn-demo",
     )
     demo.add_argument("--epochs", type=_positive_int, default=12, help="training epochs (default 12)")
@@ -186,7 +207,19 @@ def build_parser() -> argparse.ArgumentParser:
     where = rec.add_mutually_exclusive_group(required=True)
     where.add_argument("--out", type=Path, metavar="PATH", help="output checkpoint (same format as the input)")
     where.add_argument("--in-place", action="store_true", help="replace the input checkpoint (atomically)")
-    rec.add_argument("--num-samples", type=_num_samples, metavar="N", help="samples to use, or 'all' (default 8192)")
+    rec.add_argument(
+        "--num-samples",
+        type=_num_samples,
+        metavar="N",
+        help="samples to use, 'all', or 'auto' (until precise to --tolerance; default 8192)",
+    )
+    rec.add_argument(
+        "--tolerance",
+        type=_tolerance,
+        default=None,
+        metavar="T",
+        help="with --num-samples auto: stop once every layer's median standard error is within T (default 0.02)",
+    )
     rec.add_argument("--num-batches", type=_positive_int, metavar="N", help="stop after N batches")
     rec.add_argument(
         "--layers", type=_layers, metavar="NAMES", help="only these layers: comma-separated names or glob patterns"
@@ -201,6 +234,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rec.add_argument(
         "--batch-size", type=_positive_int, default=64, metavar="B", help="batch size; use the training one (64)"
+    )
+    rec.add_argument(
+        "--prior",
+        type=_non_negative_float,
+        metavar="N",
+        help="count the checkpoint's current statistics as N samples, pooled exactly with the new data "
+        "(adapting from few samples; default: none)",
+    )
+    rec.add_argument(
+        "--adapt",
+        choices=("both", "mean", "var"),
+        default="both",
+        help="which statistics to write: both (default), the mean only or the variance only",
     )
     rec.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the images' random order (default 0)")
     rec.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1, mps... (default: cuda if available)")
@@ -245,6 +291,21 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--in-place", action="store_true", help="replace the input checkpoint (atomically)")
     app.add_argument("--trust-checkpoint", action="store_true", help="allow full unpickling (trusted files only)")
     app.set_defaults(func=_cmd_apply, check=_check_apply, parser=app)
+
+    mrg = _sub(
+        sub,
+        "merge",
+        common,
+        "combine statistics files of disjoint data exactly (shards, separate jobs)",
+        "Merges statistics files written by PopulationStats.save, measured on disjoint data (shards measured "
+        "by separate jobs, a job adding data), into one: per layer, counts add and the mean and variance are "
+        "pooled exactly in float64, as if measured on all the data at once. A layer in only some files keeps "
+        "theirs; channel counts must agree. Giving the same file twice is refused (it would count twice).",
+        "precisebn merge shard0.safetensors shard1.safetensors --out all.safetensors",
+    )
+    mrg.add_argument("stats", type=Path, nargs="+", metavar="STATS", help="statistics files (.safetensors), 2 or more")
+    mrg.add_argument("--out", type=Path, required=True, metavar="PATH", help="the merged statistics (.safetensors)")
+    mrg.set_defaults(func=_cmd_merge, check=_check_merge, parser=mrg)
 
     ins = _sub(
         sub,
@@ -476,6 +537,8 @@ def _check_recalibrate(args: argparse.Namespace) -> Any:
         plan.add("--report's PNG", args.report.with_suffix(".png"))
         require("matplotlib.figure", "plot", "--report's PNG")
     _check_device(args.device)
+    if args.tolerance is not None and args.num_samples != "auto":
+        raise InvalidArgumentError("--tolerance goes with --num-samples auto; pass both.")
     args.model_kwargs_parsed = parse_kwargs(args.model_kwargs)
     args.data_kwargs_parsed = parse_kwargs(args.data_kwargs, "--data-kwargs")
     model_source = args.model.partition(":")[0]
@@ -583,8 +646,11 @@ def _cmd_recalibrate(args: argparse.Namespace) -> int:
         data,
         num_samples=num_samples,
         num_batches=args.num_batches,
+        tolerance=args.tolerance,
         mode=args.mode,
         capture=args.capture,
+        prior=args.prior,
+        adapt=args.adapt,
         layers=_layer_selection(args.layers),
         device=device,
         progress=progress,
@@ -592,6 +658,11 @@ def _cmd_recalibrate(args: argparse.Namespace) -> int:
     )
     print(report)
     extra: dict[str, Any] = {}
+    if args.prior or args.adapt != "both":
+        what = {"both": "mean and variance", "mean": "the mean only", "var": "the variance only"}[args.adapt]
+        prior = f"pooled with the checkpoint's statistics counted as {args.prior:g} samples" if args.prior else ""
+        _say(f"adapted: {what}{', ' if prior else ''}{prior}")
+        extra["adaptation"] = {"prior_samples": args.prior or 0, "adapt": args.adapt}
     if preprocessing is not None:
         _say(f"preprocessing: {preprocessing.describe()}")
         extra["preprocessing"] = preprocessing.to_dict()
@@ -652,6 +723,60 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     _say(f"applying {_plural(layers, 'layer')} of {args.stats} ({stats.samples} samples){note}"
          + (f" (checkpoint prefix {prefix!r})" if prefix else ""))  # fmt: skip
     _write_outputs(args, ckpt, replace)
+    return EXIT_OK
+
+
+def _check_merge(args: argparse.Namespace) -> Any:
+    from .files import OutputPlan, real_path
+
+    if len(args.stats) < 2:
+        raise InvalidArgumentError(f"merge needs two or more statistics files, got {len(args.stats)}.")
+    seen: dict[Path, Path] = {}
+    for path in args.stats:
+        real = real_path(path)
+        if real in seen:
+            raise InvalidArgumentError(
+                f"{str(path)!r} is given twice (as {str(seen[real])!r} too); its data would count twice. Give each "
+                "file once."
+            )
+        seen[real] = path
+    if not args.out.name.lower().endswith(".safetensors"):
+        raise InvalidArgumentError(
+            f"--out {str(args.out)!r}: statistics are written as safetensors; name the file *.safetensors."
+        )
+    plan = OutputPlan({f"STATS {i}": p for i, p in enumerate(args.stats, start=1)})
+    plan.add("--out", args.out)
+    return plan
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from ._table import format_table
+    from .population import PopulationStats
+
+    loaded = []
+    for path in args.stats:
+        if not path.is_file():
+            raise InvalidArgumentError(f"statistics file {str(path)!r} does not exist; check the path.")
+        loaded.append(PopulationStats.load(path))
+    merged = loaded[0].merge(*loaded[1:])
+    rows = [
+        [
+            name,
+            s.layer_type,
+            str(s.channels),
+            " + ".join(str(p[name].count) if name in p else "–" for p in loaded),
+            str(s.count),
+        ]
+        for name, s in merged.items()
+    ]
+    print(format_table(["layer", "type", "ch", "values/ch per file", "merged"], rows, right={2, 4}))
+    _say(
+        f"merged {_plural(len(loaded), 'file')}: {merged.samples} samples, {merged.batches} batches, "
+        f"{_plural(len(merged), 'layer')}"
+    )
+    with args.plan.staged() as tmp:
+        merged.save(tmp["--out"], format="safetensors")
+    _say(f"wrote {args.out}")
     return EXIT_OK
 
 

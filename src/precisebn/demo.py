@@ -1,6 +1,6 @@
 """``precisebn demo``: what precise statistics change, measured on scikit-learn's digits.
 
-Three experiments on one small BatchNorm CNN trained on CPU with a deliberately
+Four experiments on one small BatchNorm CNN trained on CPU with a deliberately
 aggressive learning rate (everything bundled, nothing downloaded):
 
 1. **Validation curve** — after every epoch, validation accuracy with the EMA running
@@ -12,6 +12,10 @@ aggressive learning rate (everything bundled, nothing downloaded):
 3. **Domain shift** — validation images with lower contrast and higher brightness:
    the statistics of the training domain vs statistics re-estimated on unlabelled
    shifted training images (AdaBN).
+4. **Few-shot adaptation** — the same from only a few unlabelled shifted images (random
+   draws), plain re-estimation vs the training statistics kept as a prior of ``N``
+   pseudo-samples (``recalibrate(..., prior=N)``, Schneider et al. 2020), for the shift
+   of part 3 and a moderate one.
 
 :func:`run_demo` returns everything as a JSON-ready dict; :func:`format_results`
 turns it into the printed tables.
@@ -56,6 +60,11 @@ class DemoConfig:
         contrast: Contrast factor of the shifted domain.
         brightness: Brightness offset of the shifted domain (inputs are in [0, 1]).
         threads: Torch CPU threads used while the demo runs.
+        few_shot_counts: Numbers of unlabelled shifted images adapted from (part 4).
+        few_shot_priors: Prior weights ``N`` (in samples) compared with plain re-estimation.
+        few_shot_draws: Random draws of the images per count (the accuracies are averaged).
+        moderate_contrast: Contrast factor of part 4's moderate shift.
+        moderate_brightness: Brightness offset of part 4's moderate shift.
     """
 
     epochs: int = 12
@@ -69,10 +78,22 @@ class DemoConfig:
     contrast: float = 0.5
     brightness: float = 0.4
     threads: int = 1
+    few_shot_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 64)
+    few_shot_priors: tuple[float, ...] = (2.0, 16.0)
+    few_shot_draws: int = 5
+    moderate_contrast: float = 0.7
+    moderate_brightness: float = 0.2
 
     @property
     def averaged_epochs(self) -> int:
         return self.swa_epochs if self.swa_epochs is not None else max(1, self.epochs // 2)
+
+    @property
+    def shot_plan(self) -> tuple[tuple[int, ...], int]:
+        """Part 4's counts and draws; ``quick`` keeps two counts and one draw."""
+        if self.quick:
+            return tuple(sorted(self.few_shot_counts))[1:3] or self.few_shot_counts, 1
+        return self.few_shot_counts, self.few_shot_draws
 
 
 def load_digits(seed: int, quick: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -136,12 +157,46 @@ def _shift(x: Tensor, contrast: float, brightness: float) -> Tensor:
     return x * contrast + brightness
 
 
+def _few_shot(
+    cfg: DemoConfig, source: nn.Module, x_train: Tensor, x_val: Tensor, y_val: Tensor, strong: dict[str, float]
+) -> dict[str, Any]:
+    """Part 4: adaptation from a few unlabelled shifted training images, drawn at random
+    (the same images for every method and both shifts), plain vs with a prior."""
+    counts, draws = cfg.shot_plan
+    shifts = [
+        {"name": "strong (part 3)", "contrast": cfg.contrast, "brightness": cfg.brightness},
+        {"name": "moderate", "contrast": cfg.moderate_contrast, "brightness": cfg.moderate_brightness},
+    ]
+    for shift in shifts:
+        pool = _shift(x_train, shift["contrast"], shift["brightness"])
+        val = _shift(x_val, shift["contrast"], shift["brightness"])
+        if shift["contrast"] == cfg.contrast and shift["brightness"] == cfg.brightness:
+            shift["training_stats"], shift["all_images"] = strong["training_stats"], strong["adapted"]
+        else:
+            shift["training_stats"] = accuracy(source, val, y_val)
+            shift["all_images"] = accuracy(_precise_copy(source, pool), val, y_val)
+        runs: dict[str, list[list[float]]] = {"plain": []} | {f"{n:g}": [] for n in cfg.few_shot_priors}
+        for count in counts:
+            for key in runs:
+                runs[key].append([])
+            for draw in range(draws):
+                generator = torch.Generator().manual_seed(cfg.seed * 100_003 + count * 1_000 + draw)
+                images = pool[torch.randperm(len(pool), generator=generator)[:count]]
+                for key, prior in [("plain", None)] + [(f"{n:g}", n) for n in cfg.few_shot_priors]:
+                    twin = copy.deepcopy(source)
+                    recalibrate(twin, [images], num_samples="all", prior=prior)
+                    runs[key][-1].append(accuracy(twin, val, y_val))
+        shift["plain"] = [sum(a) / len(a) for a in runs.pop("plain")]
+        shift["prior"] = {key: [sum(a) / len(a) for a in accs] for key, accs in runs.items()}
+    return {"counts": list(counts), "draws": draws, "priors": list(cfg.few_shot_priors), "shifts": shifts}
+
+
 def _epoch_batches(n: int, size: int, generator: torch.Generator) -> Iterator[Tensor]:
     yield from torch.randperm(n, generator=generator).split(size)
 
 
 def run_demo(config: DemoConfig | None = None, log: Any = None) -> dict[str, Any]:
-    """Trains the model and measures the three experiments.
+    """Trains the model and measures the four experiments.
 
     The global RNG state and the thread count are restored afterwards.
 
@@ -151,7 +206,8 @@ def run_demo(config: DemoConfig | None = None, log: Any = None) -> dict[str, Any
 
     Returns:
         A JSON-serialisable dict with the configuration, the per-epoch curve
-        (``"validation_curve"``), ``"weight_averaging"`` and ``"domain_shift"``.
+        (``"validation_curve"``), ``"weight_averaging"``, ``"domain_shift"`` and
+        ``"few_shot"`` (per shift: mean accuracy per count, plain and per prior).
     """
     config = config or DemoConfig()
     threads = torch.get_num_threads()
@@ -209,6 +265,14 @@ def _run(cfg: DemoConfig, log: Any) -> dict[str, Any]:
 
     shifted_val = _shift(x_val, cfg.contrast, cfg.brightness)
     adapted = _precise_copy(averaged, _shift(x_train, cfg.contrast, cfg.brightness))
+    domain_shift = {
+        "contrast": cfg.contrast,
+        "brightness": cfg.brightness,
+        "clean": swa_precise,
+        "training_stats": accuracy(averaged, shifted_val, y_val),
+        "adapted": accuracy(adapted, shifted_val, y_val),
+    }
+    log("part 4: few-shot adaptation")
     return {
         "precisebn": __version__,
         "torch": torch.__version__,
@@ -222,13 +286,8 @@ def _run(cfg: DemoConfig, log: Any) -> dict[str, Any]:
             "stale": stale,
             "recalibrated": swa_precise,
         },
-        "domain_shift": {
-            "contrast": cfg.contrast,
-            "brightness": cfg.brightness,
-            "clean": swa_precise,
-            "training_stats": accuracy(averaged, shifted_val, y_val),
-            "adapted": accuracy(adapted, shifted_val, y_val),
-        },
+        "domain_shift": domain_shift,
+        "few_shot": _few_shot(cfg, averaged, x_train, x_val, y_val, domain_shift),
     }
 
 
@@ -270,6 +329,7 @@ def summaries(results: dict[str, Any]) -> dict[str, str]:
             f"clean: {_pct(shift['clean'])})"
             + (", without any retraining." if shift_gain >= 0.01 else ": re-estimating did not help here.")
         ),
+        **({"few_shot": _few_shot_summary(results["few_shot"])} if "few_shot" in results else {}),
     }
 
 
@@ -277,8 +337,40 @@ def _fmt_delta(d: float) -> str:
     return f"{100 * d:+.1f} points"
 
 
+def _few_shot_summary(few: dict[str, Any]) -> str:
+    counts, first = few["counts"], few["counts"][0]
+    clauses, won, lost = [], [], []
+    for shift in few["shifts"]:
+        prior, best = max(shift["prior"].items(), key=lambda item: item[1][0])
+        gain = best[0] - shift["plain"][0]
+        verdict = "beat" if gain > 0.005 else "lost to" if gain < -0.005 else "tied with"
+        (won if gain > 0.005 else lost).append(shift["training_stats"])
+        clauses.append(
+            f"on the {shift['name'].split(' ')[0]} shift the best prior (N={prior}) {verdict} plain re-estimation "
+            f"({_pct(best[0])} vs {_pct(shift['plain'][0])}; training statistics alone {_pct(shift['training_stats'])})"
+        )
+    if won and lost:
+        lesson = (
+            ": a prior paid off where the training statistics were already closer to the new domain's"
+            if min(won) > max(lost)
+            else ": whether a prior pays off depends on the shift"
+        )
+    else:
+        lesson = ": a prior paid off at the fewest images" if won else ": here a prior never paid off"
+    return (
+        f"From {first} unlabelled image{'s' if first != 1 else ''} (mean of {few['draws']} draws), "
+        + "; ".join(clauses)
+        + lesson
+        + f"; with {counts[-1]} images plain re-estimation reaches "
+        + " and ".join(f"{_pct(s['plain'][-1])}" for s in few["shifts"])
+        + " (all images: "
+        + " and ".join(f"{_pct(s['all_images'])}" for s in few["shifts"])
+        + ")."
+    )
+
+
 def format_results(results: dict[str, Any]) -> str:
-    """The three tables, each followed by its one-sentence summary."""
+    """The tables (three, or four with the few-shot part), each followed by its one-sentence summary."""
     curve, swa, shift = results["validation_curve"], results["weight_averaging"], results["domain_shift"]
     said = summaries(results)
     cfg = results["config"]
@@ -313,11 +405,32 @@ def format_results(results: dict[str, Any]) -> str:
         ],
         right={2},
     )
-    return "\n\n".join(
-        [
-            f"1. Validation curve (SGD lr {cfg['lr']}, momentum {cfg['momentum']}, batch {cfg['batch_size']})\n"
-            f"{part1}\n→ {said['validation_curve']}",
-            f"2. Weight averaging (SWA)\n{part2}\n→ {said['weight_averaging']}",
-            f"3. Domain shift\n{part3}\n→ {said['domain_shift']}",
-        ]
-    )
+    parts = [
+        f"1. Validation curve (SGD lr {cfg['lr']}, momentum {cfg['momentum']}, batch {cfg['batch_size']})\n"
+        f"{part1}\n→ {said['validation_curve']}",
+        f"2. Weight averaging (SWA)\n{part2}\n→ {said['weight_averaging']}",
+        f"3. Domain shift\n{part3}\n→ {said['domain_shift']}",
+    ]
+    if "few_shot" in results:
+        few = results["few_shot"]
+        priors = list(few["shifts"][0]["prior"])
+        part4 = format_table(
+            ["shift", "images", "plain re-estimation", *(f"prior N={n}" for n in priors)],
+            [
+                [f"{s['name']}: ×{s['contrast']:g}, +{s['brightness']:g}", str(count), _pct(s["plain"][i])]
+                + [_pct(s["prior"][n][i]) for n in priors]
+                for s in few["shifts"]
+                for i, count in enumerate(few["counts"])
+            ],
+            right=set(range(1, 3 + len(priors))),
+        )
+        references = "; ".join(
+            f"{s['name'].split(' ')[0]}: training statistics {_pct(s['training_stats'])}, all "
+            f"{results['data']['train']} images {_pct(s['all_images'])}"
+            for s in few["shifts"]
+        )
+        parts.append(
+            f"4. Few-shot adaptation (mean val acc over {few['draws']} random draws of unlabelled shifted training "
+            f"images; {references})\n{part4}\n→ {said['few_shot']}"
+        )
+    return "\n\n".join(parts)

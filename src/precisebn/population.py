@@ -14,6 +14,7 @@ from ._optional import require
 from ._version import __version__
 from .errors import InvalidArgumentError, StatsMismatchError
 from .files import atomic_path
+from .stats import RunningMoments
 
 __all__ = ["FORMAT", "LayerStats", "PopulationStats"]
 
@@ -34,6 +35,10 @@ class LayerStats:
         path: How it was measured: ``"fast"`` (the layer's own batch figures, verified
             against float64), ``"float64"`` (what it normalises, reduced in float64) or
             ``"none"`` (never normalised with its running buffers: not reached).
+        se_mean: Standard error of ``mean`` per channel, in units of the standard
+            deviation (jackknife over batches dealt into folds; NaN with fewer than two
+            batches; ``None`` when unknown).
+        se_var: Standard error of ``var`` per channel, relative to ``var``.
     """
 
     mean: Tensor
@@ -42,6 +47,8 @@ class LayerStats:
     calls: int
     layer_type: str
     path: str = "fast"
+    se_mean: Tensor | None = None
+    se_var: Tensor | None = None
 
     @property
     def reached(self) -> bool:
@@ -94,11 +101,79 @@ class PopulationStats(Mapping[str, LayerStats]):
     def to(self, device: torch.device | str) -> PopulationStats:
         """A copy with every tensor on ``device``."""
         moved = {
-            k: LayerStats(v.mean.to(device), v.var.to(device), v.count, v.calls, v.layer_type, v.path)
+            k: LayerStats(
+                v.mean.to(device),
+                v.var.to(device),
+                v.count,
+                v.calls,
+                v.layer_type,
+                v.path,
+                None if v.se_mean is None else v.se_mean.to(device),
+                None if v.se_var is None else v.se_var.to(device),
+            )
             for k, v in self.layers.items()
         }
         return PopulationStats(
             moved, self.samples, self.batches, self.mode, self.seconds, self.world_size, dict(self.versions)
+        )
+
+    def merge(self, *others: PopulationStats) -> PopulationStats:
+        """The exact statistics of the union of the data behind ``self`` and ``others``.
+
+        For statistics measured on **disjoint** data — shards measured by separate jobs,
+        machines without a common process group, a nightly job adding data — the result
+        is what :func:`precisebn.estimate` would have measured on all of it at once (the
+        same batches): per layer, counts and calls add and the mean and population
+        variance are pooled in float64 with the between-group term (Chan's merge: the
+        pooled mean first, then ``Σ M2ᵢ + Σ nᵢ·(μᵢ − μ)²``), whatever the order of the
+        inputs up to float64 rounding. A layer present (or reached) in only some inputs
+        keeps what those measured. ``samples``, ``batches``, ``seconds`` and
+        ``world_size`` (the processes whose statistics are merged) add. Merging data with
+        itself counts it twice. Standard errors are not merged (``None``: measure the
+        union at once for those). The inputs are not changed; the result is on the CPU.
+
+        Raises:
+            InvalidArgumentError: An input is not a ``PopulationStats``.
+            StatsMismatchError: A layer has different channel counts or layer types in
+                two inputs, or the inputs were measured in different modes.
+
+        Example:
+            >>> import torch, precisebn
+            >>> model = torch.nn.Sequential(torch.nn.BatchNorm1d(1, dtype=torch.float64))
+            >>> a = precisebn.estimate(model, [torch.tensor([[1.0], [3.0]], dtype=torch.float64)])
+            >>> b = precisebn.estimate(model, [torch.tensor([[5.0], [7.0], [9.0], [11.0]], dtype=torch.float64)])
+            >>> both = a.merge(b)  # the union {1, 3, 5, 7, 9, 11}
+            >>> both["0"].count, both["0"].mean.item(), both["0"].var.item(), both.samples, both.batches
+            (6, 6.0, 11.666666666666666, 6, 2)
+        """
+        inputs = (self, *others)
+        for i, other in enumerate(inputs):
+            if not isinstance(other, PopulationStats):
+                raise InvalidArgumentError(
+                    f"PopulationStats.merge: input {i} is a {type(other).__name__}, not a PopulationStats "
+                    "(from estimate() or PopulationStats.load())"
+                )
+        modes = sorted({s.mode for s in inputs})
+        if len(modes) > 1:
+            raise StatsMismatchError(
+                f"PopulationStats.merge: the inputs were measured in different modes ({', '.join(modes)}); "
+                "statistics of mode='norm' and mode='train' describe different activations. Measure every part "
+                "with the same mode."
+            )
+        layers: dict[str, list[LayerStats]] = {}
+        for stats in inputs:
+            for name, layer in stats.items():
+                layers.setdefault(name, []).append(layer)
+        merged = {name: _merge_layer(name, parts) for name, parts in layers.items()}
+        versions = inputs[0].versions if all(s.versions == inputs[0].versions for s in inputs) else None
+        return PopulationStats(
+            merged,
+            sum(s.samples for s in inputs),
+            sum(s.batches for s in inputs),
+            self.mode,
+            sum(s.seconds for s in inputs),
+            sum(s.world_size for s in inputs),
+            *([dict(versions)] if versions is not None else []),
         )
 
     def _header(self) -> dict[str, object]:
@@ -167,6 +242,10 @@ class PopulationStats(Mapping[str, LayerStats]):
         for name, s in self.layers.items():
             tensors[f"{name}.mean"] = s.mean.detach().to("cpu", torch.float64).contiguous()
             tensors[f"{name}.var"] = s.var.detach().to("cpu", torch.float64).contiguous()
+            for key in ("se_mean", "se_var"):
+                value = getattr(s, key)
+                if value is not None:
+                    tensors[f"{name}.{key}"] = value.detach().to("cpu", torch.float64).contiguous()
         metadata = {"format": FORMAT, "precisebn": json.dumps(self._header())}
         with atomic_path(path) as tmp:  # save() to bytes: save_file() would recreate tmp as 0600
             tmp.write_bytes(st.save(tensors, metadata=metadata))
@@ -193,6 +272,7 @@ class PopulationStats(Mapping[str, LayerStats]):
                         "PopulationStats.save()."
                     )
                 header = json.loads(metadata["precisebn"])
+                keys = set(f.keys())
                 layers = {
                     name: LayerStats(
                         f.get_tensor(f"{name}.mean"),
@@ -201,6 +281,8 @@ class PopulationStats(Mapping[str, LayerStats]):
                         int(info["calls"]),
                         str(info["type"]),
                         str(info.get("path", "fast")),
+                        f.get_tensor(f"{name}.se_mean") if f"{name}.se_mean" in keys else None,
+                        f.get_tensor(f"{name}.se_var") if f"{name}.se_var" in keys else None,
                     )
                     for name, info in header["layers"].items()
                 }
@@ -222,6 +304,42 @@ class PopulationStats(Mapping[str, LayerStats]):
             int(header["world_size"]),
             dict(header["versions"]),
         )
+
+
+def _merge_layer(name: str, parts: list[LayerStats]) -> LayerStats:
+    """One layer's statistics pooled over the inputs that hold it (see :meth:`PopulationStats.merge`)."""
+    channels = sorted({p.channels for p in parts})
+    types = sorted({p.layer_type for p in parts})
+    if len(channels) > 1 or len(types) > 1:
+        what = f"{' vs '.join(map(str, channels))} channels" if len(channels) > 1 else f"types {' vs '.join(types)}"
+        raise StatsMismatchError(
+            f"PopulationStats.merge: layer {name!r} has {what} in different inputs; merge statistics of the same "
+            "model (architecture) only. Nothing was merged."
+        )
+    reached = [p for p in parts if p.reached]
+    if len(reached) <= 1:  # nothing to pool: the one that measured it (or the first), as it is
+        only = (reached or parts)[0]
+        return LayerStats(
+            only.mean.detach().to("cpu", torch.float64),
+            only.var.detach().to("cpu", torch.float64),
+            only.count,
+            sum(p.calls for p in parts),
+            only.layer_type,
+            only.path,
+        )
+    counts = torch.tensor([float(p.count) for p in reached], dtype=torch.float64).unsqueeze(1)
+    means = torch.stack([p.mean.detach().to("cpu", torch.float64) for p in reached])
+    m2s = counts * torch.stack([p.var.detach().to("cpu", torch.float64) for p in reached])
+    pooled = RunningMoments.from_batches(counts.expand_as(means), means, m2s)
+    paths = {p.path for p in reached}
+    return LayerStats(
+        pooled.mean,
+        pooled.var,
+        sum(p.count for p in parts),
+        sum(p.calls for p in parts),
+        types[0],
+        paths.pop() if len(paths) == 1 else "mixed",
+    )
 
 
 def _check_layer(path: str | os.PathLike[str], name: str, layer: LayerStats) -> None:

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import operator
+import sys
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -28,17 +29,23 @@ import torch
 from torch import nn
 
 from . import distributed as _dist
+from .adapt import Adapt, check_adapt, with_prior
 from .data import Forward, default_forward, model_device
 from .errors import InvalidArgumentError, StatsMismatchError
 from .layers import Capture, LayerSelection, Mode, find_norm_layers, has_running_stats, unwrap
-from .measure import Pass
+from .measure import AUTO_MAX_SAMPLES, AUTO_MIN_SAMPLES, Pass
 from .population import PopulationStats
 from .report import LayerReport, Report
 from .state import exclusive, restore_on_error
 
-__all__ = ["DEFAULT_NUM_SAMPLES", "apply", "check_options", "estimate", "recalibrate"]
+__all__ = ["DEFAULT_NUM_SAMPLES", "DEFAULT_TOLERANCE", "apply", "check_options", "estimate", "recalibrate"]
 
 logger = logging.getLogger("precisebn")
+
+DEFAULT_TOLERANCE = 0.02
+"""``num_samples="auto"`` stops once, in every layer, the median channel's standard error is
+at most this: 2 % of the variance and 0.02 standard deviations of the mean (see the
+README's "How precise?" section for why)."""
 
 DEFAULT_NUM_SAMPLES = 8192
 """Samples used when neither ``num_samples`` nor ``num_batches`` is given (pycls' and
@@ -49,17 +56,27 @@ _CAPTURES = ("auto", "float64")
 
 
 def check_options(
-    *, num_samples: Any = None, num_batches: Any = None, forward: Any = None, mode: Any = "norm", capture: Any = "auto"
+    *,
+    num_samples: Any = None,
+    num_batches: Any = None,
+    forward: Any = None,
+    mode: Any = "norm",
+    capture: Any = "auto",
+    prior: Any = None,
+    adapt: Any = "both",
+    tolerance: Any = None,
 ) -> None:
     """Raises :class:`~precisebn.errors.InvalidArgumentError` for an option that
-    :func:`estimate` would refuse (for callers that take options long before using them)."""
+    :func:`estimate` or :func:`recalibrate` would refuse (for callers that take options
+    long before using them)."""
+    check_adapt(prior, adapt)
     for name, value in (("num_samples", num_samples), ("num_batches", num_batches)):
-        if value is None or (name == "num_samples" and isinstance(value, str) and value == "all"):
+        if value is None or (name == "num_samples" and isinstance(value, str) and value in ("all", "auto")):
             continue
         if _as_count(value) is None:
             raise InvalidArgumentError(
                 f"{name} must be a positive integer or None"
-                + (" or 'all'" if name == "num_samples" else "")
+                + (", 'all' or 'auto'" if name == "num_samples" else "")
                 + f", got {value!r}"
             )
     if forward is not None and not callable(forward):
@@ -68,6 +85,13 @@ def check_options(
         raise InvalidArgumentError(f"mode must be 'norm' or 'train', got {mode!r}")
     if capture not in _CAPTURES:
         raise InvalidArgumentError(f"capture must be 'auto' or 'float64', got {capture!r}")
+    if tolerance is not None:
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 < tolerance < 1:
+            raise InvalidArgumentError(f"tolerance must be a number between 0 and 1 (e.g. 0.02), got {tolerance!r}")
+        if not (isinstance(num_samples, str) and num_samples == "auto"):
+            raise InvalidArgumentError(
+                f"tolerance= applies to num_samples='auto' only (got num_samples={num_samples!r}); pass both."
+            )
 
 
 def _as_count(value: Any) -> int | None:
@@ -107,6 +131,7 @@ def estimate(
     distributed: Literal["auto"] | bool = "auto",
     process_group: Any = None,
     capture: Capture = "auto",
+    tolerance: float | None = None,
     _mode: Mode | None = None,
 ) -> PopulationStats:
     """Measures the population statistics of the model's normalization layers.
@@ -121,7 +146,10 @@ def estimate(
         data: Any iterable of batches (DataLoader, generator, list).
         num_samples: Stop once this many samples (first dimension of the batch's
             input) have been used; the last batch is used whole. Global when
-            distributed: each of W ranks uses ``ceil(num_samples / W)``. ``"all"``
+            distributed: each of W ranks uses ``ceil(num_samples / W)``. ``"auto"``
+            stops once every layer's statistics are precise to ``tolerance`` (see
+            ``tolerance``), between 256 and 65536 samples in all (or ``num_batches``
+            batches at most, when given). ``"all"``
             uses the whole data. Default: when neither limit is given, up to 8192
             samples (shorter data is then used whole without a warning).
         num_batches: Stop after this many batches (per rank). With both limits the
@@ -147,6 +175,12 @@ def estimate(
             normalises — costing little more than the forward passes — and a float64
             reduction of that tensor on every call where they do not. ``"float64"``:
             the float64 reduction for every layer (exact to float64 rounding, slower).
+
+        tolerance: With ``num_samples="auto"``: stop once, in every layer, the median
+            channel's standard error (jackknife over batches) is at most this — as a
+            fraction of the variance and in standard deviations of the mean (default
+            0.02). Looked at every 8 batches (one host read each time); distributed,
+            every rank stops at the same batch.
 
     Returns:
         The statistics, keyed by qualified layer name (relative to the unwrapped model).
@@ -183,6 +217,7 @@ def estimate(
             distributed=distributed,
             process_group=process_group,
             capture=capture,
+            tolerance=tolerance,
             _mode=_mode,
         )
 
@@ -202,6 +237,7 @@ def _estimate(
     distributed: Any,
     process_group: Any,
     capture: Any,
+    tolerance: Any,
     _mode: Mode | None,
 ) -> PopulationStats:
     """:func:`estimate`, holding the model in ``guard`` (so that :func:`recalibrate` can
@@ -209,8 +245,19 @@ def _estimate(
     the distributed failure protocol, so a mistake on one rank reaches all of them."""
     ctx = _dist.RankContext.resolve(distributed, process_group)
     try:
-        check_options(num_samples=num_samples, num_batches=num_batches, forward=forward, mode=mode, capture=capture)
+        check_options(
+            num_samples=num_samples,
+            num_batches=num_batches,
+            forward=forward,
+            mode=mode,
+            capture=capture,
+            tolerance=tolerance,
+        )
         use_all = isinstance(num_samples, str) and num_samples == "all"
+        auto = isinstance(num_samples, str) and num_samples == "auto"
+        if auto:
+            tolerance = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
+            num_samples = None if num_batches is not None else AUTO_MAX_SAMPLES
         num_samples = None if use_all or num_samples is None else operator.index(num_samples)
         num_batches = None if num_batches is None else operator.index(num_batches)
         if not isinstance(model, nn.Module):
@@ -223,12 +270,25 @@ def _estimate(
         explicit = num_samples is not None or num_batches is not None
         if not explicit and not use_all:
             num_samples = DEFAULT_NUM_SAMPLES
+        vote = None
+        if ctx is not None and auto:
+            vote = ctx.vote(tolerance, AUTO_MIN_SAMPLES, num_samples or sys.maxsize)  # type: ignore[arg-type]
         if ctx is not None and num_samples is not None:
             num_samples = math.ceil(num_samples / ctx.world_size)
         model = unwrap(model)
         target = _device(device) or model_device(model)
         run = Pass(
-            model, data, forward or default_forward, num_samples, num_batches, target, progress, _mode or mode, explicit
+            model,
+            data,
+            forward or default_forward,
+            num_samples,
+            num_batches,
+            target,
+            progress,
+            _mode or mode,
+            explicit and not auto,
+            tolerance if auto else None,
+            vote,
         )
         guard.enter_context(exclusive(model))
         selected = find_norm_layers(model, layers, capture=capture)
@@ -244,7 +304,7 @@ def _estimate(
     return local.to_population()
 
 
-def apply(model: nn.Module, stats: PopulationStats) -> Report:
+def apply(model: nn.Module, stats: PopulationStats, *, prior: float | None = None, adapt: Adapt = "both") -> Report:
     """Writes population statistics into the model's running buffers.
 
     ``running_mean`` gets the mean, ``running_var`` the population variance, both cast
@@ -253,15 +313,31 @@ def apply(model: nn.Module, stats: PopulationStats) -> Report:
     ``num_batches_tracked`` are not changed. Layers the statistics never reached
     (count 0) keep their statistics. Everything is checked before anything is written.
 
+    With ``prior=N`` the layer's current running statistics count as ``N`` samples of
+    pseudo-data: each layer gets the exact pooled mean and population variance of those
+    and the measured values (Schneider et al. 2020; see :mod:`precisebn.adapt`). ``N``
+    counts samples, converted to values per channel at the layer's values per sample
+    (``count / stats.samples``). ``adapt="mean"``/``"var"`` writes only that buffer and
+    leaves the other bitwise as it was.
+
     The whole call is all-or-nothing: every layer is checked and the report is built
     before the first write, and an interruption during the writes (even
     ``KeyboardInterrupt``) puts the old values back.
+
+    Args:
+        model: The model (a DDP/DataParallel wrapper is looked through).
+        stats: What :func:`estimate` returned, or :meth:`PopulationStats.load` read.
+        prior: ``None`` (default) or ``0``: the measured statistics as they are. A
+            number ``N > 0``: pooled with the current running statistics weighted as
+            ``N`` samples.
+        adapt: ``"both"`` (default), ``"mean"`` or ``"var"``: which buffers to write.
 
     Raises:
         StatsMismatchError: A layer is missing from the model, is not a normalization
             layer with running statistics, or its mean/variance is not of shape
             ``(channels,)``, not finite (also after the cast to the buffer's dtype) or
-            negative.
+            negative; with ``prior``, a layer's current statistics are not finite.
+        InvalidArgumentError: ``prior`` or ``adapt`` has a wrong value.
         ConcurrentUseError: Another call is recalibrating the model.
 
     Example:
@@ -279,15 +355,16 @@ def apply(model: nn.Module, stats: PopulationStats) -> Report:
         )
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    checked_prior = check_adapt(prior, adapt)
     model = unwrap(model)
     with exclusive(model):
-        return _apply(model, stats)
+        return _apply(model, stats, checked_prior, adapt)
 
 
-def _apply(model: nn.Module, stats: PopulationStats) -> Report:
+def _apply(model: nn.Module, stats: PopulationStats, prior: float | None = None, adapt: Adapt = "both") -> Report:
     """:func:`apply` on an unwrapped model that the caller holds: checks everything and
     builds the report first, then writes, restoring the old values if the writes are
-    interrupted."""
+    interrupted. ``prior`` is checked (:func:`~precisebn.adapt.check_adapt`)."""
     modules = dict(model.named_modules(remove_duplicate=False))
     problems = []
     entries = []
@@ -309,21 +386,27 @@ def _apply(model: nn.Module, stats: PopulationStats) -> Report:
             else:
                 entries.append((name, m, s))
     _refuse("the statistics do not fit this model", problems)
+    if prior is not None:  # the current statistics as `prior` samples of pseudo-data, pooled exactly
+        entries, problems = with_prior(entries, prior, stats.samples)
+        _refuse("the statistics cannot be pooled with the model's", problems)
+    write = (adapt != "var", adapt != "mean")  # running_mean, running_var
     updated = [(m, s) for _, m, s in entries if s.reached]
     new = [
         t.detach().to(buffer.device, buffer.dtype)
         for m, s in updated
-        for t, buffer in ((s.mean, m.running_mean), (s.var, m.running_var))
+        for t, buffer, w in ((s.mean, m.running_mean, write[0]), (s.var, m.running_var, write[1]))
+        if w
     ]
     old = [t for _, m, _ in entries for t in (m.running_mean, m.running_var)]
     host = _cpu64(old + new)
     old_host, new_host = host[: len(old)], iter(host[len(old) :])
     values = {}
     for (name, m, s), old_mean, old_var in zip(entries, old_host[::2], old_host[1::2]):
-        mean, var = (next(new_host), next(new_host)) if s.reached else (old_mean, old_var)
-        if s.reached and not (bool(mean.isfinite().all()) and bool(var.isfinite().all())):
+        mean = next(new_host) if s.reached and write[0] else old_mean
+        var = next(new_host) if s.reached and write[1] else old_var
+        if s.reached and not all(bool(t.isfinite().all()) for t, w in zip((mean, var), write) if w):
             problems.append(f"{name!r} has NaN/Inf values (as {str(m.running_mean.dtype).removeprefix('torch.')})")
-        elif s.reached and bool((var < 0).any()):
+        elif s.reached and write[1] and bool((var < 0).any()):
             problems.append(f"{name!r} has a negative variance")
         values[name] = (old_mean, old_var, mean, var)
     _refuse("the statistics cannot be written", problems)
@@ -338,11 +421,13 @@ def _apply(model: nn.Module, stats: PopulationStats) -> Report:
             float(m.eps),
             s.reached,
             s.path,
+            s.se_mean,
+            s.se_var,
         )
         for name, m, s in entries
     ]
     report = Report(rows, stats.samples, stats.batches, stats.seconds, stats.mode, stats.world_size)
-    targets = [t for m, _ in updated for t in (m.running_mean, m.running_var)]
+    targets = [t for m, _ in updated for t, w in zip((m.running_mean, m.running_var), write) if w]
     with torch.no_grad(), restore_on_error(targets):
         for target, value in zip(targets, new):
             target.copy_(value)
@@ -396,15 +481,20 @@ def recalibrate(
     distributed: Literal["auto"] | bool = "auto",
     process_group: Any = None,
     capture: Capture = "auto",
+    tolerance: float | None = None,
+    prior: float | None = None,
+    adapt: Adapt = "both",
 ) -> Report:
     """Recomputes the running statistics of the model's normalization layers exactly.
 
-    ``recalibrate(model, data, **options)`` is ``apply(model, estimate(model, data,
-    **options))``: forward passes under ``torch.no_grad()``, then each selected layer's
-    ``running_mean``/``running_var`` becomes the exact population mean/variance of its
-    inputs (see :func:`estimate` for the options). If anything fails — the data, the
-    model, ``KeyboardInterrupt``, non-finite statistics, another rank — the model is
-    left bitwise as it was.
+    ``recalibrate(model, data, prior=..., adapt=..., **options)`` is ``apply(model,
+    estimate(model, data, **options), prior=..., adapt=...)``: forward passes under
+    ``torch.no_grad()``, then each selected layer's ``running_mean``/``running_var``
+    becomes the exact population mean/variance of its inputs (see :func:`estimate` for
+    the options, :func:`apply` for ``prior`` and ``adapt``: the layers' current
+    statistics as ``prior`` samples of pseudo-data, pooled exactly; which buffers to
+    write). If anything fails — the data, the model, ``KeyboardInterrupt``, non-finite
+    statistics, another rank — the model is left bitwise as it was.
 
     Returns:
         A :class:`Report` of old and new statistics per layer.
@@ -417,6 +507,7 @@ def recalibrate(
         >>> report.samples, report["1"].count  # 8 batches of 4 images, 14x14 positions each
         (32, 6272)
     """
+    checked_prior = check_adapt(prior, adapt)  # before any forward pass
     with contextlib.ExitStack() as guard:
         stats = _estimate(
             guard,
@@ -432,6 +523,7 @@ def recalibrate(
             distributed=distributed,
             process_group=process_group,
             capture=capture,
+            tolerance=tolerance,
             _mode=None,
         )
-        return _apply(unwrap(model), stats)
+        return _apply(unwrap(model), stats, checked_prior, adapt)

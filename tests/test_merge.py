@@ -1,0 +1,182 @@
+"""``PopulationStats.merge`` and ``precisebn merge``: the exact union of statistics of disjoint data.
+
+Float64 models with ``capture="float64"``, so that 1e-12 is meaningful; the truths are
+estimates on the union, and float64 statistics of the concatenated layer inputs
+(``compute_truth``, independent of precisebn).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import precisebn
+from conftest import compute_truth, max_rel_error
+from precisebn.cli import main
+from precisebn.errors import InvalidArgumentError, StatsMismatchError
+
+F64 = torch.float64
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.BatchNorm2d(3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(3 * 16, 4),
+        nn.BatchNorm1d(4),
+        nn.BatchNorm1d(4),  # never reached (see forward)
+    ).to(F64)
+
+
+def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model[:6](x)
+
+
+def batches(n: int = 5, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2 + i % 3, 2, 4, 4, generator=g, dtype=F64) * (1 + i) + 10 * i for i in range(n)]
+
+
+def measure(model: nn.Module, data: list[torch.Tensor], **kw) -> precisebn.PopulationStats:
+    return precisebn.estimate(model, data, forward=forward, capture="float64", num_samples="all", **kw)
+
+
+def assert_close_stats(got: Any, want: Any, tol: float = 1e-12) -> None:
+    scale = torch.maximum(want.mean.abs(), want.var.sqrt())
+    assert max_rel_error(got.mean, want.mean, scale) <= tol
+    assert max_rel_error(got.var, want.var) <= tol
+
+
+def test_merge_equals_estimate_on_the_union() -> None:
+    model, data = net(), batches()
+    a, b = measure(model, data[:2]), measure(model, data[2:])
+    union = measure(model, data)
+    truth = compute_truth(model, data, forward=forward)
+    merged = a.merge(b)
+    assert list(merged) == list(union) == ["1", "5", "6"]
+    for name in ("1", "5"):
+        assert_close_stats(merged[name], union[name])
+        assert_close_stats(merged[name], truth[name])
+        assert (
+            (merged[name].count, merged[name].calls)
+            == (union[name].count, union[name].calls)
+            == (
+                truth[name].count,
+                truth[name].calls,
+            )
+        )
+        assert merged[name].path == "float64" and merged[name].layer_type == union[name].layer_type
+        assert merged[name].mean.dtype == F64 and merged[name].mean.device.type == "cpu"
+    assert not merged["6"].reached and merged["6"].count == 0
+    assert (merged.samples, merged.batches, merged.mode) == (union.samples, union.batches, "norm")
+    assert merged.world_size == 2 and merged.seconds == pytest.approx(a.seconds + b.seconds)
+    # the inputs are untouched, and the merged statistics apply like a recalibration on the union
+    assert a["1"].count + b["1"].count == merged["1"].count
+    m1, m2 = net(), net()
+    precisebn.apply(m1, merged)
+    precisebn.apply(m2, union)
+    for (k, v), w in zip(m1.state_dict().items(), m2.state_dict().values()):
+        torch.testing.assert_close(v, w, rtol=1e-12, atol=1e-12, msg=k)
+
+
+@settings(max_examples=20, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=1, max_value=23), max_size=4, unique=True), data=st.data())
+def test_any_partition_in_any_order_merges_to_the_union(cuts: list[int], data: st.DataObject) -> None:
+    """A layer whose input is the data (so that batching does not change its values): split 24 samples
+    anywhere, merge the parts in any order, and get the float64 statistics of all 24."""
+    g = torch.Generator().manual_seed(7)
+    scale, shift = torch.tensor([0.5, 1.0, 20.0], dtype=F64), torch.tensor([3.0, -1.0, 50.0], dtype=F64)
+    x = torch.randn(24, 3, 2, generator=g, dtype=F64) * scale[:, None] + shift[:, None]  # (N, C, L): 2 values/sample
+    model = nn.Sequential(nn.BatchNorm1d(3)).to(F64)
+    bounds = [0, *sorted(cuts), 24]
+    parts = [precisebn.estimate(model, [x[lo:hi]], capture="float64") for lo, hi in itertools.pairwise(bounds)]
+    order = data.draw(st.permutations(range(len(parts))))
+    merged = parts[order[0]].merge(*(parts[i] for i in order[1:]))
+    truth_mean, truth_var = x.mean((0, 2)), x.var((0, 2), unbiased=False)
+    assert merged["0"].count == 48 and merged.samples == 24 and merged.batches == len(parts)
+    assert max_rel_error(merged["0"].mean, truth_mean, torch.maximum(truth_mean.abs(), truth_var.sqrt())) <= 1e-12
+    assert max_rel_error(merged["0"].var, truth_var) <= 1e-12
+
+
+def test_layers_in_only_some_inputs_keep_theirs() -> None:
+    model, data = net(), batches()
+    only_first = measure(model, data[:2], layers=["1"])
+    both = measure(model, data[2:], layers=["1", "5"])
+    merged = only_first.merge(both)
+    assert list(merged) == ["1", "5"]
+    assert torch.equal(merged["5"].mean, both["5"].mean) and torch.equal(merged["5"].var, both["5"].var)
+    assert merged["5"].count == both["5"].count
+    assert merged["1"].count == only_first["1"].count + both["1"].count
+    # a layer reached in one input and not in the other keeps the reached one's statistics
+    unreached = dataclasses.replace(both["1"], mean=torch.full((3,), float("nan"), dtype=F64), count=0)
+    other = dataclasses.replace(both, layers={"1": unreached})
+    kept = only_first.merge(other)
+    assert torch.equal(kept["1"].mean, only_first["1"].mean) and kept["1"].count == only_first["1"].count
+
+
+def test_mismatches_are_refused() -> None:
+    model, data = net(), batches()
+    a = measure(model, data[:2])
+    wrong = dataclasses.replace(a["5"], mean=torch.zeros(7, dtype=F64), var=torch.ones(7, dtype=F64))
+    with pytest.raises(StatsMismatchError, match=r"layer '5' has 4 vs 7 channels"):
+        a.merge(dataclasses.replace(a, layers={**a.layers, "5": wrong}))
+    with pytest.raises(StatsMismatchError, match=r"layer '1' has types BatchNorm2d vs InstanceNorm2d"):
+        a.merge(dataclasses.replace(a, layers={"1": dataclasses.replace(a["1"], layer_type="InstanceNorm2d")}))
+    with pytest.raises(StatsMismatchError, match="different modes"):
+        a.merge(measure(model, data[2:], mode="train"))
+    with pytest.raises(InvalidArgumentError, match="input 1 is a dict"):
+        a.merge({"1": a["1"]})
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_cli_merge(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    model, data = net(), batches()
+    parts = [measure(model, data[:2]), measure(model, data[2:4]), measure(model, data[4:])]
+    for i, p in enumerate(parts):
+        p.save(f"s{i}.safetensors")
+    assert main(["merge", "s0.safetensors", "s1.safetensors", "s2.safetensors", "--out", "all.safetensors"]) == 0
+    out = capsys.readouterr().out
+    assert "merged 3 files" in out and "wrote all.safetensors" in out
+    merged = precisebn.PopulationStats.load("all.safetensors")
+    expected = parts[0].merge(parts[1], parts[2])
+    for name in expected:
+        assert torch.equal(merged[name].mean, expected[name].mean) or not expected[name].reached
+        assert torch.equal(merged[name].var, expected[name].var) or not expected[name].reached
+        assert merged[name].count == expected[name].count
+    assert_close_stats(merged["1"], measure(model, data)["1"])
+    assert merged.samples == sum(len(b) for b in data)
+    before = {p.name: _sha(p) for p in tmp_path.iterdir()}
+    refused = {
+        "an input": (["s0.safetensors", "s1.safetensors", "--out", "s1.safetensors"], "would destroy the input"),
+        "one input": (["s0.safetensors", "--out", "x.safetensors"], "two or more"),
+        "twice": (["s0.safetensors", "./s0.safetensors", "--out", "x.safetensors"], "given twice"),
+        "extension": (["s0.safetensors", "s1.safetensors", "--out", "x.pt"], r"\*.safetensors"),
+    }
+    for why, (args, message) in refused.items():
+        assert main(["merge", *args]) == 2, why
+        assert message.replace("\\", "") in capsys.readouterr().err, why
+    assert main(["merge", "s0.safetensors", "missing.safetensors", "--out", "x.safetensors"]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    other = nn.Sequential(nn.BatchNorm1d(5)).to(F64)
+    precisebn.estimate(other, [torch.randn(4, 5, dtype=F64)]).save("other.safetensors")
+    renamed = dataclasses.replace(parts[0], layers={"0": dataclasses.replace(parts[0]["5"])})
+    renamed.save("four.safetensors")
+    assert main(["merge", "four.safetensors", "other.safetensors", "--out", "x.safetensors"]) == 1
+    assert "layer '0' has 4 vs 5 channels" in capsys.readouterr().err
+    after = {p.name: _sha(p) for p in tmp_path.iterdir() if p.name in before}
+    assert after == before and not (tmp_path / "x.safetensors").exists()
