@@ -14,8 +14,8 @@ A recalibration never changes the course of training: the forward passes run und
 global one) are put back as they were, so that a shuffling loader, random
 augmentations or dropout during the passes do not shift what training draws next. The
 data's own generators are put back too: a DataLoader's ``generator=``, its sampler's
-and its batch sampler's, so that a loader that shuffles with its own generator keeps
-the order of the epochs to come.
+and its batch sampler's (and a sampler's own ``epoch`` counter), so that a loader that
+shuffles with its own generator keeps the order of the epochs to come.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class PreciseBNScheduler:
             non-persistent workers, so that a computation in the middle of an
             epoch does not reset the training loop's iterator.
         num_samples, num_batches, forward, mode, layers, device, progress,
-            distributed, process_group: As for :func:`precisebn.recalibrate`.
+            distributed, process_group, capture, prior, adapt: As for
+            :func:`precisebn.recalibrate`.
         preserve_rng: Put the random number generators back as they were after
             each computation (default): torch's global ones, Python's ``random``,
             NumPy's global one, and the data's own (a DataLoader's ``generator``, its
@@ -111,12 +112,22 @@ class PreciseBNScheduler:
         distributed: Literal["auto"] | bool = "auto",
         process_group: Any = None,
         capture: Literal["auto", "float64"] = "auto",
+        prior: float | None = None,
+        adapt: Literal["both", "mean", "var"] = "both",
         preserve_rng: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         check_data(data)
-        check_options(num_samples=num_samples, num_batches=num_batches, forward=forward, mode=mode, capture=capture)
+        check_options(
+            num_samples=num_samples,
+            num_batches=num_batches,
+            forward=forward,
+            mode=mode,
+            capture=capture,
+            prior=prior,
+            adapt=adapt,
+        )
         self.model = model
         self.data = data
         self.preserve_rng = preserve_rng
@@ -131,6 +142,8 @@ class PreciseBNScheduler:
             "distributed": distributed,
             "process_group": process_group,
             "capture": capture,
+            "prior": prior,
+            "adapt": adapt,
         }
         self._last_step: int | None = None
         self._stale = False
@@ -179,7 +192,7 @@ class PreciseBNScheduler:
         if self.preserve_rng:
             with preserved_rng(self.model):
                 batches = fresh_batches(self.data)
-                with preserved_generators(data_generators(self.data, batches)):
+                with preserved_generators(data_generators(self.data, batches)), preserved_epochs(self.data, batches):
                     report = recalibrate(self.model, batches, **self._options)
         else:
             report = recalibrate(self.model, fresh_batches(self.data), **self._options)
@@ -219,7 +232,7 @@ class PreciseBNScheduler:
         )
 
 
-# -- helpers shared with the Lightning integrations -------------------------------------
+# -- helpers shared with the training-loop integrations -------------------------------------
 
 _STATE_KEYS = ("last_step", "stale", "computations")
 
@@ -313,6 +326,36 @@ class MappedBatches(Iterable[Any]):
             yield self.fn(batch)
 
 
+def _data_holders(source: Any) -> list[Any]:
+    """A DataLoader's own objects that may hold random state: itself, its sampler, its
+    batch sampler and the batch sampler's sampler (through :class:`MappedBatches`)."""
+    while isinstance(source, MappedBatches):
+        source = source.source
+    if not isinstance(source, torch.utils.data.DataLoader):
+        return []
+    batch_sampler = source.batch_sampler
+    return [source, source.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)]
+
+
+@contextlib.contextmanager
+def preserved_epochs(*sources: Any) -> Iterator[None]:
+    """Puts back the integer ``epoch`` of the data's samplers on exit: samplers that seed
+    each pass from their epoch and count the passes themselves (Accelerate's
+    ``SeedableRandomSampler``, used by the Hugging Face Trainer) would otherwise count a
+    computation's pass as an epoch of training."""
+    saved: dict[int, tuple[Any, int]] = {}
+    for source in sources:
+        for holder in _data_holders(source):
+            epoch = getattr(holder, "epoch", None)
+            if holder is not None and isinstance(epoch, int) and not isinstance(epoch, bool):
+                saved.setdefault(id(holder), (holder, epoch))
+    try:
+        yield
+    finally:
+        for holder, epoch in saved.values():
+            holder.epoch = epoch
+
+
 def data_generators(*sources: Any) -> list[torch.Generator]:
     """The ``torch.Generator`` objects that iterating ``sources`` draws from, besides the
     global ones: each DataLoader's ``generator`` (worker seeds and the default shuffling
@@ -325,13 +368,8 @@ def data_generators(*sources: Any) -> list[torch.Generator]:
             found.setdefault(id(generator), generator)
 
     for source in sources:
-        while isinstance(source, MappedBatches):
-            source = source.source
-        if isinstance(source, torch.utils.data.DataLoader):
-            add(source)
-            add(source.sampler)
-            add(source.batch_sampler)
-            add(getattr(source.batch_sampler, "sampler", None))
+        for holder in _data_holders(source):
+            add(holder)
     return list(found.values())
 
 
@@ -347,9 +385,18 @@ def preserved_generators(generators: Iterable[torch.Generator]) -> Iterator[None
 
 
 def fresh_batches(data: Data) -> Iterable[Any]:
-    """The iterable to use for one computation (see :class:`PreciseBNScheduler`'s ``data``)."""
+    """The iterable to use for one computation (see :class:`PreciseBNScheduler`'s ``data``):
+    a callable's result, the loader an Accelerate wrapper holds, or a twin of a loader
+    with persistent workers."""
     if callable(data) and not isinstance(data, Iterable):
         data = data()
+    # An Accelerate-prepared loader (DataLoaderShard/DataLoaderDispatcher, as the Hugging
+    # Face Trainer uses) is read through the DataLoader it wraps (the process's shard):
+    # iterating the wrapper counts an epoch and registers it in Accelerate's
+    # gradient-accumulation state. The batches then go to the model's device as usual.
+    base = getattr(data, "base_dataloader", None)
+    if isinstance(base, torch.utils.data.DataLoader) and base is not data:
+        data = base
     loader_type = torch.utils.data.DataLoader
     if isinstance(data, loader_type) and data.persistent_workers and data.num_workers > 0:
         return _twin_loader(data)

@@ -23,12 +23,13 @@ callbacks to the end, and runs validation at the end of an epoch before
   / ``every_n_epochs`` schedules; they run before ModelCheckpoint's saves in the same
   hooks, which then reuse the computation.
 
-The guard is :class:`~precisebn.PreciseBNScheduler`'s: one computation per
-``trainer.global_step``. A training batch that ends without an optimizer step after a
-computation at the same step (gradient accumulation) moves the running statistics, so
-it invalidates that computation. Like the scheduler, a computation puts back the global
-random number generators and the training data's own (a DataLoader's ``generator``,
-its sampler's), so the batch order of later epochs is unchanged. A model without any
+The guard is the one every integration shares (``_trigger.Trigger``, a
+:class:`~precisebn.PreciseBNScheduler`): one computation per ``trainer.global_step``.
+A training batch that ends without an optimizer step after a computation at the
+same step (gradient accumulation) moves the running statistics, so it invalidates that
+computation. Like the scheduler, a computation puts back the global random number
+generators and the training data's own (a DataLoader's ``generator``, its sampler's),
+so the batch order of later epochs is unchanged. A model without any
 normalization layer with running statistics gets one warning and no computation.
 
 The averaging companion recomputes the averaged copy's statistics in
@@ -46,7 +47,6 @@ averaging starts: no weights are swapped and nothing is computed.
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
@@ -56,20 +56,12 @@ from torch import nn
 
 from ..data import Forward
 from ..errors import InvalidArgumentError, PreciseBNWarning
-from ..layers import LayerSelection, has_running_stats
-from ..recalibrate import check_options
+from ..layers import LayerSelection
 from ..report import Report
-from ..scheduler import Data, MappedBatches, PreciseBNScheduler, check_data, check_state, fresh_batches
+from ..scheduler import Data, MappedBatches, PreciseBNScheduler, fresh_batches
+from ._trigger import Trigger, check_every, report_metrics
 
 __all__ = ["AveragingMixin", "PreciseBNMixin"]
-
-
-def _check_every(name: str, value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(f"{name} must be a positive integer or None, got {value!r}")
-    return value
 
 
 def _fitting(trainer: Any) -> bool:
@@ -109,7 +101,8 @@ def _copies_state_dict(strategy: Any) -> bool:
 
 
 class _Recalibrator:
-    """Options and the computation shared by both callbacks."""
+    """Options and the computation shared by both callbacks: a :class:`Trigger` (the
+    scheduler every integration shares) fed with Lightning's batches."""
 
     _log_prefix = "precisebn"
     _without_layers = "training goes on without them"
@@ -126,41 +119,43 @@ class _Recalibrator:
         progress: bool,
         log: bool,
         capture: Literal["auto", "float64"] = "auto",
+        prior: float | None = None,
+        adapt: Literal["both", "mean", "var"] = "both",
     ) -> None:
-        check_options(num_samples=num_samples, num_batches=num_batches, forward=forward, mode=mode, capture=capture)
-        if data is not None:
-            check_data(data)
+        self._trigger = Trigger(
+            type(self).__name__,
+            num_samples=num_samples,
+            num_batches=num_batches,
+            forward=forward,
+            mode=mode,
+            layers=layers,
+            capture=capture,
+            prior=prior,
+            adapt=adapt,
+            progress=progress,
+            data=data,
+            without_layers=self._without_layers,
+        )
         self.num_samples = num_samples
         self.num_batches = num_batches
         self.data = data
         self.forward = forward
         self.mode = mode
         self.capture = capture
+        self.prior = prior
+        self.adapt = adapt
         self.layers = layers
         self.progress = progress
         self.log = log
-        self._scheduler: PreciseBNScheduler | None = None
-        self._pending_state: dict[str, Any] | None = None
-        self._last_report: Report | None = None
-        self._warned_no_layers = False
+
+    @property
+    def _scheduler(self) -> PreciseBNScheduler | None:
+        return self._trigger.scheduler
 
     def _make_scheduler(self, trainer: Any, model: nn.Module) -> PreciseBNScheduler:
-        scheduler = PreciseBNScheduler(
-            model,
-            functools.partial(self._batches, trainer),
-            num_samples=self.num_samples,
-            num_batches=self.num_batches,
-            forward=self.forward,
-            mode=self.mode,
-            layers=self.layers,
-            capture=self.capture,
-            progress=self.progress and trainer.is_global_zero,
+        return self._trigger.bind(
+            model, functools.partial(self._batches, trainer), progress=self.progress and trainer.is_global_zero
         )
-        if self._pending_state is not None:
-            scheduler.load_state_dict(self._pending_state)
-            self._pending_state = None
-        self._warned_no_layers = False
-        return scheduler
 
     def _batches(self, trainer: Any) -> Iterable[Any]:
         """The batches of one computation, moved as the Trainer moves training batches
@@ -179,52 +174,21 @@ class _Recalibrator:
 
         return MappedBatches(fresh_batches(source), move)
 
-    def _has_layers(self, trainer: Any, model: nn.Module) -> bool:
-        """Whether ``model`` has a normalization layer to recalibrate; warns once per
-        ``fit`` (on rank 0) when it has none."""
-        if any(has_running_stats(m) for m in model.modules()):
-            return True
-        if not self._warned_no_layers and trainer.is_global_zero:
-            warnings.warn(
-                f"{type(self).__name__}: the model ({type(model).__name__}) has no normalization layer with "
-                "running statistics (BatchNorm*, SyncBatchNorm, InstanceNorm* with track_running_stats=True), so "
-                f"there are no statistics to recompute and {self._without_layers}. Remove the callback to "
-                "silence this warning.",
-                PreciseBNWarning,
-                stacklevel=2,
-            )
-        self._warned_no_layers = True
-        return False
-
     def _compute(self, trainer: Any, step: int) -> Report | None:
         """Recalibrates unless current for ``step``; logs the figures of a computation."""
-        scheduler = self._scheduler
-        if scheduler is None or scheduler.is_current(step) or not self._has_layers(trainer, scheduler.model):
+        if self._trigger.scheduler is None or self._trigger.is_current(step):
             return None
-        # Validation (and checkpoints saved at its end) run under inference_mode; leave it
-        # so that what the computation creates (the report's tensors included) is made of
-        # ordinary tensors that user code may modify later.
-        with torch.inference_mode(False), trainer.precision_plugin.forward_context():
-            report = scheduler.update(step)
-        if report is not None:
-            self._last_report = report
-            if self.log:
-                self._log_report(trainer, report)
+        report = self._trigger.compute(
+            step, context=trainer.precision_plugin.forward_context(), warn=trainer.is_global_zero
+        )
+        if report is not None and self.log:
+            self._log_report(trainer, report)
         return report
 
     def _log_report(self, trainer: Any, report: Report) -> None:
         if not trainer.loggers or not trainer.is_global_zero:
             return
-        rows = [r for r in report.layers if r.updated]
-        prefix = self._log_prefix
-        metrics = {f"{prefix}/seconds": report.seconds, f"{prefix}/samples": float(report.samples)}
-        shifts = [r.mean_shift for r in rows if math.isfinite(r.mean_shift)]
-        ratios = [r.var_ratio for r in rows if math.isfinite(r.var_ratio) and r.var_ratio > 0]
-        if shifts:
-            metrics[f"{prefix}/mean_shift"] = sum(shifts) / len(shifts)
-            metrics[f"{prefix}/max_mean_shift"] = max(r.max_mean_shift for r in rows)
-        if ratios:
-            metrics[f"{prefix}/var_ratio"] = math.exp(sum(math.log(v) for v in ratios) / len(ratios))
+        metrics = report_metrics(report, self._log_prefix)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
             logger.save()
@@ -252,16 +216,10 @@ class _Recalibrator:
             )
 
     def _scheduler_state(self) -> dict[str, Any]:
-        if self._scheduler is not None:
-            return self._scheduler.state_dict()
-        return dict(self._pending_state or {"last_step": None, "stale": False, "computations": 0})
+        return self._trigger.state_dict()
 
     def _load_scheduler_state(self, state: Any) -> None:
-        checked = check_state(state, f"{type(self).__name__}.load_state_dict")  # refused now, not at setup
-        if self._scheduler is not None:
-            self._scheduler.load_state_dict(checked)
-        else:
-            self._pending_state = checked
+        self._trigger.load_state_dict(state)  # refused now, not at setup
 
     def _refresh_own_state(self, checkpoint: dict[str, Any]) -> None:
         # The callbacks' states were collected before on_save_checkpoint runs.
@@ -272,17 +230,17 @@ class _Recalibrator:
     @property
     def last_step(self) -> int | None:
         """The ``global_step`` of the last recalibration."""
-        return self._scheduler.last_step if self._scheduler is not None else self._scheduler_state()["last_step"]
+        return self._trigger.last_step
 
     @property
     def computations(self) -> int:
         """How many recalibrations ran (including those before a restored checkpoint)."""
-        return self._scheduler.computations if self._scheduler is not None else self._scheduler_state()["computations"]
+        return self._trigger.computations
 
     @property
     def last_report(self) -> Report | None:
         """The :class:`~precisebn.Report` of the last recalibration in this process."""
-        return self._last_report
+        return self._trigger.last_report
 
 
 class PreciseBNMixin(_Recalibrator):
@@ -298,6 +256,8 @@ class PreciseBNMixin(_Recalibrator):
         mode: Literal["norm", "train"] = "norm",
         layers: LayerSelection = None,
         capture: Literal["auto", "float64"] = "auto",
+        prior: float | None = None,
+        adapt: Literal["both", "mean", "var"] = "both",
         on_validation: bool = True,
         on_checkpoint: bool = True,
         every_n_train_steps: int | None = None,
@@ -316,31 +276,30 @@ class PreciseBNMixin(_Recalibrator):
             progress=progress,
             log=log,
             capture=capture,
+            prior=prior,
+            adapt=adapt,
         )
         self.on_validation = on_validation
         self.on_checkpoint = on_checkpoint
-        self.every_n_train_steps = _check_every("every_n_train_steps", every_n_train_steps)
-        self.every_n_epochs = _check_every("every_n_epochs", every_n_epochs)
+        self.every_n_train_steps = check_every("every_n_train_steps", every_n_train_steps)
+        self.every_n_epochs = check_every("every_n_epochs", every_n_epochs)
         self._last_scheduled_step: int | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
         if stage == "fit":
-            self._scheduler = self._make_scheduler(trainer, pl_module)
+            self._make_scheduler(trainer, pl_module)
             if self.on_checkpoint:
                 self._warn_uncovered_saves(trainer)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage == "fit" and self._scheduler is not None:
-            # Keep the state, drop the references to the Trainer and the module.
-            self._pending_state, self._scheduler = self._scheduler.state_dict(), None
+        if stage == "fit":
+            self._trigger.unbind()  # keep the state, drop the references to the Trainer and the module
         super().teardown(trainer, pl_module, stage)  # type: ignore[misc]
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
-        scheduler = self._scheduler
-        if scheduler is not None and scheduler.last_step == step:
-            scheduler.invalidate()  # a batch ran without stepping the optimizer since the computation
+        self._trigger.invalidate_at(step)  # a batch ran without stepping the optimizer since the computation
         n = self.every_n_train_steps
         if n is not None and step > 0 and step % n == 0 and step != self._last_scheduled_step and _fitting(trainer):
             self._last_scheduled_step = step
@@ -386,6 +345,8 @@ class AveragingMixin(_Recalibrator):
         mode: Literal["norm", "train"] = "norm",
         layers: LayerSelection = None,
         capture: Literal["auto", "float64"] = "auto",
+        prior: float | None = None,
+        adapt: Literal["both", "mean", "var"] = "both",
         swa_epoch_start: int | None = None,
         device: torch.device | str | int | None = None,
         use_buffers: bool = False,
@@ -404,6 +365,8 @@ class AveragingMixin(_Recalibrator):
             progress=progress,
             log=log,
             capture=capture,
+            prior=prior,
+            adapt=adapt,
         )
         if swa_epoch_start is not None and (
             isinstance(swa_epoch_start, bool) or not isinstance(swa_epoch_start, int) or swa_epoch_start < 0
@@ -442,11 +405,11 @@ class AveragingMixin(_Recalibrator):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
         if stage == "fit":
-            self._scheduler = self._make_scheduler(trainer, self._average_model.module)  # type: ignore[attr-defined]
+            self._make_scheduler(trainer, self._average_model.module)  # type: ignore[attr-defined]
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage == "fit" and self._scheduler is not None:
-            self._pending_state, self._scheduler = self._scheduler.state_dict(), None
+        if stage == "fit":
+            self._trigger.unbind()
         super().teardown(trainer, pl_module, stage)  # type: ignore[misc]
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:

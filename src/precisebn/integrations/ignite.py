@@ -1,0 +1,190 @@
+"""A PyTorch-Ignite handler (``pip install 'precisebn[ignite]'``).
+
+:class:`PreciseBN` recomputes a model's precise statistics when an engine fires the
+events it is attached to, at most once per training iteration: attach it to the
+trainer's events *before* the evaluation and checkpoint handlers of the same events
+(Ignite runs handlers in the order they were added), or to the evaluator's
+``Events.STARTED`` with ``step_engine=trainer``.
+
+Example:
+    >>> import torch
+    >>> from ignite.engine import Engine, Events
+    >>> from precisebn.integrations.ignite import PreciseBN
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> def step(engine, batch):
+    ...     optimizer.zero_grad()
+    ...     loss = model(batch).square().mean()
+    ...     loss.backward()
+    ...     optimizer.step()
+    >>> trainer = Engine(step)
+    >>> data = [torch.randn(16, 4) for _ in range(4)]
+    >>> precise = PreciseBN(model, num_samples="all")  # measures on the data trainer.run() gets
+    >>> _ = precise.attach(trainer, Events.EPOCH_COMPLETED)  # add evaluation and checkpoints after it
+    >>> _ = precise.attach(trainer, Events.ITERATION_COMPLETED(every=4))  # same iterations: free
+    >>> _ = trainer.run(data, max_epochs=2)
+    >>> precise.computations, precise.last_step
+    (2, 8)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .._optional import require
+from ..data import Forward
+from ..errors import InvalidArgumentError
+from ..layers import LayerSelection
+from ..report import Report
+from ..scheduler import Data
+from ._trigger import Trigger, report_metrics
+
+_engine = require("ignite.engine", "ignite", "precisebn.integrations.ignite")
+
+__all__ = ["PreciseBN"]
+
+
+def _rank_zero() -> bool:
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+class PreciseBN:
+    """An Ignite handler that recomputes exact precise statistics, at most once per iteration.
+
+    ``precise(engine)`` (what Ignite calls) recalibrates ``model`` (see
+    :func:`precisebn.recalibrate`) unless the statistics were already computed at the
+    current iteration of the step engine — the engine it is attached to, or
+    ``step_engine`` (the trainer, for a handler attached to an evaluator). Attach it to
+    as many events as you like: an evaluation and a checkpoint at the same iteration
+    share one computation.
+
+    The forward passes run under ``torch.no_grad()``; gradients, the optimizer,
+    training flags and the random number generators (the global ones and the data's
+    own) are left as they were, so training goes on exactly as without the handler. A
+    model without normalization layers gets one
+    :class:`~precisebn.errors.PreciseBNWarning` and no computation. If the data or the
+    model fails, the model is left unchanged and the error propagates (Ignite then
+    fires ``Events.EXCEPTION_RAISED``). With several processes, every rank must fire
+    the same events; all end with identical statistics over the union of their data.
+
+    Each computation is logged through the engine's ``logger`` (INFO).
+
+    Args:
+        model: The model to recalibrate.
+        data: The batches to measure on: a re-iterable (DataLoader, list) or a
+            zero-argument callable returning one. Default: the data the step engine
+            runs on (``engine.state.dataloader``), which must then be re-iterable.
+        num_samples, num_batches, forward, mode, layers, device, capture, progress: As
+            for :func:`precisebn.recalibrate` (``forward(model, batch)`` for batches
+            the model cannot take as they are, e.g. ``lambda m, b: m(prepare(b)[0])``).
+        log: Log each computation through the engine's logger.
+
+    Attributes:
+        computations: How many computations ran.
+        last_step: The iteration of the last computation.
+        last_report: The :class:`~precisebn.Report` of the last computation.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: Data | None = None,
+        *,
+        num_samples: int | Literal["all"] | None = None,
+        num_batches: int | None = None,
+        forward: Forward | None = None,
+        mode: Literal["norm", "train"] = "norm",
+        layers: LayerSelection = None,
+        device: torch.device | str | None = None,
+        capture: Literal["auto", "float64"] = "auto",
+        progress: bool = False,
+        log: bool = True,
+    ) -> None:
+        self._trigger = Trigger(
+            type(self).__name__,
+            num_samples=num_samples,
+            num_batches=num_batches,
+            forward=forward,
+            mode=mode,
+            layers=layers,
+            capture=capture,
+            progress=progress,
+            data=data,
+        )
+        self._data_engine: Any = None
+        source: Data = data if data is not None else self._engine_data
+        self._trigger.bind(model, source, device=device, progress=progress and _rank_zero())
+        self.log = log
+
+    def _engine_data(self) -> Iterable[Any]:
+        engine = self._data_engine
+        loader = None if engine is None else getattr(engine.state, "dataloader", None)
+        if loader is None:
+            raise InvalidArgumentError(
+                "PreciseBN: the engine has no data to measure on (it is not running); pass data= (an iterable of "
+                "batches, or a zero-argument callable returning one)."
+            )
+        if isinstance(loader, Iterator):
+            raise InvalidArgumentError(
+                f"PreciseBN: the engine runs on a one-shot iterator ({type(loader).__name__}), which cannot be read "
+                "again to measure statistics; pass data= to PreciseBN (a DataLoader, a list, or a zero-argument "
+                "callable returning a fresh iterable)."
+            )
+        return loader  # type: ignore[no-any-return]
+
+    def attach(self, engine: Any, event: Any = None, *, step_engine: Any = None) -> Any:
+        """Runs the handler when ``engine`` fires ``event`` (default ``Events.EPOCH_COMPLETED``).
+
+        Args:
+            engine: The engine whose event triggers a computation.
+            event: Any Ignite event, filtered or combined (``Events.ITERATION_COMPLETED(every=100)
+                | Events.COMPLETED``).
+            step_engine: The engine whose ``state.iteration`` is the step (and whose data
+                is measured when ``data`` was not given); default ``engine``. Pass the
+                trainer when attaching to an evaluator's ``Events.STARTED``.
+
+        Returns:
+            Ignite's handle, whose ``remove()`` detaches the handler.
+        """
+        if event is None:
+            event = _engine.Events.EPOCH_COMPLETED
+        return engine.add_event_handler(event, self, step_engine if step_engine is not None else engine)
+
+    def __call__(self, engine: Any, step_engine: Any = None) -> Report | None:
+        """Recalibrates unless the statistics are current for the step engine's iteration."""
+        source = step_engine if step_engine is not None else engine
+        self._data_engine = source
+        try:
+            step = int(source.state.iteration)
+            report = self._trigger.compute(step, warn=_rank_zero())
+        finally:
+            self._data_engine = None
+        if report is not None and self.log:
+            with contextlib.suppress(Exception):  # logging never fails training
+                engine.logger.info("PreciseBN at iteration %d: %s", step, report_metrics(report))
+        return report
+
+    def state_dict(self) -> dict[str, Any]:
+        """The last step and the number of computations (for Ignite's ``Checkpoint``)."""
+        return self._trigger.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self._trigger.load_state_dict(state)
+
+    @property
+    def computations(self) -> int:
+        return self._trigger.computations
+
+    @property
+    def last_step(self) -> int | None:
+        return self._trigger.last_step
+
+    @property
+    def last_report(self) -> Report | None:
+        return self._trigger.last_report

@@ -1,0 +1,196 @@
+"""A Hugging Face ``transformers`` ``TrainerCallback`` (``pip install 'precisebn[transformers]'``).
+
+:class:`PreciseBNCallback` recomputes the model's precise statistics on the Trainer's
+training data before every evaluation and before every checkpoint of
+``trainer.train()``, at most once per ``state.global_step``.
+
+Example:
+    >>> import tempfile, torch
+    >>> from transformers import PrinterCallback, Trainer, TrainingArguments
+    >>> from precisebn.integrations.transformers import PreciseBNCallback
+    >>> class Net(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    ...     def forward(self, x, labels=None):
+    ...         out = self.net(x).squeeze(1)
+    ...         return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+    >>> data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(64)]
+    >>> args = TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=16, num_train_epochs=2,
+    ...                          eval_strategy="epoch", save_strategy="no", report_to=[], use_cpu=True,
+    ...                          disable_tqdm=True)
+    >>> precise = PreciseBNCallback(num_samples="all")
+    >>> trainer = Trainer(Net(), args, train_dataset=data, eval_dataset=data, callbacks=[precise])
+    >>> trainer.remove_callback(PrinterCallback)  # quiet
+    >>> _ = trainer.train()
+    >>> precise.computations, precise.last_step  # before each of the two evaluations
+    (2, 8)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from torch import nn
+
+from .._optional import require
+from ..data import Forward
+from ..errors import InvalidArgumentError
+from ..layers import LayerSelection
+from ..report import Report
+from ..scheduler import Data
+from ._trigger import Trigger, report_metrics
+
+_callback = require("transformers.trainer_callback", "transformers", "precisebn.integrations.transformers")
+
+__all__ = ["PreciseBNCallback"]
+
+logger = logging.getLogger("precisebn.integrations.transformers")
+
+
+class PreciseBNCallback(_callback.TrainerCallback):  # type: ignore[misc,name-defined]
+    """Recomputes precise statistics before each evaluation and each checkpoint of ``train()``.
+
+    Every BatchNorm-style layer's ``running_mean``/``running_var`` becomes the exact
+    population mean/variance of its inputs over ``num_samples`` training samples (see
+    :func:`precisebn.recalibrate`), computed when the Trainer is about to evaluate or to
+    save a checkpoint (``control.should_evaluate``/``should_save`` at the end of an
+    optimizer step or of an epoch, whatever the strategies), and at the end of training
+    (so that ``trainer.save_model()`` writes precise statistics) — at most once per
+    ``state.global_step``: an evaluation and a checkpoint at the same step share one
+    computation.
+
+    The batches are the Trainer's training batches — its training dataset, sampler (the
+    process's shard) and data collator — fed the way the Trainer feeds them,
+    ``model(**batch)``, on the model's device, under ``torch.no_grad()``. Gradients,
+    optimizer state, training flags and the random number generators (the global ones
+    and the training sampler's) are left as they were: a run with the callback trains
+    exactly like one without it. A model without normalization layers gets one
+    :class:`~precisebn.errors.PreciseBNWarning` and no computation. If the data or the
+    model fails, the model is left unchanged and the error propagates out of
+    ``train()``. With several processes every process measures its shard and all end
+    with identical statistics over the union (``num_samples`` is the total).
+
+    Each computation is recorded in ``trainer.state.log_history`` as
+    ``{"precisebn/mean_shift", "precisebn/max_mean_shift", "precisebn/var_ratio",
+    "precisebn/seconds", "precisebn/samples", "step"}`` (saved with every checkpoint's
+    ``trainer_state.json``) and logged to the ``precisebn.integrations.transformers``
+    logger (callbacks cannot reach ``Trainer.log``).
+
+    Args:
+        num_samples: Training samples to measure on, over all processes (``"all"``: a
+            whole pass). Default: up to 8192.
+        num_batches: Or a number of batches per process.
+        data: Batches to measure on instead of the Trainer's training data, in the
+            collator's format: a re-iterable or a zero-argument callable returning one.
+        forward: ``forward(model, batch)``; default ``model(**batch)`` for a mapping.
+        mode: ``"norm"`` (only normalization layers in training mode, dropout off) or
+            ``"train"``.
+        layers: Which layers (names, types or a predicate); default all.
+        on_evaluate, on_save, on_train_end: Recompute before evaluations / before
+            checkpoints / at the end of training (all on by default).
+        progress: A progress bar on the main process (``precisebn[progress]``).
+        log: Record the figures in ``log_history`` and the logger.
+
+    Attributes:
+        computations: How many computations ran.
+        last_step: The ``global_step`` of the last computation.
+        last_report: The :class:`~precisebn.Report` of the last computation.
+    """
+
+    def __init__(
+        self,
+        num_samples: int | Literal["all"] | None = None,
+        *,
+        num_batches: int | None = None,
+        data: Data | None = None,
+        forward: Forward | None = None,
+        mode: Literal["norm", "train"] = "norm",
+        layers: LayerSelection = None,
+        capture: Literal["auto", "float64"] = "auto",
+        on_evaluate: bool = True,
+        on_save: bool = True,
+        on_train_end: bool = True,
+        progress: bool = False,
+        log: bool = True,
+    ) -> None:
+        self._trigger = Trigger(
+            type(self).__name__,
+            num_samples=num_samples,
+            num_batches=num_batches,
+            forward=forward,
+            mode=mode,
+            layers=layers,
+            capture=capture,
+            progress=progress,
+            data=data,
+        )
+        self.before_evaluate = on_evaluate
+        self.before_save = on_save
+        self.at_train_end = on_train_end
+        self.log = log
+
+    # -- the Trainer's events ---------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        model = kwargs.get("model")
+        if not isinstance(model, nn.Module):
+            raise InvalidArgumentError(f"{type(self).__name__}: the Trainer passed no torch model to its callbacks.")
+        loader = kwargs.get("train_dataloader")
+        if self._trigger.data is None and loader is None:
+            raise InvalidArgumentError(
+                f"{type(self).__name__}: the Trainer has no training dataloader to measure on; pass data= (an "
+                "iterable of batches, or a zero-argument callable returning one)."
+            )
+        source = self._trigger.data if self._trigger.data is not None else loader
+        progress = self._trigger.progress and state.is_world_process_zero
+        self._trigger.bind(model, source, progress=progress)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._maybe_compute(state, control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._maybe_compute(state, control)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        try:
+            if self.at_train_end:
+                self._compute(state)
+        finally:
+            self._trigger.unbind()
+
+    def _maybe_compute(self, state: Any, control: Any) -> None:
+        # DefaultFlowCallback (always first) has decided what happens after this step.
+        if (self.before_evaluate and control.should_evaluate) or (self.before_save and control.should_save):
+            self._compute(state)
+
+    def _compute(self, state: Any) -> Report | None:
+        report = self._trigger.compute(state.global_step, warn=state.is_world_process_zero)
+        if report is not None and self.log and state.is_world_process_zero:
+            metrics = report_metrics(report)
+            state.log_history.append({**metrics, "step": state.global_step})
+            logger.info("precise BN at step %d: %s", state.global_step, metrics)
+        return report
+
+    # -- state ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The last step and the number of computations."""
+        return self._trigger.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restores :meth:`state_dict`'s output (e.g. when resuming)."""
+        self._trigger.load_state_dict(state)
+
+    @property
+    def computations(self) -> int:
+        return self._trigger.computations
+
+    @property
+    def last_step(self) -> int | None:
+        return self._trigger.last_step
+
+    @property
+    def last_report(self) -> Report | None:
+        return self._trigger.last_report

@@ -1,0 +1,195 @@
+"""The Ignite handler, driven by real ``ignite.engine.Engine`` objects on CPU.
+
+Statistics are checked on the weights the engines had at that moment (a snapshot taken
+when the evaluator starts, or a checkpoint file written by Ignite's ``Checkpoint``)
+against the float64 truth that ``conftest.compute_truth`` computes over the training
+data.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ignite.engine import Engine, Events
+from ignite.handlers import Checkpoint, DiskSaver
+
+from precisebn.errors import InvalidArgumentError, MissingDependencyError, PreciseBNWarning
+from precisebn.integrations.ignite import PreciseBN
+
+BN = "1"
+
+
+def make_data(n: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g) * torch.tensor([1.0, 2.0, 0.5, 3.0]) + torch.tensor([3.0, -1.0, 0.0, 2.0])
+    y = x @ torch.tensor([0.5, -1.0, 2.0, 0.3]) + 0.1 * torch.randn(n, generator=g)
+    return x, y
+
+
+def make_model(dropout: float = 0.0, norm: bool = True) -> torch.nn.Module:
+    norm_layer = torch.nn.BatchNorm1d(8) if norm else torch.nn.Identity()
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), norm_layer, torch.nn.ReLU(), torch.nn.Dropout(dropout), torch.nn.Linear(8, 1)
+    )
+
+
+def loader(x: torch.Tensor, y: torch.Tensor, shuffle: bool = False, batch_size: int = 16) -> Any:
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)
+
+
+def engines(model: torch.nn.Module) -> tuple[Engine, Engine, list[torch.Tensor], list[Any]]:
+    """A trainer, an evaluator that snapshots the model when it starts, the losses and the snapshots."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    losses: list[torch.Tensor] = []
+    seen: list[tuple[int, dict[str, torch.Tensor]]] = []
+
+    def train_step(engine: Engine, batch: Any) -> float:
+        model.train()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(model(x).squeeze(1), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach().clone())
+        return loss.item()
+
+    def eval_step(engine: Engine, batch: Any) -> None:
+        model.eval()
+        with torch.no_grad():
+            model(batch[0])
+
+    trainer, evaluator = Engine(train_step), Engine(eval_step)
+    evaluator.add_event_handler(
+        Events.EPOCH_STARTED,  # after Events.STARTED
+        lambda e: seen.append((trainer.state.iteration, {k: v.clone() for k, v in model.state_dict().items()})),
+    )
+    return trainer, evaluator, losses, seen
+
+
+def assert_precise(float64_truth: Any, state: dict[str, torch.Tensor], x: torch.Tensor) -> None:
+    net = make_model()
+    net.load_state_dict(state)
+    truth = float64_truth(net, [x])[BN]
+    mean_error = float(((state[f"{BN}.running_mean"].double() - truth.mean).abs() / truth.var.sqrt()).max())
+    var_error = float(((state[f"{BN}.running_var"].double() - truth.var).abs() / truth.var).max())
+    assert mean_error < 1e-5 and var_error < 1e-5, (mean_error, var_error)
+
+
+def test_before_evaluation_and_checkpoints_once_per_iteration(tmp_path: Path, float64_truth: Any) -> None:
+    x, y = make_data()
+    model = make_model()
+    trainer, evaluator, _, seen = engines(model)
+    precise = PreciseBN(model, num_samples="all")  # the trainer's own data
+    precise.attach(trainer, Events.ITERATION_COMPLETED(every=3))  # before the checkpoint handler
+    saver = Checkpoint({"model": model, "precise": precise}, DiskSaver(str(tmp_path)), n_saved=None)
+    trainer.add_event_handler(Events.ITERATION_COMPLETED(every=3), saver)
+    precise.attach(evaluator, Events.STARTED, step_engine=trainer)  # before the evaluator's snapshot
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: evaluator.run(loader(x[:32], y[:32])))
+    trainer.run(loader(x, y), max_epochs=3)  # 4 iterations per epoch
+
+    # Checkpoints at 3, 6, 9, 12 and evaluations at 4, 8, 12: six distinct iterations.
+    assert precise.computations == 6 and precise.last_step == 12
+    assert [it for it, _ in seen] == [4, 8, 12]
+    for _, state in seen:
+        assert_precise(float64_truth, state, x)
+    files = sorted(tmp_path.glob("*.pt"))
+    assert len(files) == 4
+    for path in files:
+        saved = torch.load(path, weights_only=False)
+        assert_precise(float64_truth, saved["model"], x)
+        assert saved["precise"]["last_step"] == int(path.stem.rsplit("_", 1)[1])
+
+
+def test_training_is_untouched() -> None:
+    x, y = make_data()
+
+    def train(with_handler: bool) -> tuple[torch.nn.Module, list[torch.Tensor], PreciseBN | None]:
+        torch.manual_seed(0)
+        model = make_model(dropout=0.5)
+        trainer, evaluator, losses, _ = engines(model)
+        precise = None
+        if with_handler:
+            precise = PreciseBN(model, num_samples=40, mode="train")  # dropout on, a partial shuffled pass
+            precise.attach(trainer, Events.ITERATION_COMPLETED(every=3) | Events.EPOCH_COMPLETED)
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: evaluator.run(loader(x[:16], y[:16])))
+        trainer.run(loader(x, y, shuffle=True, batch_size=8), max_epochs=2)  # the global generator shuffles
+        return model, losses, precise
+
+    model, losses, precise = train(True)
+    reference, expected, _ = train(False)
+    assert precise is not None and precise.computations == 7  # 3, 6, 8, 9, 12, 15 and 16
+    assert len(losses) == 16 and torch.equal(torch.stack(losses), torch.stack(expected))
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_model_without_normalization_layers_trains_with_one_warning() -> None:
+    x, y = make_data()
+
+    def train(with_handler: bool) -> tuple[torch.nn.Module, list[torch.Tensor], PreciseBN | None]:
+        torch.manual_seed(0)
+        model = make_model(norm=False)
+        trainer, _, losses, _ = engines(model)
+        precise = PreciseBN(model, num_samples="all") if with_handler else None
+        if precise is not None:
+            precise.attach(trainer, Events.ITERATION_COMPLETED(every=2))
+        trainer.run(loader(x, y, shuffle=True), max_epochs=2)
+        return model, losses, precise
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, losses, precise = train(True)
+    messages = [str(w.message) for w in caught if issubclass(w.category, PreciseBNWarning)]
+    assert len(messages) == 1 and "no normalization layer" in messages[0], messages
+    assert precise is not None and precise.computations == 0
+    reference, expected, _ = train(False)
+    assert torch.equal(torch.stack(losses), torch.stack(expected))
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_failing_data_loader_leaves_the_model_unchanged(snapshot: Any, unchanged: Any) -> None:
+    x, y = make_data()
+
+    def failing() -> Any:
+        yield x[:16]
+        raise OSError("disk on fire")
+
+    model = make_model()
+    trainer, _, _, _ = engines(model)
+    before: dict[str, Any] = {}
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: before.update(snapshot(model)))
+    PreciseBN(model, failing, num_samples="all").attach(trainer, Events.EPOCH_COMPLETED)
+    with pytest.raises(OSError, match="disk on fire"):
+        trainer.run(loader(x, y), max_epochs=2)
+    unchanged(model, before)
+
+
+def test_options_and_data_are_checked() -> None:
+    model = make_model()
+    with pytest.raises(InvalidArgumentError, match="one-shot iterator"):
+        PreciseBN(model, iter([torch.zeros(2, 4)]))
+    with pytest.raises(InvalidArgumentError, match="mode"):
+        PreciseBN(model, mode="eval")
+    with pytest.raises(InvalidArgumentError, match=r"torch\.nn\.Module"):
+        PreciseBN("model")  # type: ignore[arg-type]
+    x, y = make_data(16)
+    trainer, _, _, _ = engines(model)
+    PreciseBN(model).attach(trainer, Events.EPOCH_COMPLETED)
+    with pytest.raises(InvalidArgumentError, match=r"one-shot iterator.*pass data="):
+        trainer.run(iter(loader(x, y)), max_epochs=1, epoch_length=1)  # the trainer's data cannot be re-read
+
+
+def test_missing_ignite_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in sys.modules if n == "ignite" or n.startswith("ignite.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delitem(sys.modules, "precisebn.integrations.ignite", raising=False)
+    monkeypatch.setitem(sys.modules, "ignite", None)
+    with pytest.raises(MissingDependencyError, match=r"pip install 'precisebn\[ignite\]'"):
+        importlib.import_module("precisebn.integrations.ignite")

@@ -1,0 +1,298 @@
+"""The mmengine hook, driven by a real ``mmengine.runner.Runner`` on CPU.
+
+Every statistics check loads the weights the Runner had at that moment (a snapshot
+taken when validation starts, or a checkpoint file) into a fresh model and compares the
+running statistics with the float64 truth that ``conftest.compute_truth`` computes over
+the training data.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from mmengine.evaluator import BaseMetric, Evaluator
+from mmengine.hooks import Hook
+from mmengine.model import BaseModel
+from mmengine.registry import HOOKS, Registry
+from mmengine.runner import Runner
+
+from precisebn.errors import InvalidArgumentError, MissingDependencyError, PreciseBNWarning
+from precisebn.integrations.mmengine import ExactPreciseBNHook, register_mmpretrain_name
+
+BN = "net.1"
+
+
+def make_data(n: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g) * torch.tensor([1.0, 2.0, 0.5, 3.0]) + torch.tensor([3.0, -1.0, 0.0, 2.0])
+    y = x @ torch.tensor([0.5, -1.0, 2.0, 0.3]) + 0.1 * torch.randn(n, generator=g)
+    return x, y
+
+
+def loader(x: torch.Tensor, y: torch.Tensor, shuffle: bool = False, batch_size: int = 16) -> Any:
+    records = [{"inputs": x[i], "data_samples": y[i]} for i in range(len(x))]
+    return torch.utils.data.DataLoader(records, batch_size=batch_size, shuffle=shuffle)
+
+
+class TinyNet(BaseModel):
+    """Linear -> BatchNorm1d -> ReLU -> Dropout -> Linear, mmengine's forward convention."""
+
+    def __init__(self, dropout: float = 0.0, norm: bool = True) -> None:
+        super().__init__()
+        layers = [torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8) if norm else torch.nn.Identity()]
+        self.net = torch.nn.Sequential(*layers, torch.nn.ReLU(), torch.nn.Dropout(dropout), torch.nn.Linear(8, 1))
+        self.losses: list[torch.Tensor] = []
+
+    def forward(self, inputs: torch.Tensor, data_samples: Any = None, mode: str = "tensor") -> Any:
+        out = self.net(inputs).squeeze(1)
+        if mode == "loss":
+            loss = torch.nn.functional.mse_loss(out, data_samples)
+            self.losses.append(loss.detach().clone())
+            return {"loss": loss}
+        if mode == "predict":
+            return [(out, data_samples)]
+        return out
+
+
+class MSE(BaseMetric):
+    def process(self, data_batch: Any, data_samples: Any) -> None:
+        for out, target in data_samples:
+            self.results.append(float(torch.nn.functional.mse_loss(out, target)))
+
+    def compute_metrics(self, results: list[float]) -> dict[str, float]:
+        return {"mse": sum(results) / len(results)}
+
+
+class AtValidation(Hook):
+    """The iteration and the model's state when each validation epoch starts."""
+
+    priority = "LOW"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, dict[str, torch.Tensor]]] = []
+
+    def before_val_epoch(self, runner: Any) -> None:
+        self.seen.append((runner.iter, {k: v.clone() for k, v in runner.model.state_dict().items()}))
+
+
+class CopiedCheckpoints(Hook):
+    """Replaces the checkpoint's tensors with copies before the precise-BN hook sees it,
+    as ``weights_to_cpu`` does for a model on a GPU."""
+
+    priority = "HIGHEST"
+
+    def before_save_checkpoint(self, runner: Any, checkpoint: dict[str, Any]) -> None:
+        checkpoint["state_dict"] = {k: v.clone() for k, v in checkpoint["state_dict"].items()}
+
+
+def run(
+    tmp_path: Path,
+    model: TinyNet,
+    train: Any,
+    *,
+    hooks: list[Any],
+    train_cfg: dict[str, Any],
+    val: Any = None,
+    checkpoint: dict[str, Any] | None = None,
+) -> Runner:
+    runner = Runner(
+        model=model,
+        work_dir=str(tmp_path),
+        experiment_name=uuid.uuid4().hex,
+        train_dataloader=train,
+        train_cfg=train_cfg,
+        optim_wrapper={"optimizer": {"type": "SGD", "lr": 0.02, "momentum": 0.9}},
+        val_dataloader=val,
+        val_cfg={} if val is not None else None,
+        val_evaluator=Evaluator(MSE()) if val is not None else None,
+        default_hooks={"checkpoint": checkpoint, "logger": {"type": "LoggerHook", "interval": 1}},
+        custom_hooks=hooks,
+        randomness={"seed": 0},
+        log_level="ERROR",
+    )
+    runner.train()
+    return runner
+
+
+def assert_precise(float64_truth: Any, state: dict[str, torch.Tensor], x: torch.Tensor) -> None:
+    net = TinyNet()
+    net.load_state_dict(state)
+    truth = float64_truth(net, [x])[BN]
+    mean_error = float(((state[f"{BN}.running_mean"].double() - truth.mean).abs() / truth.var.sqrt()).max())
+    var_error = float(((state[f"{BN}.running_var"].double() - truth.var).abs() / truth.var).max())
+    assert mean_error < 1e-5 and var_error < 1e-5, (mean_error, var_error)
+
+
+def test_epoch_based_interval_validation_and_checkpoints(tmp_path: Path, float64_truth: Any) -> None:
+    x, y = make_data()
+    hook, probe = ExactPreciseBNHook(num_samples="all", interval=2), AtValidation()
+    runner = run(
+        tmp_path,
+        TinyNet(),
+        loader(x, y),
+        hooks=[hook, probe, CopiedCheckpoints()],
+        train_cfg={"by_epoch": True, "max_epochs": 3, "val_interval": 1},
+        val=loader(x[:32], y[:32]),
+        checkpoint={"type": "CheckpointHook", "interval": 1},
+    )
+    # 4 iterations per epoch. At each epoch end (4, 8, 12): the checkpoint, the interval
+    # (epoch 2) and validation all fall on one iteration: one computation each.
+    assert hook.computations == 3 and hook.last_step == 12
+    assert [it for it, _ in probe.seen] == [4, 8, 12]
+    for _, state in probe.seen:
+        assert_precise(float64_truth, state, x)
+    for epoch in (1, 2, 3):
+        saved = torch.load(tmp_path / f"epoch_{epoch}.pth", weights_only=False)
+        assert saved["meta"]["iter"] == 4 * epoch
+        assert_precise(float64_truth, saved["state_dict"], x)
+    history = runner.message_hub.get_scalar("train/precisebn/samples")
+    assert list(history.data[0]) == [64, 64, 64]
+
+
+def test_iteration_based_interval_validation_and_checkpoints(tmp_path: Path, float64_truth: Any) -> None:
+    x, y = make_data()
+    hook, probe = ExactPreciseBNHook(num_samples="all", interval=3), AtValidation()
+    run(
+        tmp_path,
+        TinyNet(),
+        loader(x, y),
+        hooks=[hook, probe],
+        train_cfg={"by_epoch": False, "max_iters": 10, "val_interval": 5},
+        val=loader(x[:32], y[:32]),
+        checkpoint={"type": "CheckpointHook", "interval": 5, "by_epoch": False},
+    )
+    # Interval: after iterations 3, 6, 9; checkpoints after 5 and 10, each followed by a
+    # validation at the same iteration: five computations.
+    assert hook.computations == 5 and hook.last_step == 10
+    assert [it for it, _ in probe.seen] == [5, 10]
+    for _, state in probe.seen:
+        assert_precise(float64_truth, state, x)
+    for it in (5, 10):
+        saved = torch.load(tmp_path / f"iter_{it}.pth", weights_only=False)
+        assert saved["meta"]["iter"] == it
+        assert_precise(float64_truth, saved["state_dict"], x)
+
+    only_interval = ExactPreciseBNHook(num_samples="all", interval=2)
+    model = TinyNet()
+    run(tmp_path, model, loader(x, y), hooks=[only_interval], train_cfg={"by_epoch": True, "max_epochs": 3})
+    assert (only_interval.computations, only_interval.last_step) == (1, 8)  # the end of epoch 2
+
+
+def test_training_is_untouched(tmp_path: Path) -> None:
+    x, y = make_data()
+
+    def train(hooks: list[Any], directory: Path) -> TinyNet:
+        torch.manual_seed(0)
+        model = TinyNet(dropout=0.5)
+        run(
+            directory,
+            model,
+            loader(x, y, shuffle=True, batch_size=8),  # the global generator shuffles
+            hooks=hooks,
+            train_cfg={"by_epoch": True, "max_epochs": 2, "val_interval": 1},
+            val=loader(x[:16], y[:16]),
+            checkpoint={"type": "CheckpointHook", "interval": 3, "by_epoch": False},
+        )
+        return model
+
+    hook = ExactPreciseBNHook(num_samples=40, interval=None, mode="train")  # dropout on, a partial shuffled pass
+    with_hook = train([hook], tmp_path / "with")
+    without = train([], tmp_path / "without")
+    assert hook.computations == 7  # checkpoints at 3, 6, 9, 12, 15 and validations at 8, 16
+    assert len(with_hook.losses) == 16
+    assert torch.equal(torch.stack(with_hook.losses), torch.stack(without.losses))
+    for p, q in zip(with_hook.parameters(), without.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_model_without_normalization_layers_trains_with_one_warning(tmp_path: Path) -> None:
+    x, y = make_data()
+
+    def train(hooks: list[Any], directory: Path) -> TinyNet:
+        torch.manual_seed(0)
+        model = TinyNet(norm=False)
+        cfg = {"by_epoch": True, "max_epochs": 2, "val_interval": 1}
+        run(directory, model, loader(x, y, shuffle=True), hooks=hooks, train_cfg=cfg, val=loader(x[:16], y[:16]))
+        return model
+
+    hook = ExactPreciseBNHook(num_samples="all")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = train([hook], tmp_path / "ours")
+    messages = [str(w.message) for w in caught if issubclass(w.category, PreciseBNWarning)]
+    assert len(messages) == 1 and "no normalization layer" in messages[0], messages
+    assert hook.computations == 0
+    reference = train([], tmp_path / "reference")
+    assert torch.equal(torch.stack(ours.losses), torch.stack(reference.losses))
+    for p, q in zip(ours.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_failing_data_loader_leaves_the_model_unchanged(tmp_path: Path, snapshot: Any, unchanged: Any) -> None:
+    x, y = make_data()
+
+    def failing() -> Any:
+        yield {"inputs": x[:16], "data_samples": y[:16]}
+        raise OSError("disk on fire")
+
+    class Before(Hook):
+        priority = "HIGHEST"  # before the precise-BN hook in after_train_epoch
+        state: ClassVar[dict[str, Any]] = {}
+
+        def after_train_epoch(self, runner: Any) -> None:
+            Before.state.update(snapshot(runner.model))
+
+    model = TinyNet()
+    with pytest.raises(OSError, match="disk on fire"):
+        run(
+            tmp_path,
+            model,
+            loader(x, y),
+            hooks=[Before(), ExactPreciseBNHook(data=failing, num_samples="all")],
+            train_cfg={"by_epoch": True, "max_epochs": 2},
+        )
+    unchanged(model, Before.state)
+
+
+def test_registry_names_and_options(tmp_path: Path) -> None:
+    assert HOOKS.get("ExactPreciseBNHook") is ExactPreciseBNHook
+    x, y = make_data(32)
+    config = {"type": "ExactPreciseBNHook", "num_samples": 16, "interval": 1}  # mmpretrain's options
+    runner = run(tmp_path, TinyNet(), loader(x, y), hooks=[config], train_cfg={"by_epoch": True, "max_epochs": 1})
+    built = [h for h in runner.hooks if isinstance(h, ExactPreciseBNHook)]
+    assert len(built) == 1 and built[0].computations == 1 and built[0].last_report.samples == 16
+
+    # mmpretrain's name, only when asked, and beside another scope's own PreciseBNHook.
+    other = Registry("hook", parent=HOOKS, scope=f"fake{uuid.uuid4().hex[:6]}")
+
+    @other.register_module(name="PreciseBNHook")
+    class TheirHook(Hook):
+        pass
+
+    if HOOKS.get("PreciseBNHook") is None:
+        register_mmpretrain_name()
+    register_mmpretrain_name()  # twice is fine
+    assert HOOKS.get("PreciseBNHook") is ExactPreciseBNHook
+    assert other.get("PreciseBNHook") is TheirHook
+    register_mmpretrain_name(other, force=True)
+    assert other.get("PreciseBNHook") is ExactPreciseBNHook
+
+    for bad in ({"interval": 0}, {"num_samples": 0}, {"mode": "eval"}, {"interval": 1.5}):
+        with pytest.raises(InvalidArgumentError):
+            ExactPreciseBNHook(**bad)
+
+
+def test_missing_mmengine_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in sys.modules if n == "mmengine" or n.startswith("mmengine.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delitem(sys.modules, "precisebn.integrations.mmengine", raising=False)
+    monkeypatch.setitem(sys.modules, "mmengine", None)
+    with pytest.raises(MissingDependencyError, match=r"pip install 'precisebn\[mmengine\]'"):
+        importlib.import_module("precisebn.integrations.mmengine")

@@ -1,0 +1,262 @@
+"""The Hugging Face callback, driven by a real ``transformers.Trainer`` on CPU.
+
+The model is a real transformers vision model with BatchNorm (a tiny
+``ResNetForImageClassification`` built from its config: nothing is downloaded). Every
+statistics check loads the weights the Trainer had at that moment (a snapshot taken at
+``on_evaluate``, or a checkpoint file) into a fresh model and compares its running
+statistics with the float64 truth that ``conftest.compute_truth`` computes over the
+same training batches.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import ResNetConfig, ResNetForImageClassification, Trainer, TrainerCallback, TrainingArguments
+
+from precisebn.errors import MissingDependencyError, PreciseBNWarning
+from precisebn.integrations.transformers import PreciseBNCallback
+
+CONFIG = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)
+N, BATCH = 64, 16  # 4 optimizer steps per epoch
+
+
+def make_dataset(n: int = N) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(n, 3, 16, 16, generator=g) * 2 + 0.5
+    labels = torch.randint(0, 3, (n,), generator=g)
+    return [{"pixel_values": images[i], "labels": labels[i]} for i in range(n)]
+
+
+def collate(records: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([r[key] for r in records]) for key in records[0]}
+
+
+def noisy_collate(records: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A random augmentation: draws from torch's global generator for every batch."""
+    batch = collate(records)
+    batch["pixel_values"] = batch["pixel_values"] + 0.1 * torch.randn_like(batch["pixel_values"])
+    return batch
+
+
+class SequentialTrainer(Trainer):
+    """Batches in dataset order, so that the test knows which batches were measured."""
+
+    def _get_train_sampler(self, *args: Any, **kwargs: Any) -> torch.utils.data.Sampler:
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+class NoNorm(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 3))
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.net(pixel_values)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+class Snapshots(TrainerCallback):
+    """The model's state at every evaluation, and at every step end (before PreciseBN)."""
+
+    def __init__(self) -> None:
+        self.evaluated: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.step_ends: list[Any] = []
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self.evaluated.append((state.global_step, {k: v.clone() for k, v in model.state_dict().items()}))
+
+
+def arguments(tmp_path: Path, **kwargs: Any) -> TrainingArguments:
+    options: dict[str, Any] = {
+        "output_dir": str(tmp_path),
+        "per_device_train_batch_size": BATCH,
+        "per_device_eval_batch_size": 32,
+        "num_train_epochs": 2,
+        "learning_rate": 0.05,
+        "eval_strategy": "no",
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "seed": 0,
+    }
+    options.update(kwargs)
+    return TrainingArguments(**options)
+
+
+def train(trainer_type: type[Trainer], model: torch.nn.Module, args: TrainingArguments, **kwargs: Any) -> Trainer:
+    from transformers import PrinterCallback
+
+    trainer = trainer_type(model, args, **kwargs)
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    return trainer
+
+
+def assert_precise(float64_truth: Any, state: dict[str, torch.Tensor], batches: list[Any]) -> None:
+    model = ResNetForImageClassification(CONFIG)
+    model.load_state_dict(state)
+    truth = float64_truth(model, batches, forward=lambda m, b: m(pixel_values=b["pixel_values"]))
+    assert len(truth) == 8  # every BatchNorm2d of the tiny ResNet
+    for name, t in truth.items():
+        mean_error = float(((state[f"{name}.running_mean"].double() - t.mean).abs() / t.var.sqrt()).max())
+        var_error = float(((state[f"{name}.running_var"].double() - t.var).abs() / t.var).max())
+        assert mean_error < 1e-5 and var_error < 1e-5, (name, mean_error, var_error)
+
+
+def test_before_evaluation_and_save_once_per_step(tmp_path: Path, float64_truth: Any) -> None:
+    data = make_dataset()
+    batches = [collate(data[i : i + BATCH]) for i in range(0, N, BATCH)]  # what the sequential sampler gives
+    precise, snapshots = PreciseBNCallback(num_samples="all"), Snapshots()
+    args = arguments(tmp_path, eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=2)
+    trainer = train(
+        SequentialTrainer,
+        ResNetForImageClassification(CONFIG),
+        args,
+        train_dataset=data,
+        eval_dataset=data[:32],
+        data_collator=collate,
+        callbacks=[precise, snapshots],
+    )
+    # 8 steps; saves at 2, 4, 6, 8 and evaluations at 4, 8: four distinct steps, four
+    # computations (the end of training, at step 8, shares the last one).
+    assert trainer.state.global_step == 8
+    assert precise.computations == 4 and precise.last_step == 8
+    logged = [e for e in trainer.state.log_history if "precisebn/samples" in e]
+    assert [e["step"] for e in logged] == [2, 4, 6, 8]
+    assert all(e["precisebn/samples"] == N and e["precisebn/var_ratio"] > 0 for e in logged)
+    assert [step for step, _ in snapshots.evaluated] == [4, 8]
+    for _, state in snapshots.evaluated:
+        assert_precise(float64_truth, state, batches)
+    for step in (2, 4, 6, 8):
+        saved = load_file(tmp_path / f"checkpoint-{step}" / "model.safetensors")
+        assert_precise(float64_truth, saved, batches)
+    assert not torch.equal(
+        snapshots.evaluated[0][1]["classifier.1.weight"], snapshots.evaluated[1][1]["classifier.1.weight"]
+    )
+
+
+def test_epoch_strategies_and_the_end_of_training(tmp_path: Path, float64_truth: Any) -> None:
+    data = make_dataset()
+    batches = [collate(data[i : i + BATCH]) for i in range(0, N, BATCH)]
+    precise = PreciseBNCallback(num_samples="all", on_evaluate=False)  # only before saves and at the end
+    model = ResNetForImageClassification(CONFIG)
+    args = arguments(tmp_path, eval_strategy="epoch", save_strategy="epoch", max_steps=6, num_train_epochs=3)
+    trainer = train(
+        SequentialTrainer,
+        model,
+        args,
+        train_dataset=data,
+        eval_dataset=data[:32],
+        data_collator=collate,
+        callbacks=[precise],
+    )
+    # Saves at the ends of epoch 1 (step 4) and at the last step (6); the end of training shares step 6.
+    assert trainer.state.global_step == 6
+    assert (precise.computations, precise.last_step) == (2, 6)
+    assert_precise(float64_truth, model.state_dict(), batches)
+
+
+def test_training_is_untouched(tmp_path: Path) -> None:
+    data = make_dataset()
+
+    def run(callbacks: list[Any], directory: Path) -> Trainer:
+        torch.manual_seed(0)
+        model = ResNetForImageClassification(CONFIG)
+        args = arguments(directory, num_train_epochs=3, eval_strategy="steps", eval_steps=3)
+        # Shuffled batches (the Trainer's own sampler) and a random augmentation: both draw random numbers.
+        return train(
+            Trainer,
+            model,
+            args,
+            train_dataset=data,
+            eval_dataset=data[:16],
+            data_collator=noisy_collate,
+            callbacks=callbacks,
+        )
+
+    precise = PreciseBNCallback(num_samples=40, mode="train")
+    with_callback = run([precise], tmp_path / "with")
+    without = run([], tmp_path / "without")
+    assert precise.computations == 4  # evaluations at 3, 6, 9, 12; the end of training shares step 12
+    losses = [e["loss"] for e in with_callback.state.log_history if "loss" in e]
+    assert len(losses) == 12
+    assert losses == [e["loss"] for e in without.state.log_history if "loss" in e]
+    for (name, p), q in zip(with_callback.model.named_parameters(), without.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_a_model_without_normalization_layers_trains_with_one_warning(tmp_path: Path) -> None:
+    data = make_dataset()
+
+    def run(callbacks: list[Any], directory: Path) -> Trainer:
+        torch.manual_seed(0)
+        args = arguments(directory, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=3)
+        return train(
+            Trainer,
+            NoNorm(),
+            args,
+            train_dataset=data,
+            eval_dataset=data[:16],
+            data_collator=collate,
+            callbacks=callbacks,
+        )
+
+    precise = PreciseBNCallback(num_samples="all")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = run([precise], tmp_path / "ours")
+    messages = [str(w.message) for w in caught if issubclass(w.category, PreciseBNWarning)]
+    assert len(messages) == 1 and "no normalization layer" in messages[0], messages
+    assert precise.computations == 0 and precise.last_report is None
+    reference = run([], tmp_path / "reference")
+    assert [e.get("loss") for e in ours.state.log_history] == [e.get("loss") for e in reference.state.log_history]
+    for p, q in zip(ours.model.parameters(), reference.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_failing_data_loader_leaves_the_model_unchanged(tmp_path: Path, snapshot: Any, unchanged: Any) -> None:
+    data = make_dataset()
+
+    def failing() -> Any:
+        yield collate(data[:BATCH])
+        raise OSError("disk on fire")
+
+    class Before(TrainerCallback):  # runs before PreciseBN: the state the failure must leave
+        state: ClassVar[dict[str, Any]] = {}
+
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            Before.state.update(snapshot(model))
+
+    model = ResNetForImageClassification(CONFIG)
+    args = arguments(tmp_path, eval_strategy="steps", eval_steps=2)
+    with pytest.raises(OSError, match="disk on fire"):
+        train(
+            Trainer,
+            model,
+            args,
+            train_dataset=data,
+            eval_dataset=data[:16],
+            data_collator=collate,
+            callbacks=[Before(), PreciseBNCallback(data=failing, num_samples="all")],
+        )
+    unchanged(model, Before.state)
+
+
+def test_missing_transformers_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in sys.modules if n == "transformers" or n.startswith("transformers.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delitem(sys.modules, "precisebn.integrations.transformers", raising=False)
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(MissingDependencyError, match=r"pip install 'precisebn\[transformers\]'"):
+        importlib.import_module("precisebn.integrations.transformers")
