@@ -259,3 +259,14 @@ def test_capture_option_reaches_every_computation() -> None:
     assert report is not None and report["1"].path == "float64"
     with pytest.raises(precisebn.errors.InvalidArgumentError, match="capture must be"):
         precisebn.PreciseBNScheduler(model, data, capture="exact")
+
+
+def test_num_samples_auto_and_tolerance_reach_the_computation() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
+    data = [torch.randn(16, 4) for _ in range(64)]
+    report = precisebn.PreciseBNScheduler(model, data, num_samples="auto", tolerance=0.2).update(1)
+    assert report is not None and report.batches % 8 == 0 and report.batches < 64
+    assert report["1"].se_var_median <= 0.2
+    with pytest.raises(InvalidArgumentError, match="applies to num_samples='auto' only"):
+        precisebn.PreciseBNScheduler(model, data, tolerance=0.2)

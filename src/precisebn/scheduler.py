@@ -112,6 +112,7 @@ class PreciseBNScheduler:
         distributed: Literal["auto"] | bool = "auto",
         process_group: Any = None,
         capture: Literal["auto", "float64"] = "auto",
+        tolerance: float | None = None,
         prior: float | None = None,
         adapt: Literal["both", "mean", "var"] = "both",
         preserve_rng: bool = True,
@@ -125,6 +126,7 @@ class PreciseBNScheduler:
             forward=forward,
             mode=mode,
             capture=capture,
+            tolerance=tolerance,
             prior=prior,
             adapt=adapt,
         )
@@ -142,6 +144,7 @@ class PreciseBNScheduler:
             "distributed": distributed,
             "process_group": process_group,
             "capture": capture,
+            "tolerance": tolerance,
             "prior": prior,
             "adapt": adapt,
         }

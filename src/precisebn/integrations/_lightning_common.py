@@ -119,6 +119,7 @@ class _Recalibrator:
         progress: bool,
         log: bool,
         capture: Literal["auto", "float64"] = "auto",
+        tolerance: float | None = None,
         prior: float | None = None,
         adapt: Literal["both", "mean", "var"] = "both",
     ) -> None:
@@ -130,6 +131,7 @@ class _Recalibrator:
             mode=mode,
             layers=layers,
             capture=capture,
+            tolerance=tolerance,
             prior=prior,
             adapt=adapt,
             progress=progress,
@@ -142,6 +144,7 @@ class _Recalibrator:
         self.forward = forward
         self.mode = mode
         self.capture = capture
+        self.tolerance = tolerance
         self.prior = prior
         self.adapt = adapt
         self.layers = layers
@@ -256,6 +259,7 @@ class PreciseBNMixin(_Recalibrator):
         mode: Literal["norm", "train"] = "norm",
         layers: LayerSelection = None,
         capture: Literal["auto", "float64"] = "auto",
+        tolerance: float | None = None,
         prior: float | None = None,
         adapt: Literal["both", "mean", "var"] = "both",
         on_validation: bool = True,
@@ -276,6 +280,7 @@ class PreciseBNMixin(_Recalibrator):
             progress=progress,
             log=log,
             capture=capture,
+            tolerance=tolerance,
             prior=prior,
             adapt=adapt,
         )
@@ -345,6 +350,7 @@ class AveragingMixin(_Recalibrator):
         mode: Literal["norm", "train"] = "norm",
         layers: LayerSelection = None,
         capture: Literal["auto", "float64"] = "auto",
+        tolerance: float | None = None,
         prior: float | None = None,
         adapt: Literal["both", "mean", "var"] = "both",
         swa_epoch_start: int | None = None,
@@ -365,6 +371,7 @@ class AveragingMixin(_Recalibrator):
             progress=progress,
             log=log,
             capture=capture,
+            tolerance=tolerance,
             prior=prior,
             adapt=adapt,
         )

@@ -96,6 +96,7 @@ class Trigger:
         mode: Literal["norm", "train"] = "norm",
         layers: LayerSelection = None,
         capture: Literal["auto", "float64"] = "auto",
+        tolerance: float | None = None,
         prior: float | None = None,
         adapt: Literal["both", "mean", "var"] = "both",
         progress: bool = False,
@@ -108,6 +109,7 @@ class Trigger:
             forward=forward,
             mode=mode,
             capture=capture,
+            tolerance=tolerance,
             prior=prior,
             adapt=adapt,
         )
@@ -120,6 +122,7 @@ class Trigger:
         self.mode = mode
         self.layers = layers
         self.capture = capture
+        self.tolerance = tolerance
         self.prior = prior
         self.adapt = adapt
         self.progress = progress
@@ -157,6 +160,7 @@ class Trigger:
             mode=self.mode,
             layers=self.layers,
             capture=self.capture,
+            tolerance=self.tolerance,
             prior=self.prior,
             adapt=self.adapt,
             device=device,

@@ -103,6 +103,7 @@ class PreciseBN:
         layers: LayerSelection = None,
         device: torch.device | str | None = None,
         capture: Literal["auto", "float64"] = "auto",
+        tolerance: float | None = None,
         progress: bool = False,
         log: bool = True,
     ) -> None:
@@ -114,6 +115,7 @@ class PreciseBN:
             mode=mode,
             layers=layers,
             capture=capture,
+            tolerance=tolerance,
             progress=progress,
             data=data,
         )

@@ -138,6 +138,7 @@ class ExactPreciseBNHook(_hooks.Hook):  # type: ignore[misc,name-defined]
         mode: Literal["norm", "train"] = "norm",
         layers: LayerSelection = None,
         capture: Literal["auto", "float64"] = "auto",
+        tolerance: float | None = None,
         before_val: bool = True,
         before_save: bool = True,
         progress: bool = False,
@@ -153,6 +154,7 @@ class ExactPreciseBNHook(_hooks.Hook):  # type: ignore[misc,name-defined]
             mode=mode,
             layers=layers,
             capture=capture,
+            tolerance=tolerance,
             progress=progress,
             data=data,
         )

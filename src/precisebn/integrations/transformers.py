@@ -109,6 +109,7 @@ class PreciseBNCallback(_callback.TrainerCallback):  # type: ignore[misc,name-de
         mode: Literal["norm", "train"] = "norm",
         layers: LayerSelection = None,
         capture: Literal["auto", "float64"] = "auto",
+        tolerance: float | None = None,
         on_evaluate: bool = True,
         on_save: bool = True,
         on_train_end: bool = True,
@@ -123,6 +124,7 @@ class PreciseBNCallback(_callback.TrainerCallback):  # type: ignore[misc,name-de
             mode=mode,
             layers=layers,
             capture=capture,
+            tolerance=tolerance,
             progress=progress,
             data=data,
         )
