@@ -64,7 +64,7 @@ def test_file_has_no_pickle_and_documented_keys(tmp_path) -> None:
         assert set(f.keys()) == {f"{n}.{k}" for n in ("1", "3", "4") for k in fields}
         assert f.get_tensor("1.mean").dtype == torch.float64
         header = json.loads(f.metadata()["precisebn"])
-    assert header["layers"]["1"] == {"count": 18, "calls": 3, "type": "BatchNorm1d", "path": "fast"}
+    assert header["layers"]["1"] == {"count": 18, "calls": 3, "type": "BatchNorm1d", "path": "fast", "per_forward": 1}
 
 
 def test_load_rejects_other_files(tmp_path) -> None:

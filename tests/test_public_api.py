@@ -16,6 +16,7 @@ PUBLIC = [
     "apply",
     "estimate",
     "recalibrate",
+    "untie_calls",
 ]
 
 

@@ -9,6 +9,7 @@ Example:
 """
 
 from ._version import __version__
+from .calls import untie_calls
 from .errors import PreciseBNError
 from .population import PopulationStats
 from .recalibrate import apply, estimate, recalibrate
@@ -24,4 +25,5 @@ __all__ = [
     "apply",
     "estimate",
     "recalibrate",
+    "untie_calls",
 ]

@@ -30,6 +30,13 @@ Two paths, chosen per layer by verifying it, not by its class:
   every call (half-precision buffers, SyncBatchNorm across processes, layers that
   failed verification, ``capture="float64"``).
 
+With ``per_call=True`` a layer called k > 1 times per batch gets k sets of moments, one
+per call index within the batch: on the fast path the last call's figures go into the
+shifted sums and the earlier calls' (stashed before the layer overwrites them) are kept
+per call index; on the float64 path, and for a layer that fails verification, each
+call's float64 moments are kept under its index. The call index is a host integer, and
+so is the check that every batch calls the layer equally often.
+
 Outside the verifying batch nothing here reads a device value on the host; the only
 host-to-device traffic is the per-channel count vector of each distinct combination
 of per-layer counts (usually one or two per run), kept in a small cache.
@@ -77,21 +84,31 @@ class Collector:
 
     Args:
         state: The prepared model state (layers, scratch buffers, hook registry).
+        per_call: Keep the moments of each call index within a batch apart (see the
+            module's docstring); a layer must then be called equally often in every
+            batch that calls it.
     """
 
-    def __init__(self, state: RecalibrationState) -> None:
+    def __init__(self, state: RecalibrationState, per_call: bool = False) -> None:
         self.layers = state.layers
         self._counters = state.counters
         self._views = state.views
+        self.per_call = per_call
         n = len(self.layers)
         self.calls = [0] * n
         self.counts = [0] * n  # values per channel seen by each layer, on the host
+        self.most = [0] * n  # most calls of each layer in one batch
+        self.per_batch = [0] * n  # per_call: calls of each layer in every batch that calls it (0: not yet)
+        self.call_counts: list[list[int]] = [[] for _ in range(n)]  # per_call: values per channel per call index
+        self._in_batch = [0] * n  # calls of each layer in the current batch
+        self._first_batch = [0] * n  # per_call: the batch that set per_batch
         # "verify" until the end of the first batch that calls the layer, then "fast", "float64" or "none"
         self.paths = ["verify" if layer.path == "fast" else "float64" for layer in self.layers]
         self._checked_calls = [False] * n  # whether finish() may check calls against the layer's counter
         self._row = [0] * (n + 1)  # values per channel of each layer in this batch
-        self._extras: list[tuple[int, int, Tensor, Tensor]] = []
-        self._kept: dict[int, RunningMoments] = {}  # per fold (FOLDS, C): float64-path layers, stashed calls
+        self._extras: list[tuple[int, int, int, Tensor, Tensor]] = []  # (layer, call index, n, mean, var)
+        # per fold (FOLDS, C), by (layer, call index; 0 unless per_call): float64-path layers, stashed calls
+        self._kept: dict[tuple[int, int], RunningMoments] = {}
         self._batch = 0  # batches ended so far; the current one goes to fold _batch % FOLDS
         self._summed = [[0] * (n + 1) for _ in range(FOLDS)]  # per fold: values per channel in the sums
         self._trials: dict[int, _Trial] = {}  # layers being verified in this batch
@@ -141,32 +158,39 @@ class Collector:
         mean_view, var_view = self._views[i]
         paths = self.paths
 
-        def fast(x: Tensor) -> int:
+        def fast(x: Tensor, j: int) -> int:
             n = x.numel() // channels
             if n == 1:
                 raise self._too_few(i, x)
             row = self._row
             if row[i]:  # another call in this batch: keep the previous call's figures
-                self._extras.append((i, row[i], mean_view.clone(), var_view.clone()))
+                self._extras.append((i, j - 1, row[i], mean_view.clone(), var_view.clone()))
             row[i] = n
             self.counts[i] += n
             self.calls[i] += 1
+            if self.per_call:
+                self._count_call(i, j, n)
             return n
 
         def call(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             path = paths[i]
+            in_batch = self._in_batch
+            j = in_batch[i]  # this call's index within the batch
+            in_batch[i] = j + 1
+            if j >= self.most[i]:
+                self.most[i] = j + 1
             if path == "fast":
-                fast(self._check(i, args, kwargs))
+                fast(self._check(i, args, kwargs), j)
                 return forward(*args, **kwargs)
             if path == "verify":
                 x = self._check(i, args, kwargs)
                 trial = self._trials.get(i) or self._trials.setdefault(i, _Trial(self.counts[i]))
                 counter = self._counters[i]
                 before = counter._version if counter is not None else -1
-                fast(x)
+                n = fast(x, j)
                 with Watch(self.layers[i].module) as watch:
                     out = forward(*args, **kwargs)
-                trial.add(watch.seen, x, channels)
+                trial.add(watch.seen, x, channels, n)
                 trial.counted &= counter is not None and counter._version == before + 1
                 return out
             self._check(i, args, kwargs)
@@ -174,16 +198,33 @@ class Collector:
                 out = forward(*args, **kwargs)
             self.calls[i] += 1
             if path == "float64" and watch.seen:
-                self.counts[i] += sum(t.numel() // channels for t in watch.seen)
-                self._keep(i, moments_of(watch.seen))  # type: ignore[arg-type]
+                n = sum(t.numel() // channels for t in watch.seen)
+                self.counts[i] += n
+                if self.per_call:
+                    self._count_call(i, j, n)
+                self._keep((i, j if self.per_call else 0), moments_of(watch.seen))  # type: ignore[arg-type]
             return out
 
         return call
 
+    def _count_call(self, i: int, j: int, n: int) -> None:
+        counts = self.call_counts[i]
+        while len(counts) <= j:
+            counts.append(0)
+        counts[j] += n
+
     # -- batches -----------------------------------------------------------------------
 
     def end_batch(self) -> None:
-        """Merges the figures of the batch that just ran (call after each forward)."""
+        """Merges the figures of the batch that just ran (call after each forward).
+
+        Raises:
+            InvalidArgumentError: With ``per_call``, a layer was called a different
+                number of times than in an earlier batch that called it.
+        """
+        if self.per_call:
+            self._check_calls_per_batch()
+        self._in_batch = [0] * len(self.layers)
         if self._trials:
             self._settle()
         fold = self._batch % FOLDS
@@ -208,12 +249,28 @@ class Collector:
         if self._extras:
             self._merge_extras()
 
+    def _check_calls_per_batch(self) -> None:
+        for i, k in enumerate(self._in_batch):
+            if not k or k == self.per_batch[i]:
+                continue
+            if not self.per_batch[i]:
+                self.per_batch[i], self._first_batch[i] = k, self._batch
+                continue
+            layer = self.layers[i]
+            raise InvalidArgumentError(
+                f"per_call=True: layer {layer.name!r} ({layer.type_name}) was called {_times(self.per_batch[i])} in "
+                f"batch {self._first_batch[i] + 1} (the first to call it) but {_times(k)} in batch {self._batch + 1}; "
+                "per-call statistics need the same number of calls in every forward (statistics i are those of "
+                "call i). Feed every batch the same way (e.g. the same number of feature levels), or estimate "
+                "without per_call to pool all calls. The model was left unchanged."
+            )
+
     def _settle(self) -> None:
         """Decides the path of every layer verified in this batch (one host read per device)."""
         trials, self._trials = self._trials, {}
         # each call's figures: those kept when the layer was called again, then what is in its buffers now
         figures: dict[int, list[tuple[Tensor, Tensor]]] = {}
-        for i, _, mean, var in self._extras:
+        for i, _, _, mean, var in self._extras:
             figures.setdefault(i, []).append((mean, var))
         items, owners = [], []
         for i, trial in trials.items():
@@ -234,12 +291,20 @@ class Collector:
             # undo this batch's fast-path bookkeeping; use the float64 figures of what it normalised
             self.counts[i], self._row[i] = trial.counts, 0
             self._extras = [e for e in self._extras if e[0] != i]
+            if self.per_call:  # this batch's calls are indices 0, 1, ... of the layer's trial
+                for j, (n, _, values) in enumerate(trial.calls):
+                    self.call_counts[i][j] += (values if trial.moments is not None else 0) - n
             if trial.moments is None:
                 self.paths[i] = "none"
                 continue
             self.paths[i] = "float64"
             self.counts[i] += trial.values
-            self._keep(i, trial.moments)
+            if self.per_call:
+                for j, (_, moments, _) in enumerate(trial.calls):
+                    if moments is not None:
+                        self._keep((i, j), moments)
+            else:
+                self._keep((i, 0), trial.moments)
             logger.info(
                 "precisebn: layer %r measured in float64 (its own figures are %s)",
                 self.layers[i].name,
@@ -262,22 +327,22 @@ class Collector:
         return vectors
 
     def _merge_extras(self) -> None:
-        by_layer: dict[int, list[tuple[int, Tensor, Tensor]]] = {}
-        for i, n, mean, var in self._extras:
-            by_layer.setdefault(i, []).append((n, mean, var))
+        by_layer: dict[tuple[int, int], list[tuple[int, Tensor, Tensor]]] = {}
+        for i, j, n, mean, var in self._extras:
+            by_layer.setdefault((i, j if self.per_call else 0), []).append((n, mean, var))
         self._extras.clear()
-        for i, items in by_layer.items():
+        for key, items in by_layer.items():
             acc = _accumulation_device(items[0][1].device)
             count = _to_device(torch.tensor([n for n, _, _ in items], dtype=torch.float64), acc)[:, None]
             means = torch.stack([m for _, m, _ in items]).to(acc, torch.float64)
             m2 = torch.stack([v for _, _, v in items]).to(acc, torch.float64) * (count - 1)
-            self._keep(i, RunningMoments.from_batches(count.expand_as(means), means, m2))
+            self._keep(key, RunningMoments.from_batches(count.expand_as(means), means, m2))
 
-    def _keep(self, i: int, moments: RunningMoments) -> None:
-        """Merges float64 moments into layer ``i``'s fold of the current batch."""
-        kept = self._kept.get(i)
+    def _keep(self, key: tuple[int, int], moments: RunningMoments) -> None:
+        """Merges float64 moments into the current batch's fold of ``key`` (layer, call index)."""
+        kept = self._kept.get(key)
         if kept is None:
-            kept = self._kept[i] = RunningMoments.zeros((FOLDS, moments.mean.shape[0]), moments.mean.device)
+            kept = self._kept[key] = RunningMoments.zeros((FOLDS, moments.mean.shape[0]), moments.mean.device)
         fold = self._batch % FOLDS
         kept.count[fold], kept.mean[fold], kept.m2[fold] = chan_merge(
             kept.count[fold], kept.mean[fold], kept.m2[fold], moments.count, moments.mean, moments.m2
@@ -285,9 +350,11 @@ class Collector:
 
     # -- results -----------------------------------------------------------------------
 
-    def finish(self) -> list[RunningMoments]:
+    def finish(self) -> list[list[RunningMoments]]:
         """Each layer's moments per fold, shape ``(FOLDS, channels)``, over everything it saw
-        (count 0 if never reached); see :func:`precisebn.stats.fold_errors`.
+        (count 0 if never reached); see :func:`precisebn.stats.fold_errors`. One set per
+        layer, or with ``per_call`` one per call index for a layer called k > 1 times per
+        batch (in call order).
 
         Raises:
             UnsupportedLayerError: A layer read through its own figures was called but its
@@ -310,17 +377,16 @@ class Collector:
             merged[id(g)] = RunningMoments.from_shifted_sums(g.per_channel(summed), shift, g.s1, g.s2)
         out = []
         for i, layer in enumerate(self.layers):
-            if self.paths[i] == "fast":
+            k = max(self.per_batch[i], 1) if self.per_call else 1
+            parts = [self._kept.get((i, j)) for j in range(k)]
+            if self.paths[i] == "fast":  # the last call of each batch is in the sums
                 g, start = self._own[i]
                 m = merged[id(g)][:, start : start + layer.channels]
-                if i in self._kept:  # calls before the last one in a batch
-                    m.merge(self._kept[i].to(m.mean.device))
-            elif i in self._kept:
-                m = self._kept[i]
-            else:
-                device = _accumulation_device(layer.module.running_mean.device)
-                m = RunningMoments.zeros((FOLDS, layer.channels), device)
-            out.append(m)
+                if parts[-1] is not None:  # pooled: the calls before the last one in a batch
+                    m.merge(parts[-1].to(m.mean.device))
+                parts[-1] = m
+            device = _accumulation_device(layer.module.running_mean.device)
+            out.append([p if p is not None else RunningMoments.zeros((FOLDS, layer.channels), device) for p in parts])
         return out
 
     def precision(self) -> float:
@@ -329,13 +395,17 @@ class Collector:
         deviations) and of the variance's relative error; ``inf`` while unknown (one host
         read per device)."""
         by_device: dict[torch.device, list[Tensor]] = {}
-        for folds, count in zip(self.finish(), self.counts):
-            if count:
+        for parts, count in zip(self.finish(), self.counts):
+            for folds in parts if count else ():
                 _, se_mean, se_var = fold_errors(folds)
                 worst = torch.maximum(se_mean.nanmedian(), se_var.nanmedian())
                 by_device.setdefault(worst.device, []).append(worst)
         values = [v for group in by_device.values() for v in torch.stack(group).tolist()]
         return max((v if v == v else float("inf") for v in values), default=float("inf"))
+
+
+def _times(k: int) -> str:
+    return {1: "once", 2: "twice"}.get(k, f"{k} times")
 
 
 class _Group:
@@ -359,7 +429,7 @@ class _Group:
 class _Trial:
     """What one layer's calls showed in the batch that verifies its fast path."""
 
-    __slots__ = ("counted", "counts", "fits", "moments", "refs", "values")
+    __slots__ = ("calls", "counted", "counts", "fits", "moments", "refs", "values")
 
     def __init__(self, counts: int) -> None:
         self.counts = counts  # the layer's count before this batch
@@ -368,13 +438,18 @@ class _Trial:
         self.refs: list[RunningMoments] = []  # per call: float64 moments of what it normalised
         self.moments: RunningMoments | None = None  # float64 moments of what it normalised
         self.values = 0  # ... and their number per channel
+        # per call: (values per channel counted from its input, float64 moments of what it normalised, their values)
+        self.calls: list[tuple[int, RunningMoments | None, int]] = []
 
-    def add(self, seen: list[Tensor], x: Tensor, channels: int) -> None:
+    def add(self, seen: list[Tensor], x: Tensor, channels: int, n: int) -> None:
         moments = moments_of(seen)
+        values = sum(t.numel() // channels for t in seen)
+        own = None if moments is None else RunningMoments(moments.count, moments.mean, moments.m2)
+        self.calls.append((n, own, values))  # a copy: merge() below rebinds the first call's moments
         if moments is None:
             self.fits = False
             return
-        self.values += sum(t.numel() // channels for t in seen)
+        self.values += values
         t = seen[0]
         if len(seen) != 1 or t.numel() != x.numel() or t.dim() < 2 or t.shape[1] != channels:
             self.fits = False

@@ -6,17 +6,18 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from .calls import call_name
 from .capture import Collector
 from .data import Forward, batch_size, to_device
 from .errors import EmptyDataError, InvalidArgumentError, NonFiniteError, ShortDataWarning
 from .layers import Mode, NormLayer, recalibration_state
-from .population import LayerStats, PopulationStats
+from .population import LayerStats, PopulationStats, _per_forward
 from .stats import RunningMoments, fold_errors
 
 __all__ = ["AUTO_CHECK_EVERY", "AUTO_MAX_SAMPLES", "AUTO_MIN_BATCHES", "AUTO_MIN_SAMPLES", "Measurement", "Pass"]
@@ -62,6 +63,7 @@ class Pass:
         warn_short: bool = True,
         tolerance: float | None = None,
         vote: Vote | None = None,
+        per_call: bool = False,
     ) -> None:
         self.model, self.data, self.forward = model, data, forward
         self.num_samples, self.num_batches = num_samples, num_batches
@@ -69,19 +71,29 @@ class Pass:
         self.warn_short = warn_short
         self.tolerance = tolerance  # num_samples="auto": stop once the standard errors are this small
         self.vote = vote
+        self.per_call = per_call  # one set of statistics per call index for layers called several times per batch
         self.precision = float("nan")  # the last precision looked at (auto)
         self._decided = False  # the ranks voted to stop
 
     def measure(self, selected: list[NormLayer], abort: Any = None) -> Measurement:
         start = time.perf_counter()
         with torch.no_grad(), recalibration_state(self.model, selected, self.mode) as state:
-            collector = Collector(state)
+            collector = Collector(state, per_call=self.per_call)
             samples, batches = self._loop(collector, abort)
-            moments = collector.finish()
-        paths = [p if p != "verify" else "none" for p in collector.paths]  # "verify": never called
-        result = Measurement(
-            selected, moments, list(collector.calls), list(collector.counts), samples, batches, self.mode, paths
-        )
+            parts = collector.finish()
+        entries: list[tuple[NormLayer, RunningMoments, int, int, str, int]] = []
+        for i, (layer, per_call) in enumerate(zip(selected, parts)):
+            path = collector.paths[i] if collector.paths[i] != "verify" else "none"  # "verify": never called
+            if len(per_call) == 1:
+                entries.append((layer, per_call[0], collector.calls[i], collector.counts[i], path, collector.most[i]))
+                continue
+            k = len(per_call)  # per_call: one entry per call index, named as untie_calls names them
+            values = collector.call_counts[i] + [0] * (k - len(collector.call_counts[i]))
+            for j, m in enumerate(per_call):
+                part = NormLayer(call_name(layer.name, j), layer.module, layer.path)
+                entries.append((part, m, collector.calls[i] // k, values[j], path, 1))
+        layers, moments, calls, counts, paths, most = (list(column) for column in zip(*entries))
+        result = Measurement(layers, moments, calls, counts, samples, batches, self.mode, paths, per_forward=most)
         result.check()
         result.seconds = time.perf_counter() - start
         logger.info(
@@ -169,7 +181,10 @@ class Measurement:
 
     ``moments`` are kept per fold, shape ``(FOLDS, channels)`` (batches dealt round-robin
     into folds; see :func:`precisebn.stats.fold_errors`). ``counts`` (values per channel)
-    and ``calls`` are host integers, known without reading the device.
+    and ``calls`` are host integers, known without reading the device. With per-call
+    statistics a layer called k > 1 times per batch is k entries, ``"<layer>.calls.<i>"``.
+    ``per_forward`` is each entry's most calls in one batch (on this rank; empty when
+    unknown, and then derived from ``calls`` and ``batches``).
     """
 
     layers: list[NormLayer]
@@ -182,6 +197,7 @@ class Measurement:
     paths: list[str]  # per layer: "fast", "float64" or "none" (never normalised with its running buffers)
     seconds: float = 0.0
     world_size: int = 1
+    per_forward: list[int] = field(default_factory=list)
 
     def check(self) -> None:
         """Raises :class:`NonFiniteError` naming the layers whose statistics hold NaN/Inf
@@ -203,14 +219,17 @@ class Measurement:
 
     def to_population(self) -> PopulationStats:
         layers = {}
-        for layer, folds, count, calls, path in zip(self.layers, self.moments, self.counts, self.calls, self.paths):
+        per_forward = self.per_forward or [_per_forward(calls, self.batches) for calls in self.calls]
+        for layer, folds, count, calls, path, most in zip(
+            self.layers, self.moments, self.counts, self.calls, self.paths, per_forward
+        ):
             m, se_mean, se_var = fold_errors(folds)
             if count > 0:
                 mean, var = m.mean, m.var
             else:
                 mean, var = torch.full_like(m.mean, float("nan")), torch.full_like(m.mean, float("nan"))
             layers[layer.name] = LayerStats(
-                mean, var, count, calls, layer.type_name, path if count > 0 else "none", se_mean, se_var
+                mean, var, count, calls, layer.type_name, path if count > 0 else "none", se_mean, se_var, most
             )
         return PopulationStats(layers, self.samples, self.batches, self.mode, self.seconds, self.world_size)
 

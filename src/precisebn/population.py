@@ -39,6 +39,9 @@ class LayerStats:
             deviation (jackknife over batches dealt into folds; NaN with fewer than two
             batches; ``None`` when unknown).
         se_var: Standard error of ``var`` per channel, relative to ``var``.
+        per_forward: The most calls of the layer in one forward pass (batch); above 1
+            the statistics pool all its calls (``estimate(..., per_call=True)`` gives
+            one entry per call instead, ``"<layer>.calls.<i>"``, each with 1 here).
     """
 
     mean: Tensor
@@ -49,6 +52,7 @@ class LayerStats:
     path: str = "fast"
     se_mean: Tensor | None = None
     se_var: Tensor | None = None
+    per_forward: int = 1
 
     @property
     def reached(self) -> bool:
@@ -110,6 +114,7 @@ class PopulationStats(Mapping[str, LayerStats]):
                 v.path,
                 None if v.se_mean is None else v.se_mean.to(device),
                 None if v.se_var is None else v.se_var.to(device),
+                v.per_forward,
             )
             for k, v in self.layers.items()
         }
@@ -185,7 +190,13 @@ class PopulationStats(Mapping[str, LayerStats]):
             "world_size": self.world_size,
             "versions": self.versions,
             "layers": {
-                k: {"count": v.count, "calls": v.calls, "type": v.layer_type, "path": v.path}
+                k: {
+                    "count": v.count,
+                    "calls": v.calls,
+                    "type": v.layer_type,
+                    "path": v.path,
+                    "per_forward": v.per_forward,
+                }
                 for k, v in self.layers.items()
             },
         }
@@ -283,6 +294,7 @@ class PopulationStats(Mapping[str, LayerStats]):
                         str(info.get("path", "fast")),
                         f.get_tensor(f"{name}.se_mean") if f"{name}.se_mean" in keys else None,
                         f.get_tensor(f"{name}.se_var") if f"{name}.se_var" in keys else None,
+                        int(info.get("per_forward", _per_forward(int(info["calls"]), int(header["batches"])))),
                     )
                     for name, info in header["layers"].items()
                 }
@@ -326,6 +338,7 @@ def _merge_layer(name: str, parts: list[LayerStats]) -> LayerStats:
             sum(p.calls for p in parts),
             only.layer_type,
             only.path,
+            per_forward=max(p.per_forward for p in parts),
         )
     counts = torch.tensor([float(p.count) for p in reached], dtype=torch.float64).unsqueeze(1)
     means = torch.stack([p.mean.detach().to("cpu", torch.float64) for p in reached])
@@ -339,7 +352,13 @@ def _merge_layer(name: str, parts: list[LayerStats]) -> LayerStats:
         sum(p.calls for p in parts),
         types[0],
         paths.pop() if len(paths) == 1 else "mixed",
+        per_forward=max(p.per_forward for p in parts),
     )
+
+
+def _per_forward(calls: int, batches: int) -> int:
+    """Calls per forward of a layer in a file written before they were recorded."""
+    return max(1, calls // max(batches, 1)) if calls else 0
 
 
 def _check_layer(path: str | os.PathLike[str], name: str, layer: LayerStats) -> None:

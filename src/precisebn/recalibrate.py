@@ -132,6 +132,7 @@ def estimate(
     process_group: Any = None,
     capture: Capture = "auto",
     tolerance: float | None = None,
+    per_call: bool = False,
     _mode: Mode | None = None,
 ) -> PopulationStats:
     """Measures the population statistics of the model's normalization layers.
@@ -181,6 +182,12 @@ def estimate(
             fraction of the variance and in standard deviations of the mean (default
             0.02). Looked at every 8 batches (one host read each time); distributed,
             every rank stops at the same batch.
+        per_call: For a layer called k > 1 times per forward (per batch), k sets of
+            statistics instead of one pooled over all calls: ``"<layer>.calls.<i>"``
+            holds those of call i (in call order), the names the layer's parts get
+            from :func:`precisebn.untie_calls` (so that :func:`apply` writes them
+            there). Such a layer must be called equally often in every batch that
+            calls it. Layers called once per forward are keyed as usual.
 
     Returns:
         The statistics, keyed by qualified layer name (relative to the unwrapped model).
@@ -190,6 +197,9 @@ def estimate(
         NonFiniteError: A layer's statistics are NaN or infinite (names the layer).
         DistributedError: Another rank failed, or ranks disagree (names the rank).
         LayerNotFoundError: The selection matches nothing or names unknown layers.
+        InvalidArgumentError: An option has a wrong value; with ``per_call``, a layer
+            was called a different number of times in two batches (names the layer
+            and the counts).
 
     Example:
         >>> import torch
@@ -201,6 +211,15 @@ def estimate(
         (64, 64)
         >>> bool(model[1].running_var.eq(1).all())  # the model is untouched
         True
+
+        One layer called twice per forward, with per-call statistics:
+
+        >>> bn = torch.nn.BatchNorm1d(1)
+        >>> twice = lambda model, batch: [model(x) for x in batch]
+        >>> batch = (torch.tensor([[0.0], [2.0]]), torch.tensor([[10.0], [14.0]]))
+        >>> stats = precisebn.estimate(bn, [batch], forward=twice, per_call=True)
+        >>> {name: (s.mean.item(), s.var.item()) for name, s in stats.items()}
+        {'calls.0': (1.0, 1.0), 'calls.1': (12.0, 4.0)}
     """
     with contextlib.ExitStack() as guard:
         return _estimate(
@@ -218,6 +237,7 @@ def estimate(
             process_group=process_group,
             capture=capture,
             tolerance=tolerance,
+            per_call=per_call,
             _mode=_mode,
         )
 
@@ -239,6 +259,7 @@ def _estimate(
     capture: Any,
     tolerance: Any,
     _mode: Mode | None,
+    per_call: Any = False,
 ) -> PopulationStats:
     """:func:`estimate`, holding the model in ``guard`` (so that :func:`recalibrate` can
     keep it until its statistics are written). Every check runs on every rank inside
@@ -253,6 +274,8 @@ def _estimate(
             capture=capture,
             tolerance=tolerance,
         )
+        if not isinstance(per_call, bool):
+            raise InvalidArgumentError(f"per_call must be True or False, got {per_call!r}")
         use_all = isinstance(num_samples, str) and num_samples == "all"
         auto = isinstance(num_samples, str) and num_samples == "auto"
         if auto:
@@ -289,6 +312,7 @@ def _estimate(
             explicit and not auto,
             tolerance if auto else None,
             vote,
+            per_call,
         )
         guard.enter_context(exclusive(model))
         selected = find_norm_layers(model, layers, capture=capture)
@@ -299,7 +323,9 @@ def _estimate(
         ctx.fail(exc)  # always raises, on every rank
         raise
     if ctx is not None:
+        per_forward = local.per_forward
         local = ctx.merge(local)
+        local.per_forward = per_forward  # this rank's (the merge sums counts, not maxima)
         local.check()  # the same verdict on every rank: they all hold the same values
     return local.to_population()
 
@@ -371,7 +397,10 @@ def _apply(model: nn.Module, stats: PopulationStats, prior: float | None = None,
     for name, s in stats.items():
         m = modules.get(name)
         if m is None:
-            problems.append(f"{name!r} is not in the model")
+            problems.append(
+                f"{name!r} is not in the model"
+                + (" (per-call statistics: call precisebn.untie_calls(model, stats) first)" if _is_call(name) else "")
+            )
         elif not has_running_stats(m):
             problems.append(f"{name!r} ({type(m).__name__}) has no running statistics")
         else:
@@ -423,6 +452,7 @@ def _apply(model: nn.Module, stats: PopulationStats, prior: float | None = None,
             s.path,
             s.se_mean,
             s.se_var,
+            s.per_forward,
         )
         for name, m, s in entries
     ]
@@ -441,6 +471,12 @@ def _apply(model: nn.Module, stats: PopulationStats, prior: float | None = None,
                 else "was not reached by any forward pass",
             )
     return report
+
+
+def _is_call(name: str) -> bool:
+    """Whether ``name`` is that of one call's statistics (``estimate(..., per_call=True)``)."""
+    head, _, index = name.rpartition(".")
+    return index.isdigit() and (head == "calls" or head.endswith(".calls"))
 
 
 def _refuse(what: str, problems: list[str]) -> None:

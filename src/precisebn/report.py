@@ -38,6 +38,9 @@ class LayerReport:
         se_mean, se_var: Per-channel standard errors of the new mean (in standard
             deviations) and of the new variance (relative), from the jackknife over
             batches (see :func:`precisebn.stats.fold_errors`); ``None`` when unknown.
+        per_forward: The most calls of the layer in one forward pass (batch). Above 1
+            its new statistics pool every call, although training normalised each call
+            with that call's own batch statistics (see :func:`precisebn.untie_calls`).
     """
 
     name: str
@@ -54,6 +57,13 @@ class LayerReport:
     path: str = "fast"
     se_mean: Tensor | None = None
     se_var: Tensor | None = None
+    per_forward: int = 1
+
+    @property
+    def pooled_calls(self) -> bool:
+        """Whether the layer was called several times per forward, its statistics pooling
+        all calls."""
+        return self.per_forward > 1
 
     def _se(self, values: Tensor | None, how: str) -> float:
         if values is None or not self.updated or values.numel() == 0:
@@ -106,7 +116,7 @@ class LayerReport:
     @property
     def status(self) -> str:
         if self.updated:
-            return "updated"
+            return f"updated (pooled over {self.per_forward} calls per forward)" if self.pooled_calls else "updated"
         if self.calls:
             return "buffers never used (kept)"
         return "not reached (kept)"
@@ -118,6 +128,7 @@ class LayerReport:
             "channels": self.channels,
             "count": self.count,
             "calls": self.calls,
+            "per_forward": self.per_forward,
             "updated": self.updated,
             "path": self.path,
             "se_mean_median": _finite_or_none(self.se_mean_median),
@@ -201,6 +212,12 @@ class Report(Mapping[str, LayerReport]):
         """Names of the selected layers that no forward pass reached (statistics kept)."""
         return [r.name for r in self.layers if not r.updated]
 
+    @property
+    def pooled_calls(self) -> list[str]:
+        """Names of the updated layers called several times per forward, whose statistics
+        pool all their calls (see :func:`precisebn.untie_calls`)."""
+        return [r.name for r in self.layers if r.updated and r.pooled_calls]
+
     def to_dict(self, values: bool = True) -> dict[str, Any]:
         """A JSON-serialisable dict; ``values=False`` leaves out per-channel lists."""
         return {
@@ -275,6 +292,18 @@ class Report(Mapping[str, LayerReport]):
             lines.append(
                 f"±var: median standard error of the new variance (jackknife over batches); worst layer "
                 f"{name or '(model)'!r} ±{100 * se_var:.2g}%, the means ±{se_mean:.2g}σ at worst"
+            )
+        pooled = self.pooled_calls
+        if pooled:
+            shown = ", ".join(repr(n or "(model)") for n in pooled[:3]) + (
+                f" and {len(pooled) - 3} more" if len(pooled) > 3 else ""
+            )
+            lines.append(
+                f"pooled calls: {shown} {'is' if len(pooled) == 1 else 'are'} called several times per forward; "
+                "training normalised each call with its own batch statistics, but one running buffer pools them "
+                "all, which fits no call when their statistics differ (e.g. a head shared by feature levels). "
+                "estimate(..., per_call=True) gives each call its own statistics, precisebn.untie_calls(model, "
+                "stats) a layer for them (README: 'Layers called several times per forward')."
             )
         return "\n".join(lines)
 
