@@ -154,3 +154,49 @@ def test_large_mean_over_std_falls_back_where_float32_figures_are_off() -> None:
     stats = precisebn.estimate(layer, batches)[""]
     assert stats.path == "float64"
     assert max_rel_error(stats.var, truth.var) <= 1e-9
+
+
+@pytest.fixture(params=["checked at once (CPU)", "deferred to the end of the batch (CUDA)"])
+def verification(request, monkeypatch):
+    """Both ways of verifying: on the CPU each call is checked at once on a few channels; on
+    accelerators every call is reduced in float64 and compared at the end of the batch."""
+    if request.param.startswith("deferred"):
+        from precisebn.capture import _Trial
+
+        monkeypatch.setattr(
+            _Trial, "add_checked", lambda self, seen, x, channels, n, *rest: self.add(seen, x, channels, n)
+        )
+    return request.param
+
+
+class TwoBranches(nn.Module):
+    """Independent branches, so that one layer's behaviour does not change another's inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 4, 3), BiasedVariance(4))
+        self.b = nn.Sequential(nn.Conv2d(3, 6, 1), BatchNormAct2d(6))
+        self.c = nn.Sequential(nn.Conv2d(3, 5, 1), TransformsItsInput(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).sum() + self.b(x).sum() + self.c(x).sum()
+
+
+def test_both_verifications_choose_the_same_paths_exactly(verification) -> None:
+    torch.manual_seed(0)
+    model = TwoBranches()
+    data = images((2, 3, 2), hw=5)
+    truth = compute_truth(model, data)
+    stats = precisebn.estimate(model, data)
+    assert [stats[n].path for n in ("a.1", "b.1", "c.1")] == ["float64", "fast", "fast"]
+    for name, tol in (("a.1", 1e-12), ("b.1", 1e-5)):  # their inputs are what they normalise
+        t = truth[name]
+        scale = torch.maximum(t.mean.abs(), t.var.sqrt())
+        assert max_rel_error(stats[name].mean, t.mean, scale) <= tol
+        assert max_rel_error(stats[name].var, t.var) <= tol
+    layer = nn.BatchNorm1d(4)
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(2, 4, generator=g, dtype=torch.float64) * 1e-2 + 1e4).float() for _ in range(20)]
+    exact = compute_truth(layer, batches)[""]
+    offset = precisebn.estimate(layer, batches)[""]
+    assert offset.path == "float64" and max_rel_error(offset.var, exact.var) <= 1e-9
