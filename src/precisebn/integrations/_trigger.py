@@ -278,3 +278,33 @@ def data_source(data: Data | None, default: Iterable[Any] | None, owner: str, wh
             "zero-argument callable returning one)."
         )
     return default
+
+
+class TriggerState:
+    """What every integration exposes of its :class:`Trigger`: its checkpointable state and
+    what the last computation did (mixed into the integrations' classes)."""
+
+    _trigger: Trigger
+
+    def state_dict(self) -> dict[str, Any]:
+        """The last step and the number of computations (saved with the framework's checkpoints)."""
+        return self._trigger.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restores :meth:`state_dict`'s output (e.g. when resuming)."""
+        self._trigger.load_state_dict(state)
+
+    @property
+    def computations(self) -> int:
+        """How many computations ran."""
+        return self._trigger.computations
+
+    @property
+    def last_step(self) -> int | None:
+        """The step of the last computation."""
+        return self._trigger.last_step
+
+    @property
+    def last_report(self) -> Report | None:
+        """The :class:`~precisebn.Report` of the last computation."""
+        return self._trigger.last_report

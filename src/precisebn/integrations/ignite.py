@@ -42,7 +42,7 @@ from ..errors import InvalidArgumentError
 from ..layers import LayerSelection
 from ..report import Report
 from ..scheduler import Data
-from ._trigger import Trigger, report_metrics
+from ._trigger import Trigger, TriggerState, report_metrics
 
 _engine = require("ignite.engine", "ignite", "precisebn.integrations.ignite")
 
@@ -54,7 +54,7 @@ def _rank_zero() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-class PreciseBN:
+class PreciseBN(TriggerState):
     """An Ignite handler that recomputes exact precise statistics, at most once per iteration.
 
     ``precise(engine)`` (what Ignite calls) recalibrates ``model`` (see
@@ -171,22 +171,3 @@ class PreciseBN:
             with contextlib.suppress(Exception):  # logging never fails training
                 engine.logger.info("PreciseBN at iteration %d: %s", step, report_metrics(report))
         return report
-
-    def state_dict(self) -> dict[str, Any]:
-        """The last step and the number of computations (for Ignite's ``Checkpoint``)."""
-        return self._trigger.state_dict()
-
-    def load_state_dict(self, state: Any) -> None:
-        self._trigger.load_state_dict(state)
-
-    @property
-    def computations(self) -> int:
-        return self._trigger.computations
-
-    @property
-    def last_step(self) -> int | None:
-        return self._trigger.last_step
-
-    @property
-    def last_report(self) -> Report | None:
-        return self._trigger.last_report

@@ -51,7 +51,7 @@ from ..errors import InvalidArgumentError
 from ..layers import LayerSelection
 from ..report import Report
 from ..scheduler import Data, MappedBatches, fresh_batches
-from ._trigger import Trigger, check_every, report_metrics
+from ._trigger import Trigger, TriggerState, check_every, report_metrics
 
 _hooks = require("mmengine.hooks", "mmengine", "precisebn.integrations.mmengine")
 _registry = require("mmengine.registry", "mmengine", "precisebn.integrations.mmengine")
@@ -75,7 +75,7 @@ def mm_forward(model: nn.Module, data: Any) -> Any:
 
 
 @_registry.HOOKS.register_module()
-class ExactPreciseBNHook(_hooks.Hook):  # type: ignore[misc,name-defined]
+class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-defined]
     """Recomputes exact precise statistics during ``runner.train()``.
 
     Every BatchNorm-style layer's ``running_mean``/``running_var`` becomes the exact
@@ -254,30 +254,6 @@ class ExactPreciseBNHook(_hooks.Hook):  # type: ignore[misc,name-defined]
                     f"{report.samples} samples at iteration {step} in {report.seconds:.2f} s"
                 )
         return report
-
-    # -- state ------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """The last step and the number of computations."""
-        return self._trigger.state_dict()
-
-    def load_state_dict(self, state: Any) -> None:
-        self._trigger.load_state_dict(state)
-
-    @property
-    def computations(self) -> int:
-        """How many computations ran."""
-        return self._trigger.computations
-
-    @property
-    def last_step(self) -> int | None:
-        """The iteration (``runner.iter`` after it) of the last computation."""
-        return self._trigger.last_step
-
-    @property
-    def last_report(self) -> Report | None:
-        """The :class:`~precisebn.Report` of the last computation."""
-        return self._trigger.last_report
 
 
 def register_mmpretrain_name(registry: Any = None, *, force: bool = False) -> None:

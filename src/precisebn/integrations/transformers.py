@@ -40,7 +40,7 @@ from ..errors import InvalidArgumentError
 from ..layers import LayerSelection
 from ..report import Report
 from ..scheduler import Data
-from ._trigger import Trigger, report_metrics
+from ._trigger import Trigger, TriggerState, report_metrics
 
 _callback = require("transformers.trainer_callback", "transformers", "precisebn.integrations.transformers")
 
@@ -49,7 +49,7 @@ __all__ = ["PreciseBNCallback"]
 logger = logging.getLogger("precisebn.integrations.transformers")
 
 
-class PreciseBNCallback(_callback.TrainerCallback):  # type: ignore[misc,name-defined]
+class PreciseBNCallback(TriggerState, _callback.TrainerCallback):  # type: ignore[misc,name-defined]
     """Recomputes precise statistics before each evaluation and each checkpoint of ``train()``.
 
     Every BatchNorm-style layer's ``running_mean``/``running_var`` becomes the exact
@@ -174,25 +174,3 @@ class PreciseBNCallback(_callback.TrainerCallback):  # type: ignore[misc,name-de
             state.log_history.append({**metrics, "step": state.global_step})
             logger.info("precise BN at step %d: %s", state.global_step, metrics)
         return report
-
-    # -- state ------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """The last step and the number of computations."""
-        return self._trigger.state_dict()
-
-    def load_state_dict(self, state: Any) -> None:
-        """Restores :meth:`state_dict`'s output (e.g. when resuming)."""
-        self._trigger.load_state_dict(state)
-
-    @property
-    def computations(self) -> int:
-        return self._trigger.computations
-
-    @property
-    def last_step(self) -> int | None:
-        return self._trigger.last_step
-
-    @property
-    def last_report(self) -> Report | None:
-        return self._trigger.last_report
