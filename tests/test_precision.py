@@ -4,6 +4,7 @@ here from the layers' raw inputs, and num_samples="auto"."""
 from __future__ import annotations
 
 import itertools
+import sys
 
 import pytest
 import torch
@@ -113,7 +114,13 @@ def test_auto_respects_its_cap_and_short_data() -> None:
     assert capped.batches == 24
     short = precisebn.estimate(net(), [torch.randn(8, 3, 6, 6) for _ in range(5)], num_samples="auto")
     assert short.batches == 5
-    assert AUTO_MAX_SAMPLES == 65536
+
+
+def test_auto_stops_at_its_sample_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert AUTO_MAX_SAMPLES == 65536  # the documented cap; a smaller one here keeps the test short
+    monkeypatch.setattr(sys.modules["precisebn.recalibrate"], "AUTO_MAX_SAMPLES", 96)
+    capped = precisebn.estimate(net(), stream(2), num_samples="auto", tolerance=1e-4)
+    assert (capped.samples, capped.batches) == (96, 12)
 
 
 @pytest.mark.parametrize(
