@@ -140,3 +140,24 @@ def test_shifted_sums_match_the_pooled_statistics(sizes: list[int], offset: floa
     eps = torch.finfo(torch.float64).eps
     bound = 1e-9 + 16 * eps * ((mean - k) ** 2 + mean**2 * eps) / var
     assert bool(((m.var - var).abs() / var <= bound).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize(("shape", "channel_dim"), [((40, 5, 6, 6), 1), ((5, 40, 9), 0), ((30, 7, 5), -1)])
+def test_from_data_in_slices_matches_float64_and_leaves_the_input(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, shape: tuple[int, ...], channel_dim: int
+) -> None:
+    """A tensor above CHUNK_VALUES is reduced slice by slice (bounded float64 copies): same
+    statistics, and the input — float64 included, which is reduced without a copy — unchanged."""
+    from precisebn import stats
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(*shape, generator=g, dtype=torch.float64) * 3 + 50).to(dtype)
+    before = x.clone()
+    monkeypatch.setattr(stats, "CHUNK_VALUES", 37)  # slices of a few rows (or one row when a row is larger)
+    m = RunningMoments.from_data(x, channel_dim)
+    n, mean, var = reference(x, channel_dim)
+    assert torch.equal(x, before)
+    assert m.count.tolist() == [float(n)] * x.shape[channel_dim]
+    torch.testing.assert_close(m.mean, mean, rtol=1e-13, atol=0)
+    torch.testing.assert_close(m.var, var, rtol=1e-11, atol=0)

@@ -200,3 +200,23 @@ def test_both_verifications_choose_the_same_paths_exactly(verification) -> None:
     exact = compute_truth(layer, batches)[""]
     offset = precisebn.estimate(layer, batches)[""]
     assert offset.path == "float64" and max_rel_error(offset.var, exact.var) <= 1e-9
+
+
+def test_watch_records_what_syncbatchnorm_normalises_across_processes() -> None:
+    """SyncBatchNorm with world size > 1 never calls F.batch_norm: its autograd function hands its
+    input and running buffers to torch.batch_norm_gather_stats_with_counts (CUDA-only: the whole
+    path is run by benchmarks/gpu_check.py (d); here, meta tensors reach the call, which is
+    recorded before torch refuses to run it on them)."""
+    from precisebn.watch import Watch
+
+    bn = nn.BatchNorm2d(4).to("meta")
+    x = torch.empty(8, 4, 3, 3, device="meta")
+    stats = torch.empty(2, 4, device="meta")  # every rank's batch mean / invstd
+    counts = torch.empty(2, device="meta")
+    with Watch(bn) as watch:
+        for running_mean in (torch.empty(4, device="meta"), bn.running_mean):  # another layer's, then its own
+            with pytest.raises(NotImplementedError):
+                torch.batch_norm_gather_stats_with_counts(
+                    x, stats, stats, running_mean, bn.running_var, 0.1, 1e-5, counts
+                )
+    assert len(watch.seen) == 1 and watch.seen[0] is x

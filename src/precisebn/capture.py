@@ -236,9 +236,14 @@ class Collector:
         if self._trials:
             self._settle()
         fold = self._batch % FOLDS
+        if self._groups:
+            self._sum_figures(fold)
+        if self._extras:
+            self._merge_extras()  # into this batch's fold, like everything else of it
         self._batch += 1
-        if not self._groups:
-            return
+
+    def _sum_figures(self, fold: int) -> None:
+        """Adds the figures left in the scratch buffers by this batch's last calls to the sums."""
         row, self._row = self._row, [0] * (len(self.layers) + 1)
         summed = self._summed[fold]
         for i, n in enumerate(row):
@@ -254,8 +259,6 @@ class Collector:
             nd = d * count
             g.s1[fold].add_(nd)
             g.s2[fold].addcmul_(nd, d).addcmul_(var, count_minus_one)
-        if self._extras:
-            self._merge_extras()
 
     def _check_calls_per_batch(self) -> None:
         for i, k in enumerate(self._in_batch):
@@ -282,10 +285,10 @@ class Collector:
             figures.setdefault(i, []).append((mean, var))
         items, owners = [], []
         for i, trial in trials.items():
-            if trial.fits:
+            if trial.fits and not trial.off:
                 calls = [*figures.get(i, []), self._views[i]]
                 eps = float(self.layers[i].module.eps)
-                items += [(mean, var, ref, eps) for (mean, var), ref in zip(calls, trial.refs)]
+                items += [(*calls[j], ref, eps) for j, ref in trial.refs]
                 owners += [i] * len(trial.refs)
         worst = dict.fromkeys(trials, 0.0)
         for i, value in zip(owners, discrepancies(items)):
@@ -299,20 +302,21 @@ class Collector:
             # undo this batch's fast-path bookkeeping; use the float64 figures of what it normalised
             self.counts[i], self._row[i] = trial.counts, 0
             self._extras = [e for e in self._extras if e[0] != i]
+            moments = trial.resolve([*figures.get(i, []), self._views[i]])
             if self.per_call:  # this batch's calls are indices 0, 1, ... of the layer's trial
-                for j, (n, _, values) in enumerate(trial.calls):
-                    self.call_counts[i][j] += (values if trial.moments is not None else 0) - n
-            if trial.moments is None:
+                for j, (n, _, values, _) in enumerate(trial.calls):
+                    self.call_counts[i][j] += (values if moments is not None else 0) - n
+            if moments is None:
                 self.paths[i] = "none"
                 continue
             self.paths[i] = "float64"
-            self.counts[i] += trial.values
+            self.counts[i] += sum(values for _, m, values, _ in trial.calls if m is not None)
             if self.per_call:
-                for j, (_, moments, _) in enumerate(trial.calls):
-                    if moments is not None:
-                        self._keep((i, j), moments)
+                for j, (_, call_moments, _, _) in enumerate(trial.calls):
+                    if call_moments is not None:
+                        self._keep((i, j), call_moments)
             else:
-                self._keep((i, 0), trial.moments)
+                self._keep((i, 0), moments)
             logger.info(
                 "precisebn: layer %r measured in float64 (its own figures are %s)",
                 self.layers[i].name,
@@ -359,8 +363,9 @@ class Collector:
     # -- results -----------------------------------------------------------------------
 
     def finish(self) -> list[list[RunningMoments]]:
-        """Each layer's moments per fold, shape ``(FOLDS, channels)``, over everything it saw
-        (count 0 if never reached); see :func:`precisebn.stats.fold_errors`. One set per
+        """Each layer's moments per fold, shape ``(K, channels)`` with ``K = min(batches, FOLDS)``
+        (the folds that can hold values), over everything it saw (count 0 if never reached);
+        see :func:`precisebn.stats.fold_errors`. One set per
         layer, or with ``per_call`` one per call index for a layer called k > 1 times per
         batch (in call order).
 
@@ -378,15 +383,17 @@ class Collector:
                     "BatchNorm forward at run time, so the figures precisebn reads were never written. Restore "
                     "the layer's forward, or exclude it with layers=. The model was left unchanged."
                 )
-        summed = torch.tensor(self._summed, dtype=torch.float64)  # (FOLDS, layers + 1)
+        folds = max(1, min(self._batch, FOLDS))  # fold b holds batches b, b + FOLDS, ...: the rest are empty
+        summed = torch.tensor(self._summed[:folds], dtype=torch.float64)  # (folds, layers + 1)
         merged = {}  # per group, all its channels at once
         for g in self._groups:
             shift = g.shift if g.shift is not None else torch.zeros_like(g.s1[0])
-            merged[id(g)] = RunningMoments.from_shifted_sums(g.per_channel(summed), shift, g.s1, g.s2)
+            merged[id(g)] = RunningMoments.from_shifted_sums(g.per_channel(summed), shift, g.s1[:folds], g.s2[:folds])
         out = []
         for i, layer in enumerate(self.layers):
             k = max(self.per_batch[i], 1) if self.per_call else 1
             parts = [self._kept.get((i, j)) for j in range(k)]
+            parts = [p[:folds] if p is not None else None for p in parts]
             if self.paths[i] == "fast":  # the last call of each batch is in the sums
                 g, start = self._own[i]
                 m = merged[id(g)][:, start : start + layer.channels]
@@ -394,7 +401,7 @@ class Collector:
                     m.merge(parts[-1].to(m.mean.device))
                 parts[-1] = m
             device = _accumulation_device(layer.module.running_mean.device)
-            out.append([p if p is not None else RunningMoments.zeros((FOLDS, layer.channels), device) for p in parts])
+            out.append([p if p is not None else RunningMoments.zeros((folds, layer.channels), device) for p in parts])
         return out
 
     def precision(self) -> float:
@@ -443,67 +450,77 @@ def _checked_channels(channels: int) -> Tensor:
 class _Trial:
     """What one layer's calls showed in the batch that verifies its fast path."""
 
-    __slots__ = ("calls", "counted", "counts", "fits", "moments", "off", "refs", "values")
+    __slots__ = ("calls", "counted", "counts", "fits", "off", "refs")
 
     def __init__(self, counts: int) -> None:
         self.counts = counts  # the layer's count before this batch
         self.fits = True  # one normalised tensor per call, of the input's size and channels
         self.off = False  # a call's own figures were checked at once, and were off
         self.counted = True  # each call incremented the layer's num_batches_tracked once
-        self.refs: list[RunningMoments] = []  # per call: float64 moments of what it normalised
-        self.moments: RunningMoments | None = None  # float64 moments of what it normalised
-        self.values = 0  # ... and their number per channel
-        # per call: (values per channel counted from its input, float64 moments of what it normalised, their values)
-        self.calls: list[tuple[int, RunningMoments | None, int]] = []
+        # (call index, float64 moments of what it normalised): compared with its figures in _settle
+        self.refs: list[tuple[int, RunningMoments]] = []
+        # per call: (values per channel counted from its input, float64 moments of what it normalised
+        # or None if nothing, their values per channel, whether its own figures passed the check made
+        # at once: its moments are then those figures, built by resolve() only if needed)
+        self.calls: list[tuple[int, RunningMoments | None, int, bool]] = []
 
     def add_checked(
         self, seen: list[Tensor], x: Tensor, channels: int, n: int, mean: Tensor, var: Tensor, eps: float
     ) -> None:
         """On the CPU, where reading a value costs no synchronisation: checks this call's figures at
         once against a float64 reduction of a few channels of what it normalised (the rounding term
-        over every channel, from the figures), and keeps the figures themselves as the call's
-        moments when they pass — the full float64 reduction is made only for a call that fails."""
+        over every channel, from the figures). A call that passes keeps its figures as its moments;
+        the full float64 reduction is made only for a call that fails."""
         t = seen[0] if len(seen) == 1 else None
         if t is None or t.numel() != x.numel() or t.dim() < 2 or t.shape[1] != channels:
             self.add(seen, x, channels, n)
             return
         idx = _checked_channels(channels)
-        sample = t.index_select(1, idx).to(torch.float64).transpose(0, 1).reshape(len(idx), -1)
-        ref_mean = sample.mean(1)
-        ref_var = (sample - ref_mean[:, None]).square_().sum(1) / max(sample.shape[1] - 1, 1)
-        mean64, var64 = mean.to(torch.float64), var.to(torch.float64)
+        sample = t.detach().index_select(1, idx).to(torch.float64)  # a new tensor: changed in place below
+        dims, shape = [0, *range(2, sample.dim())], [1, len(idx), *[1] * (sample.dim() - 2)]
+        values = sample.numel() // len(idx)
+        ref_mean = sample.sum(dims).div_(values)  # two passes in float64 (torch.var_mean is slower here)
+        ref_var = sample.sub_(ref_mean.view(shape)).square_().sum(dims).div_(max(values - 1, 1))
         scale = ref_var + eps
-        off = torch.maximum((mean64[idx] - ref_mean).abs() / scale.sqrt(), (var64[idx] - ref_var).abs() / scale)
+        off_mean = (mean.index_select(0, idx) - ref_mean).abs_().div_(scale.sqrt())
+        off_var = (var.index_select(0, idx) - ref_var).abs_().div_(scale)
+        rounding = (mean.double().square() / (var.double() + eps)).max()  # / unit², every channel; never in place
         unit = torch.finfo(mean.dtype).eps / 2
-        rounding = (unit * mean64.abs()).square() / (var64 + eps)  # every channel, from the figures
-        worst = float(torch.maximum(off.max(), rounding.max()).nan_to_num(float("inf")))
-        if worst > TOLERANCE[mean.dtype]:
+        worst = max(float(torch.maximum(off_mean.max(), off_var.max())), float(rounding) * unit * unit)
+        if not worst <= TOLERANCE[mean.dtype]:  # NaN fails too
             self.off = True
             self.add(seen, x, channels, n)
             return
-        moments = RunningMoments(torch.full_like(mean64, float(n)), mean64.clone(), var64 * (n - 1))
-        self.calls.append((n, RunningMoments(moments.count, moments.mean, moments.m2), n))
-        self.values += n
-        if self.moments is None:
-            self.moments = moments
-        else:
-            self.moments.merge(moments)
+        self.calls.append((n, None, n, True))
 
     def add(self, seen: list[Tensor], x: Tensor, channels: int, n: int) -> None:
         moments = moments_of(seen)
         values = sum(t.numel() // channels for t in seen)
-        own = None if moments is None else RunningMoments(moments.count, moments.mean, moments.m2)
-        self.calls.append((n, own, values))  # a copy: merge() below rebinds the first call's moments
+        self.calls.append((n, moments, values, False))
         if moments is None:
             self.fits = False
             return
-        self.values += values
         t = seen[0]
         if len(seen) != 1 or t.numel() != x.numel() or t.dim() < 2 or t.shape[1] != channels:
             self.fits = False
         else:
-            self.refs.append(RunningMoments(moments.count, moments.mean, moments.m2))  # merge() rebinds moments
-        if self.moments is None:
-            self.moments = moments
-        else:
-            self.moments.merge(moments)
+            self.refs.append((len(self.calls) - 1, moments))
+
+    def resolve(self, figures: list[tuple[Tensor, Tensor]]) -> RunningMoments | None:
+        """float64 moments of everything the layer normalised in this batch (None if nothing),
+        each call's own figures standing for a call whose figures passed the check at once;
+        ``figures`` holds each call's (mean, unbiased variance), in call order."""
+        total = None
+        for j, (n, moments, values, checked) in enumerate(self.calls):
+            if checked:
+                mean, var = figures[j]
+                count = torch.full_like(mean, float(n), dtype=torch.float64)
+                moments = RunningMoments(count, mean.to(torch.float64, copy=True), var.double() * (n - 1))
+                self.calls[j] = (n, moments, values, False)
+            if moments is None:
+                continue
+            if total is None:
+                total = RunningMoments(moments.count, moments.mean, moments.m2)  # merge() rebinds, never mutates
+            else:
+                total.merge(moments)
+        return total

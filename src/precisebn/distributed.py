@@ -37,6 +37,7 @@ from typing import Any, ClassVar, NoReturn
 
 import torch
 
+from .capture import FOLDS
 from .errors import DistributedError, InvalidArgumentError
 from .measure import Measurement
 from .stats import RunningMoments
@@ -222,12 +223,13 @@ class RankContext:
                 f"ranks selected different normalization layers (layout digests {per_rank}); every rank must "
                 "pass the same model architecture and the same layers= selection. No model was changed."
             )
-        sizes = [m.mean.numel() for m in local.moments]
-        shapes = [m.mean.shape for m in local.moments]  # (FOLDS, channels): folds merge fold by fold
-        home = [m.mean.device for m in local.moments]
-        count = torch.cat([m.count.reshape(-1).to(self.device) for m in local.moments])
-        mean = torch.cat([m.mean.reshape(-1).to(self.device) for m in local.moments])
-        m2 = torch.cat([m.m2.reshape(-1).to(self.device) for m in local.moments])
+        moments = [_all_folds(m) for m in local.moments]  # a rank with few batches keeps fewer folds
+        sizes = [m.mean.numel() for m in moments]
+        shapes = [m.mean.shape for m in moments]  # (FOLDS, channels): folds merge fold by fold
+        home = [m.mean.device for m in moments]
+        count = torch.cat([m.count.reshape(-1).to(self.device) for m in moments])
+        mean = torch.cat([m.mean.reshape(-1).to(self.device) for m in moments])
+        m2 = torch.cat([m.m2.reshape(-1).to(self.device) for m in moments])
         per_layer = torch.tensor(local.calls + local.counts, dtype=torch.float64, device=self.device)
         first = torch.cat([count, count * mean, per_layer])
         torch.distributed.all_reduce(first, group=self.group)  # collective 2
@@ -257,3 +259,11 @@ class RankContext:
             seconds=max(row[4] for row in table),
             world_size=self.world_size,
         )
+
+
+def _all_folds(m: RunningMoments) -> RunningMoments:
+    """``m`` (shape ``(K, channels)``, K <= FOLDS) with empty folds appended up to FOLDS."""
+    missing = FOLDS - m.count.shape[0]
+    if missing <= 0:
+        return m
+    return RunningMoments(*(torch.cat([t, t.new_zeros((missing, *t.shape[1:]))]) for t in (m.count, m.mean, m.m2)))

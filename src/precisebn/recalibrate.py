@@ -420,24 +420,30 @@ def _apply(model: nn.Module, stats: PopulationStats, prior: float | None = None,
         _refuse("the statistics cannot be pooled with the model's", problems)
     write = (adapt != "var", adapt != "mean")  # running_mean, running_var
     updated = [(m, s) for _, m, s in entries if s.reached]
-    new = [
-        t.detach().to(buffer.device, buffer.dtype)
-        for m, s in updated
-        for t, buffer, w in ((s.mean, m.running_mean, write[0]), (s.var, m.running_var, write[1]))
-        if w
-    ]
+    new = _converted(
+        [
+            (t, buffer)
+            for m, s in updated
+            for t, buffer, w in ((s.mean, m.running_mean, write[0]), (s.var, m.running_var, write[1]))
+            if w
+        ]
+    )
     old = [t for _, m, _ in entries for t in (m.running_mean, m.running_var)]
     host = _cpu64(old + new)
     old_host, new_host = host[: len(old)], iter(host[len(old) :])
     values = {}
-    for (name, m, s), old_mean, old_var in zip(entries, old_host[::2], old_host[1::2]):
+    for (name, _, s), old_mean, old_var in zip(entries, old_host[::2], old_host[1::2]):
         mean = next(new_host) if s.reached and write[0] else old_mean
         var = next(new_host) if s.reached and write[1] else old_var
-        if s.reached and not all(bool(t.isfinite().all()) for t, w in zip((mean, var), write) if w):
-            problems.append(f"{name!r} has NaN/Inf values (as {str(m.running_mean.dtype).removeprefix('torch.')})")
-        elif s.reached and write[1] and bool((var < 0).any()):
-            problems.append(f"{name!r} has a negative variance")
         values[name] = (old_mean, old_var, mean, var)
+    if new and not _all_fine(host[len(old) :], write):  # checked at once; layer by layer only to name them
+        for name, m, s in entries:
+            mean, var = values[name][2:]
+            if s.reached and not all(bool(t.isfinite().all()) for t, w in zip((mean, var), write) if w):
+                dtype = str(m.running_mean.dtype).removeprefix("torch.")
+                problems.append(f"{name!r} has NaN/Inf values (as {dtype})")
+            elif s.reached and write[1] and bool((var < 0).any()):
+                problems.append(f"{name!r} has a negative variance")
     _refuse("the statistics cannot be written", problems)
     rows = [
         LayerReport(
@@ -496,11 +502,42 @@ def _cpu64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
     out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
-    for ids in by_device.values():
-        flat = torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in ids]).cpu()
-        for i, part in zip(ids, flat.split([tensors[i].numel() for i in ids])):
-            out[i] = part
+    with torch.no_grad():
+        for ids in by_device.values():
+            flat = torch.cat([_flat(tensors[i]) for i in ids]).to("cpu", torch.float64)  # cat promotes dtypes
+            for i, part in zip(ids, flat.split([tensors[i].numel() for i in ids])):
+                out[i] = part
     return out
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
+def _converted(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """Each tensor converted to its buffer's device and dtype: one conversion per (device, dtype)."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (_, buffer) in enumerate(pairs):
+        by_kind.setdefault((buffer.device, buffer.dtype), []).append(i)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(pairs)
+    with torch.no_grad():
+        for (device, dtype), ids in by_kind.items():
+            flat = torch.cat([_flat(pairs[i][0].to(device)) for i in ids]).to(dtype)
+            for i, part in zip(ids, flat.split([pairs[i][0].numel() for i in ids])):
+                out[i] = part.view(pairs[i][0].shape)
+    return out
+
+
+def _all_fine(new: list[torch.Tensor], write: tuple[bool, bool]) -> bool:
+    """Whether the new values (host float64, in the order of ``_apply``'s ``new``) are all finite
+    and the variances among them non-negative."""
+    flat = torch.cat(new)
+    if not bool(flat.isfinite().all()):
+        return False
+    if not write[1]:
+        return True
+    variances = new[1::2] if write[0] else new
+    return not bool((torch.cat(variances) < 0).any())
 
 
 def recalibrate(

@@ -37,6 +37,14 @@ __all__ = ["RunningMoments", "chan_merge", "fold_errors"]
 
 _F64 = torch.float64
 
+CHUNK_VALUES = 1 << 24
+"""Largest number of values :meth:`RunningMoments.from_data` converts to float64 at once."""
+
+
+def _centred(x: Tensor, mean: Tensor) -> Tensor:
+    """``x - mean`` in float64, in place on the float64 copy of ``x`` when one is made."""
+    return x.to(_F64).sub_(mean) if x.dtype != _F64 else x - mean
+
 
 def chan_merge(
     count_a: Tensor, mean_a: Tensor, m2_a: Tensor, count_b: Tensor, mean_b: Tensor, m2_b: Tensor
@@ -84,24 +92,30 @@ class RunningMoments:
     def from_data(cls, x: Tensor, channel_dim: int = 1) -> RunningMoments:
         """Moments of ``x`` per index of ``channel_dim``, pooled over every other dimension.
 
-        The reduction runs in float64 (two-pass), whatever the dtype of ``x``.
+        The reduction runs in float64 (two passes: the mean, then the squared deviations
+        from it), whatever the dtype of ``x``. A large tensor is reduced in slices along
+        its first other dimension, so that the float64 copies made on the way stay below
+        about :data:`CHUNK_VALUES` values (128 MiB) rather than twice the tensor's size.
         """
         if x.dim() == 0:
             raise ValueError("from_data needs at least one dimension (the channels)")
-        xd = x.detach().to(_F64)
-        channel_dim %= xd.dim()
-        dims = [d for d in range(xd.dim()) if d != channel_dim]
-        channels = xd.shape[channel_dim]
-        count = xd.numel() // channels if channels else 0
+        x = x.detach()
+        channel_dim %= x.dim()
+        dims = [d for d in range(x.dim()) if d != channel_dim]
+        channels = x.shape[channel_dim]
+        count = x.numel() // channels if channels else 0
         if count == 0:
             return cls.zeros(channels, device=x.device)
         if not dims:
+            xd = x.to(_F64)
             return cls(torch.ones_like(xd), xd.clone(), torch.zeros_like(xd))
-        # two passes with float64 sums: as exact as var_mean, and several times faster on CPU
-        mean = xd.sum(dims) / count
-        shape = [1] * xd.dim()
+        shape = [1] * x.dim()
         shape[channel_dim] = channels
-        m2 = (xd - mean.view(shape)).square_().sum(dims)
+        split = dims[0]  # sliced along this dimension when large
+        step = max(1, CHUNK_VALUES // max(1, x.numel() // x.shape[split]))
+        pieces = [x] if step >= x.shape[split] else list(x.split(step, split))
+        mean = sum(p.to(_F64).sum(dims) for p in pieces) / count
+        m2 = sum(_centred(p, mean.view(shape)).square_().sum(dims) for p in pieces)
         return cls(torch.full_like(mean, float(count)), mean, m2)
 
     @classmethod
@@ -113,15 +127,15 @@ class RunningMoments:
         """
         counts, means, m2s = counts.to(_F64), means.to(_F64), m2s.to(_F64)
         present = counts > 0
-        zero = torch.zeros((), dtype=_F64, device=counts.device)
-        counts = torch.where(present, counts, zero)
-        means = torch.where(present, means, zero)
-        m2s = torch.where(present, m2s, zero)
+        if not bool(present.all()):  # one host read; rows without values must not leak NaN in
+            zero = torch.zeros((), dtype=_F64, device=counts.device)
+            counts = torch.where(present, counts, zero)
+            means = torch.where(present, means, zero)
+            m2s = torch.where(present, m2s, zero)
         total = counts.sum(0)
-        safe = torch.where(total > 0, total, torch.ones_like(total))
-        mean = (counts * means).sum(0) / safe
+        mean = (counts * means).sum(0).div_(total.clamp_min(1))
         dev = means - mean
-        m2 = m2s.sum(0) + (counts * dev * dev).sum(0)
+        m2 = dev.square_().mul_(counts).sum(0).add_(m2s.sum(0))
         return cls(total, mean, m2)
 
     def merge(self, other: RunningMoments) -> None:
@@ -196,20 +210,31 @@ def fold_errors(folds: RunningMoments) -> tuple[RunningMoments, Tensor, Tensor]:
     """
     pooled = RunningMoments.from_batches(folds.count, folds.mean, folds.m2)
     n, mean, m2 = pooled.count, pooled.mean, pooled.m2
-    n_k, d = folds.count, folds.mean - mean
+    n_k = folds.count
     rest = n - n_k
     used = (n_k > 0) & (rest > 0)
-    safe = torch.where(used, rest, torch.ones_like(rest))
-    zero = torch.zeros((), dtype=_F64, device=n.device)
-    # without fold k: mean - n_k (mean_k - mean) / (n - n_k), M2 - M2_k - n_k n (mean_k - mean)^2 / (n - n_k)
-    mean_out = torch.where(used, -n_k * d / safe, zero)  # minus the pooled mean: the jackknife is shift-invariant
-    var_out = torch.where(used, (m2 - folds.m2 - n_k * n / safe * d * d).clamp_min(0) / safe, zero)
-    k = used.sum(0).to(_F64)
+    everywhere = bool(used.all())  # one host read: the usual case needs no masking below
+    if not everywhere:
+        rest.masked_fill_(~used, 1)
+    # without fold k (in place, few temporaries; the jackknife is shift-invariant and
+    # sign-blind, so the mean's deviation is taken as n_k (mean_k - mean) / (n - n_k)):
+    #   mean_(-k) - mean = -n_k (mean_k - mean) / (n - n_k)
+    #   var_(-k) = (M2 - M2_k - n_k n (mean_k - mean)^2 / (n - n_k)) / (n - n_k)
+    d = folds.mean - mean
+    mean_out = d.mul(n_k).div_(rest)
+    var_out = torch.sub(m2, folds.m2).sub_(d.mul_(mean_out).mul_(n)).clamp_min_(0).div_(rest)
+    if not everywhere:
+        mean_out.masked_fill_(~used, 0)
+        var_out.masked_fill_(~used, 0)
+    k = used.sum(0).to(_F64) if not everywhere else torch.full_like(n, float(used.shape[0]))
+    factor = (k - 1) / k.clamp_min(1)
 
     def spread(values: Tensor) -> Tensor:
-        centre = values.sum(0) / k.clamp_min(1)
-        dev = torch.where(used, values - centre, zero)
-        return ((k - 1) / k.clamp_min(1) * (dev * dev).sum(0)).sqrt()
+        centre = values.sum(0).div_(k.clamp_min(1))
+        dev = values.sub_(centre)  # values are temporaries of this function
+        if not everywhere:
+            dev.masked_fill_(~used, 0)
+        return dev.square_().sum(0).mul_(factor).sqrt_()
 
     se_mean, se_var = spread(mean_out), spread(var_out)
     var = m2 / n.clamp_min(1)

@@ -8,9 +8,12 @@ buffers at all.
 
 :class:`Watch` is a ``TorchFunctionMode`` entered only around one layer's forward: it
 records the ``input`` of every ``F.batch_norm``/``F.instance_norm`` call that is given
-that layer's own ``running_mean``. :func:`discrepancy` compares the figures a layer left
-in its buffers (with momentum 1.0: the batch mean and unbiased variance, if it behaves
-like torch's BatchNorm) with a float64 reduction of what it normalised.
+that layer's own ``running_mean``, and of torch's cross-process gathering of batch figures
+(``SyncBatchNorm`` across processes: its running buffers get the figures of all
+processes' batches, what this process normalises is its own input).
+:func:`discrepancies` compares the figures a layer left in its buffers (with momentum 1.0:
+the batch mean and unbiased variance, if it behaves like torch's BatchNorm) with a
+float64 reduction of what it normalised.
 """
 
 from __future__ import annotations
@@ -36,6 +39,16 @@ Above the rounding of torch's own kernels in the default memory layout (float32:
 whose float32 figures carry about 2e-5 — is measured in float64 instead."""
 
 _SIGNATURES = {f: inspect.signature(f) for f in (F.batch_norm, F.instance_norm)}
+# torch.nn.modules._functions.SyncBatchNorm (world size > 1) does not call F.batch_norm: it
+# passes its input and running buffers to these (input first, running_mean fourth).
+_GATHERS = tuple(
+    f
+    for f in (
+        getattr(torch, "batch_norm_gather_stats_with_counts", None),
+        getattr(torch, "batch_norm_gather_stats", None),
+    )
+    if f
+)
 
 
 class Watch(TorchFunctionMode):
@@ -53,7 +66,11 @@ class Watch(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         signature = _SIGNATURES.get(func)
-        if signature is not None:
+        if func in _GATHERS and self.running_mean is not None:
+            running_mean = args[3] if len(args) > 3 else kwargs.get("running_mean")
+            if running_mean is self.running_mean:
+                self.seen.append(args[0] if args else kwargs["input"])
+        elif signature is not None:
             try:
                 bound = signature.bind(*args, **kwargs).arguments
             except TypeError:  # torch will say what is wrong with the call
