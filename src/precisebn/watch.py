@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from .stats import RunningMoments
 
-__all__ = ["TOLERANCE", "Watch", "discrepancies", "moments_of"]
+__all__ = ["TOLERANCE", "Watch", "discrepancies", "moments_of", "normalises_its_input"]
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 """Largest :func:`discrepancy` for which a layer's own figures are used (by buffer dtype).
@@ -49,6 +49,24 @@ _GATHERS = tuple(
     )
     if f
 )
+
+
+_TORCH_FORWARDS = (nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward)
+
+
+def normalises_its_input(module: nn.Module) -> bool:
+    """Whether ``module`` runs torch's own BatchNorm forward (its class's forward is torch's
+    ``_BatchNorm.forward`` or ``SyncBatchNorm.forward``, nothing replaces it on the instance,
+    and ``F.batch_norm`` is torch's): that forward normalises exactly its input with the
+    layer's running buffers, so there is nothing to watch for — as long as it tracks them
+    (``track_running_stats``) and they are still the ones the caller put there (both
+    checked by the caller at each call, after any pre-hook or parent has run)."""
+    return (
+        type(module).forward in _TORCH_FORWARDS
+        and "forward" not in module.__dict__
+        and getattr(F.batch_norm, "__module__", None) == "torch.nn.functional"
+        and F.batch_norm in _SIGNATURES
+    )
 
 
 class Watch(TorchFunctionMode):
