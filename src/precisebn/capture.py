@@ -18,9 +18,12 @@ Two paths, chosen per layer by verifying it, not by its class:
   those are merged with Chan's formula.
 
   The path is verified on the batch in which a layer is first called: every call then
-  also records what the layer normalises with its buffers, reduces it in float64, and
-  compares the figures the layer left behind (:func:`~precisebn.watch.discrepancy`,
-  one host read at the end of that batch for all layers). A layer that normalises
+  also records what the layer normalises with its buffers (its input, for a layer running
+  torch's own forward on the scratch buffers, see
+  :func:`~precisebn.watch.normalises_its_input`; else what :class:`~precisebn.watch.Watch`
+  sees), reduces it in float64, and compares the figures the layer left behind
+  (:func:`~precisebn.watch.discrepancies`, one host read at the end of that batch for all
+  layers; on the CPU each call is checked at once on a few channels instead). A layer that normalises
   exactly one tensor of its input's size per call and whose figures match within
   :data:`~precisebn.watch.TOLERANCE` keeps the fast path; any other moves to the
   float64 path with that batch's float64 figures (a biased variance stored, buffers

@@ -127,7 +127,7 @@ class RunningMoments:
         """
         counts, means, m2s = counts.to(_F64), means.to(_F64), m2s.to(_F64)
         present = counts > 0
-        if not bool(present.all()):  # one host read; rows without values must not leak NaN in
+        if counts.device.type != "cpu" or not bool(present.all()):  # rows without values must not leak NaN in
             zero = torch.zeros((), dtype=_F64, device=counts.device)
             counts = torch.where(present, counts, zero)
             means = torch.where(present, means, zero)
@@ -213,7 +213,7 @@ def fold_errors(folds: RunningMoments) -> tuple[RunningMoments, Tensor, Tensor]:
     n_k = folds.count
     rest = n - n_k
     used = (n_k > 0) & (rest > 0)
-    everywhere = bool(used.all())  # one host read: the usual case needs no masking below
+    everywhere = n.device.type == "cpu" and bool(used.all())  # on the CPU, the usual case needs no masking
     if not everywhere:
         rest.masked_fill_(~used, 1)
     # without fold k (in place, few temporaries; the jackknife is shift-invariant and
