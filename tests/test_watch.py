@@ -220,3 +220,54 @@ def test_watch_records_what_syncbatchnorm_normalises_across_processes() -> None:
                     x, stats, stats, running_mean, bn.running_var, 0.1, 1e-5, counts
                 )
     assert len(watch.seen) == 1 and watch.seen[0] is x
+
+
+def test_torch_forward_is_recognised_only_when_it_is_torch_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    from precisebn.watch import normalises_its_input
+
+    plain, overridden, wrapped = nn.BatchNorm2d(3), BatchNormAct2d(3), nn.BatchNorm2d(3)
+    wrapped.forward = lambda x: nn.BatchNorm2d.forward(wrapped, x)  # an instance-level forward: watched
+    assert normalises_its_input(plain) and normalises_its_input(nn.SyncBatchNorm(3))
+    assert not normalises_its_input(overridden) and not normalises_its_input(wrapped)
+    assert not normalises_its_input(nn.InstanceNorm2d(3, track_running_stats=True))
+    original = torch.nn.functional.batch_norm
+    monkeypatch.setattr(torch.nn.functional, "batch_norm", lambda *a, **k: original(*a, **k))
+    assert not normalises_its_input(plain)  # F.batch_norm replaced: what runs is not known
+
+
+def test_buffer_swapped_by_a_pre_hook_is_watched_and_measured_exactly() -> None:
+    """torch's own forward, but a pre-hook gives the layer a fresh running_mean before each call:
+    precisebn's buffers are no longer the ones it normalises with, so the call is watched, the figures
+    (left in the fresh buffer) fail verification and the input is measured in float64, exactly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6))
+    bn = model[1]
+
+    def swap(module: nn.Module, args: tuple) -> None:
+        module.running_mean = torch.zeros(6)
+
+    data = images()
+    truth = compute_truth(model, data)
+    bn.register_forward_pre_hook(swap)
+    stats = precisebn.estimate(model, data)
+    assert stats["1"].path == "float64"
+    assert max_rel_error(stats["1"].mean, truth["1"].mean, truth["1"].var.sqrt()) <= 1e-12
+    assert max_rel_error(stats["1"].var, truth["1"].var) <= 1e-12
+
+
+def test_buffers_removed_by_a_pre_hook_mean_not_updated() -> None:
+    """torch's own forward, but a pre-hook takes the running buffers away before each call (so it
+    normalises with batch statistics and no running buffers): not taken on trust as "normalises its
+    input with its buffers" — the layer is reported never normalised and keeps its statistics."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.Conv2d(6, 4, 1), nn.BatchNorm2d(4))
+    before = {k: v.clone() for k, v in model[1].state_dict().items()}
+
+    def remove(module: nn.Module, args: tuple) -> None:
+        module.running_mean = None
+        module.running_var = None
+
+    model[1].register_forward_pre_hook(remove)
+    report = precisebn.recalibrate(model, images())
+    assert report["1"].path == "none" and not report["1"].updated and report["3"].updated
+    assert all(torch.equal(v, before[k]) for k, v in model[1].state_dict().items())

@@ -307,7 +307,7 @@ class Collector:
         for i, value in zip(owners, discrepancies(items)):
             worst[i] = max(worst[i], value)
         for i, trial in trials.items():
-            dtype = self.layers[i].module.running_mean.dtype
+            dtype = self._views[i][0].dtype  # the layer's own buffers may be gone by now (a forward may drop them)
             if trial.fits and not trial.off and worst[i] <= TOLERANCE[dtype]:
                 self.paths[i] = "fast"
                 self._checked_calls[i] = trial.counted
@@ -403,18 +403,19 @@ class Collector:
             shift = g.shift if g.shift is not None else torch.zeros_like(g.s1[0])
             merged[id(g)] = RunningMoments.from_shifted_sums(g.per_channel(summed), shift, g.s1[:folds], g.s2[:folds])
         out = []
-        for i, layer in enumerate(self.layers):
+        for i in range(len(self.layers)):
+            channels = self._views[i][0].shape[0]
             k = max(self.per_batch[i], 1) if self.per_call else 1
             parts = [self._kept.get((i, j)) for j in range(k)]
             parts = [p[:folds] if p is not None else None for p in parts]
             if self.paths[i] == "fast":  # the last call of each batch is in the sums
                 g, start = self._own[i]
-                m = merged[id(g)][:, start : start + layer.channels]
+                m = merged[id(g)][:, start : start + channels]
                 if parts[-1] is not None:  # pooled: the calls before the last one in a batch
                     m.merge(parts[-1].to(m.mean.device))
                 parts[-1] = m
-            device = _accumulation_device(layer.module.running_mean.device)
-            out.append([p if p is not None else RunningMoments.zeros((folds, layer.channels), device) for p in parts])
+            device = _accumulation_device(self._views[i][0].device)
+            out.append([p if p is not None else RunningMoments.zeros((folds, channels), device) for p in parts])
         return out
 
     def precision(self) -> float:
