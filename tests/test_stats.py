@@ -161,3 +161,15 @@ def test_from_data_in_slices_matches_float64_and_leaves_the_input(
     assert m.count.tolist() == [float(n)] * x.shape[channel_dim]
     torch.testing.assert_close(m.mean, mean, rtol=1e-13, atol=0)
     torch.testing.assert_close(m.var, var, rtol=1e-11, atol=0)
+
+
+def test_from_data_leaves_a_float64_input_unchanged() -> None:
+    """A float64 tensor is reduced without a copy: its centring must not happen in place."""
+    x = torch.randn(6, 3, 4, dtype=torch.float64) * 2 + 5
+    before = x.clone()
+    m = RunningMoments.from_data(x, 1)
+    n, mean, var = reference(x)
+    assert torch.equal(x, before)
+    assert m.count.tolist() == [float(n)] * 3
+    torch.testing.assert_close(m.mean, mean, rtol=1e-13, atol=0)
+    torch.testing.assert_close(m.var, var, rtol=1e-12, atol=0)

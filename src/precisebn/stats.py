@@ -113,7 +113,12 @@ class RunningMoments:
         shape[channel_dim] = channels
         split = dims[0]  # sliced along this dimension when large
         step = max(1, CHUNK_VALUES // max(1, x.numel() // x.shape[split]))
-        pieces = [x] if step >= x.shape[split] else list(x.split(step, split))
+        if step >= x.shape[split]:  # one piece: a single float64 copy, centred in place
+            xd = x.to(_F64)
+            mean = xd.sum(dims).div_(count)
+            centred = xd.sub_(mean.view(shape)) if xd is not x else xd - mean.view(shape)
+            return cls(torch.full_like(mean, float(count)), mean, centred.square_().sum(dims))
+        pieces = list(x.split(step, split))
         mean = sum(p.to(_F64).sum(dims) for p in pieces) / count
         m2 = sum(_centred(p, mean.view(shape)).square_().sum(dims) for p in pieces)
         return cls(torch.full_like(mean, float(count)), mean, m2)
