@@ -164,6 +164,26 @@ def each(model: nn.Module, batch: list[Tensor]) -> list[Tensor]:
     return [model(x) for x in batch]
 
 
+def figures_are_off(x: torch.Tensor, eps: float = 1e-5) -> bool:
+    """Whether torch's float32 batch figures for ``x`` (what a BatchNorm1d leaves in its buffers with
+    momentum 1.0) miss the float64 batch mean / unbiased variance by more than the documented 1e-5:
+    |Δmean|/√(var+eps), |Δvar|/(var+eps), or the rounding of the mean, (2⁻²⁴·|mean|)²/(var+eps) — e.g.
+    two nearly equal values, whose variance float32 cannot resolve; such a layer is measured in float64."""
+    mean32, var32 = torch.zeros(x.shape[1]), torch.ones(x.shape[1])
+    torch.nn.functional.batch_norm(x, mean32, var32, training=True, momentum=1.0, eps=eps)
+    x64 = x.double()
+    mean, var = x64.mean(0), x64.var(0)
+    scale = var + eps
+    score = torch.stack(
+        [
+            (mean32.double() - mean).abs() / scale.sqrt(),
+            (var32.double() - var).abs() / scale,
+            (2.0**-24 * mean32.double().abs()).square() / scale,
+        ]
+    )
+    return bool((score > 1e-5).any())
+
+
 @settings(max_examples=20, deadline=None)
 @given(
     calls=st.integers(2, 4),
@@ -184,7 +204,8 @@ def test_each_call_gets_the_statistics_of_its_own_inputs(calls: int, sizes: list
     for j in range(calls):
         x = torch.cat([batch[j] for batch in data]).to(torch.float64)
         s = stats[f"calls.{j}"]
-        assert s.path == ("fast" if capture == "auto" else "float64")
+        fast = capture == "auto" and not any(figures_are_off(x) for x in data[0])  # verified on batch 1
+        assert s.path == ("fast" if fast else "float64")
         assert s.calls == len(sizes)
         assert_matches(s, x.shape[0], x.mean(0), x.var(0, unbiased=False), TOL)
 

@@ -236,9 +236,9 @@ def test_torch_forward_is_recognised_only_when_it_is_torch_s(monkeypatch: pytest
 
 
 def test_buffer_swapped_by_a_pre_hook_is_watched_and_measured_exactly() -> None:
-    """torch's own forward, but a pre-hook gives the layer a fresh running_mean before each call:
-    precisebn's buffers are no longer the ones it normalises with, so the call is watched, the figures
-    (left in the fresh buffer) fail verification and the input is measured in float64, exactly."""
+    """torch's own forward, but a pre-hook gives the layer a fresh running_mean before each call: the
+    figures go to that buffer, not precisebn's, so verification fails and the input is measured in
+    float64, exactly (a regression guard: a trusted or a watched call both end there)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6))
     bn = model[1]

@@ -131,10 +131,8 @@ class Collector:
             g = _Group(scratch.buffer, position_layer, _accumulation_device(scratch.buffer.device))
             self._groups.append(g)
             self._own.update((i, (g, off)) for i, off in own)
-        # layers running torch's own forward (decided before wrapping it): what they normalise is their input
-        self._own_forward = [normalises_its_input(layer.module) for layer in self.layers]
         for i, layer in enumerate(self.layers):
-            state.wrap_forward(layer.module, self._call(i))
+            state.wrap_forward(layer.module, self._call(i))  # _call(i) looks at the forward before it is wrapped
 
     # -- calls -------------------------------------------------------------------------
 
@@ -166,7 +164,7 @@ class Collector:
         mean_view, var_view = self._views[i]
         paths = self.paths
         module = self.layers[i].module
-        own_forward = self._own_forward[i]
+        own_forward = normalises_its_input(module)  # torch's own forward: what it normalises is its input
 
         def watched(forward: Callable[..., Any], x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             """Runs the layer; returns its output and what it normalised with its running buffers."""
