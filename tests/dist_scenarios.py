@@ -210,6 +210,24 @@ def failure_surfaces_fast(rank: int, world_size: int) -> Result:
     return {"error": None}
 
 
+def group_released(rank: int, world_size: int) -> Result:
+    """After a call, successful or failed, nothing of precisebn's holds the process group:
+    a failed call's traceback cycles would otherwise keep it until the interpreter shuts
+    down, where destroying it sometimes aborts the process (seen with gloo). Reference
+    counts are read without collecting garbage, as a program's exit would find them."""
+    group = torch.distributed.group.WORLD
+    before = sys.getrefcount(group)
+    precisebn.recalibrate(make_model(), shard(rank, world_size), num_samples="all")
+    after_success = sys.getrefcount(group)
+    failed = expect_failure(_stream(rank, fail_at=3 if rank == 1 else None), num_samples="auto", tolerance=1e-3)
+    return {
+        "before": before,
+        "after_success": after_success,
+        "after_failure": sys.getrefcount(group),
+        "failed": failed.get("error"),
+    }
+
+
 SCENARIOS: dict[str, Callable[[int, int], Result]] = {
     f.__name__: f
     for f in (
@@ -226,6 +244,7 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         non_finite,
         ctrl_c,
         failure_surfaces_fast,
+        group_released,
     )
 }
 

@@ -165,6 +165,15 @@ def test_auto_stops_at_the_same_batch_on_every_rank(tmp_path: Path) -> None:
         assert "disk read error on rank 1" in f["message"]
 
 
+def test_no_reference_to_the_process_group_outlives_a_call(tmp_path: Path) -> None:
+    """CI once saw a rank abort at exit after a failed call ("terminate called without an
+    active exception"): the failure's traceback cycles kept the group until shutdown."""
+    for res in run_ranks(2, ["group_released"], tmp_path):
+        r = res["group_released"]
+        assert r["failed"] == "DistributedError", r
+        assert r["after_success"] == r["before"] and r["after_failure"] == r["before"], r
+
+
 def test_three_uneven_ranks(tmp_path: Path) -> None:
     results = run_ranks(3, ["union", "empty_rank"], tmp_path)
     check_union(results, 3)

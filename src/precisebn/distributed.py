@@ -114,6 +114,17 @@ class RankContext:
         device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         return cls(group, rank, world_size, device, tuple(dist.get_process_group_ranks(group)))
 
+    def release(self) -> None:
+        """Drops this context's references to the process group and its store.
+
+        Called when the call ends, however it ends. A failed call's traceback holds this
+        context in reference cycles, which may outlive ``destroy_process_group()`` and be
+        collected only while the interpreter shuts down; torch's process group object,
+        destroyed then, sometimes aborts the process ("terminate called without an active
+        exception", seen with gloo). Without a reference here, it goes with the group.
+        """
+        self.group = self.store = None
+
     # -- failure -----------------------------------------------------------------------
 
     def poll(self) -> None:

@@ -322,12 +322,16 @@ def _estimate(
             raise
         ctx.fail(exc)  # always raises, on every rank
         raise
-    if ctx is not None:
-        per_forward = local.per_forward
-        local = ctx.merge(local)
-        local.per_forward = per_forward  # this rank's (the merge sums counts, not maxima)
-        local.check()  # the same verdict on every rank: they all hold the same values
-    return local.to_population()
+    else:
+        if ctx is not None:
+            per_forward = local.per_forward
+            local = ctx.merge(local)
+            local.per_forward = per_forward  # this rank's (the merge sums counts, not maxima)
+            local.check()  # the same verdict on every rank: they all hold the same values
+        return local.to_population()
+    finally:
+        if ctx is not None:
+            ctx.release()  # no reference to the group outlives the call (see RankContext.release)
 
 
 def apply(model: nn.Module, stats: PopulationStats, *, prior: float | None = None, adapt: Adapt = "both") -> Report:
