@@ -131,6 +131,10 @@ class Collector:
             g = _Group(scratch.buffer, position_layer, _accumulation_device(scratch.buffer.device))
             self._groups.append(g)
             self._own.update((i, (g, off)) for i, off in own)
+        self._pairs: list[Tensor | None] = [None] * n  # each layer's (mean, var) scratch as one (2, C) view
+        for scratch in state.groups:
+            for i, off in zip(scratch.layer_ids, scratch.offsets):
+                self._pairs[i] = scratch.buffer[:, off : off + self.layers[i].channels]
         for i, layer in enumerate(self.layers):
             state.wrap_forward(layer.module, self._call(i))  # _call(i) looks at the forward before it is wrapped
 
@@ -162,6 +166,7 @@ class Collector:
     def _call(self, i: int) -> Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]:
         channels = self.layers[i].channels
         mean_view, var_view = self._views[i]
+        pair = self._pairs[i]
         paths = self.paths
         module = self.layers[i].module
         own_forward = normalises_its_input(module)  # torch's own forward: what it normalises is its input
@@ -206,7 +211,7 @@ class Collector:
                 n = fast(x, j)
                 out, seen = watched(forward, x, args, kwargs)
                 if x.device.type == "cpu" and mean_view.device.type == "cpu":  # host reads cost nothing here
-                    trial.add_checked(seen, x, channels, n, mean_view, var_view, float(module.eps))
+                    trial.add_checked(seen, x, channels, n, pair, float(module.eps))
                 else:
                     trial.add(seen, x, channels, n)
                 trial.counted &= counter is not None and counter._version == before + 1
@@ -268,6 +273,9 @@ class Collector:
                 g.shift = mean.to(torch.float64, copy=True)
             d = torch.sub(mean, g.shift)  # float64; garbage only where count is 0
             nd = d * count
+            if self._batch < FOLDS:  # this fold's first batch
+                g.s1[fold].zero_()
+                g.s2[fold].zero_()
             g.s1[fold].add_(nd)
             g.s2[fold].addcmul_(nd, d).addcmul_(var, count_minus_one)
 
@@ -400,6 +408,7 @@ class Collector:
         for g in self._groups:
             shift = g.shift if g.shift is not None else torch.zeros_like(g.s1[0])
             merged[id(g)] = RunningMoments.from_shifted_sums(g.per_channel(summed), shift, g.s1[:folds], g.s2[:folds])
+        own = self._own_moments(merged)
         out = []
         for i in range(len(self.layers)):
             channels = self._views[i][0].shape[0]
@@ -407,13 +416,24 @@ class Collector:
             parts = [self._kept.get((i, j)) for j in range(k)]
             parts = [p[:folds] if p is not None else None for p in parts]
             if self.paths[i] == "fast":  # the last call of each batch is in the sums
-                g, start = self._own[i]
-                m = merged[id(g)][:, start : start + channels]
+                m = own[i]
                 if parts[-1] is not None:  # pooled: the calls before the last one in a batch
                     m.merge(parts[-1].to(m.mean.device))
                 parts[-1] = m
             device = _accumulation_device(self._views[i][0].device)
             out.append([p if p is not None else RunningMoments.zeros((folds, channels), device) for p in parts])
+        return out
+
+    def _own_moments(self, merged: dict[int, RunningMoments]) -> dict[int, RunningMoments]:
+        """Each fast-path layer's slice of its group's moments (views; three splits per group)."""
+        out = {}
+        for g in self._groups:
+            ids = sorted((off, i) for i, (h, off) in self._own.items() if h is g)
+            bounds = [b for off, i in ids for b in (off, off + self._views[i][0].shape[0])]
+            m = merged[id(g)]
+            parts = [t.tensor_split(bounds, dim=1) for t in (m.count, m.mean, m.m2)]
+            for k, (_, i) in enumerate(ids):  # piece 2k + 1 is layer k's (the others: gaps)
+                out[i] = RunningMoments(parts[0][2 * k + 1], parts[1][2 * k + 1], parts[2][2 * k + 1])
         return out
 
     def precision(self) -> float:
@@ -445,8 +465,11 @@ class _Group:
         self.position_layer = position_layer  # host: the layer of each channel (or the padding index)
         self.device = device
         self.shift: Tensor | None = None
-        self.s1 = torch.zeros(FOLDS, buffer.shape[1], dtype=torch.float64, device=device)  # per fold
-        self.s2 = torch.zeros(FOLDS, buffer.shape[1], dtype=torch.float64, device=device)
+        # per fold; fold k is zeroed by the batch that first uses it (a short pass touches only a few)
+        self.s1 = torch.empty(FOLDS, buffer.shape[1], dtype=torch.float64, device=device)
+        self.s2 = torch.empty(FOLDS, buffer.shape[1], dtype=torch.float64, device=device)
+        self.s1[0].zero_()  # what finish() reads before any batch has ended
+        self.s2[0].zero_()
 
     def per_channel(self, per_layer: Tensor) -> Tensor:
         """Spreads host per-layer values (last dimension) over this group's channels, on its device."""
@@ -476,32 +499,33 @@ class _Trial:
         # at once: its moments are then those figures, built by resolve() only if needed)
         self.calls: list[tuple[int, RunningMoments | None, int, bool]] = []
 
-    def add_checked(
-        self, seen: list[Tensor], x: Tensor, channels: int, n: int, mean: Tensor, var: Tensor, eps: float
-    ) -> None:
-        """On the CPU, where reading a value costs no synchronisation: checks this call's figures at
-        once against a float64 reduction of a few channels of what it normalised (the rounding term
-        over every channel, from the figures). A call that passes keeps its figures as its moments;
-        the full float64 reduction is made only for a call that fails."""
+    def add_checked(self, seen: list[Tensor], x: Tensor, channels: int, n: int, pair: Tensor, eps: float) -> None:
+        """On the CPU, where reading a value costs no synchronisation: checks this call's figures
+        (``pair``: its mean and unbiased variance, shape ``(2, C)``) at once against a float64
+        reduction of a few channels of what it normalised, and the rounding term over every
+        channel (bounded first from the extremes of the figures, computed exactly only where
+        that bound is too loose). A call that passes keeps its figures as its moments; the
+        full float64 reduction is made only for a call that fails."""
         t = seen[0] if len(seen) == 1 else None
         if t is None or t.numel() != x.numel() or t.dim() < 2 or t.shape[1] != channels:
             self.add(seen, x, channels, n)
             return
         idx = _checked_channels(channels)
-        k = len(idx)
-        sample = t.detach().index_select(1, idx).to(torch.float64)  # a new tensor: changed in place below
-        dims, shape = [0, *range(2, sample.dim())], [1, k, *[1] * (sample.dim() - 2)]
-        values = sample.numel() // k
-        ref_mean = sample.sum(dims).div_(values)  # two passes in float64 (torch.var_mean is slower here)
-        ref_var = sample.sub_(ref_mean.view(shape)).square_().sum(dims).div_(max(values - 1, 1))
-        ratio = (mean.square() / (var + eps)).amax().reshape(1)  # the rounding term / unit², every channel
-        read = torch.cat((mean.index_select(0, idx), var.index_select(0, idx), ref_mean, ref_var, ratio)).tolist()
-        unit = torch.finfo(mean.dtype).eps / 2
-        terms = [read[-1] * unit * unit]  # a few small numbers: compared on the host
-        for fm, fv, rm, rv in zip(read[:k], read[k : 2 * k], read[2 * k : 3 * k], read[3 * k : 4 * k]):
-            terms += [abs(fm - rm) / math.sqrt(rv + eps), abs(fv - rv) / (rv + eps)]
-        tolerance = TOLERANCE[mean.dtype]
-        if not all(term <= tolerance for term in terms):  # NaN fails too
+        sample = t.detach().index_select(1, idx).to(torch.float64)
+        ref_var, ref_mean = torch.var_mean(sample, [0, *range(2, sample.dim())])  # float64, unbiased
+        lows, highs = pair.aminmax(dim=1)  # (min mean, min var), (max mean, max var)
+        fig_mean, fig_var = pair.index_select(1, idx).tolist()  # host reads: no kernel launches on the CPU
+        rm, rv = ref_mean.tolist(), ref_var.tolist()
+        (low_mean, low_var), (high_mean, _) = lows.tolist(), highs.tolist()
+        unit = torch.finfo(pair.dtype).eps / 2
+        tolerance = TOLERANCE[pair.dtype]
+        scale = max(abs(low_mean), abs(high_mean)) * unit
+        ok = scale * scale / (max(low_var, 0.0) + eps) <= tolerance  # ≥ the rounding term of every channel
+        if not ok and low_var == low_var:  # too loose (or NaN figures, refused below): the exact term
+            ok = float((pair[0].square() / (pair[1] + eps)).amax()) * unit * unit <= tolerance
+        for fm, fv, m, v in zip(fig_mean, fig_var, rm, rv):
+            ok = ok and abs(fm - m) / math.sqrt(v + eps) <= tolerance and abs(fv - v) / (v + eps) <= tolerance
+        if not ok:  # NaN fails too
             self.off = True
             self.add(seen, x, channels, n)
             return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -98,8 +99,8 @@ class NormLayer:
     module: _NormBase
     path: Path
 
-    @property
-    def channels(self) -> int:
+    @functools.cached_property
+    def channels(self) -> int:  # read once: a pass swaps the buffer for a scratch view of the same size
         return int(self.module.running_mean.shape[0])
 
     @property
@@ -336,7 +337,7 @@ def recalibration_state(model: nn.Module, layers: Sequence[NormLayer], mode: Mod
             if counter is not None:
                 m._buffers["num_batches_tracked"] = counter
             counters.append(counter)
-            m.momentum = 1.0
+            _set_attribute(m, "momentum", 1.0)
         _set_modes([m for _, m in modules], {id(layer.module) for layer in layers}, mode)
         yield state
 
@@ -356,10 +357,15 @@ def _set_modes(modules: list[nn.Module], selected: set[int], mode: Mode) -> None
 
 
 def _set_flag(m: nn.Module, training: bool) -> None:
-    if "training" in m.__dict__ and type(m).__setattr__ is nn.Module.__setattr__:
-        m.__dict__["training"] = training  # what Module.__setattr__ would do, without its lookups
+    _set_attribute(m, "training", training)
+
+
+def _set_attribute(m: nn.Module, name: str, value: object) -> None:
+    """``setattr(m, name, value)`` for a plain attribute already in ``m.__dict__``."""
+    if name in m.__dict__ and type(m).__setattr__ is nn.Module.__setattr__:
+        m.__dict__[name] = value  # what Module.__setattr__ would do for a non-tensor, without its lookups
     else:
-        m.training = training
+        setattr(m, name, value)
 
 
 def _restore_flags(flags: list[tuple[nn.Module, bool]]) -> None:
@@ -369,7 +375,7 @@ def _restore_flags(flags: list[tuple[nn.Module, bool]]) -> None:
 
 def _restore_momenta(momenta: list[tuple[nn.Module, float | None]]) -> None:
     for m, momentum in momenta:
-        m.momentum = momentum
+        _set_attribute(m, "momentum", momentum)
 
 
 def _restore_snapshot(snapshot: StateSnapshot) -> None:

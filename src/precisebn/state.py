@@ -122,7 +122,7 @@ class StateSnapshot:
         """
         for module, buffers, params, non_persistent in self._dicts:
             for now, saved in ((module._buffers, buffers), (module._parameters, params)):
-                if list(now) != list(saved) or any(now[k] is not v for k, v in saved.items()):
+                if (now or saved) and not _same_objects(now, saved):
                     now.clear()
                     now.update(saved)
             if module._non_persistent_buffers_set != non_persistent:
@@ -132,16 +132,16 @@ class StateSnapshot:
         with torch.no_grad():
             changed_blobs = self._changed_blobs()
             for s in self._saved:
-                span = _span(s.tensor)
                 if s.blob is not None:
                     device, start, length = s.blob
                     if device not in changed_blobs:
                         continue
+                    span = _span(s.tensor)
                     old = self._blobs[device][start : start + length]
                     if torch.equal(_bytes(span), old):  # type: ignore[arg-type]
                         continue
                     self._write(s, span, old.view(span.dtype))  # type: ignore[arg-type]
-                elif s.copy is not None and span is not None:  # a dtype without a byte view
+                elif s.copy is not None and (span := _span(s.tensor)) is not None:  # a dtype without a byte view
                     if not torch.equal(span, s.copy):
                         self._write(s, span, s.copy)
                 elif s.version is not None and _version(s.tensor) != s.version:  # a parameter: only its version tells
@@ -160,6 +160,11 @@ class StateSnapshot:
     def _write(s: _Saved, span: Tensor, values: Tensor) -> None:
         with torch.inference_mode() if s.version is None else contextlib.nullcontext():
             span.copy_(values)
+
+
+def _same_objects(now: dict[str, object], saved: dict[str, object]) -> bool:
+    """Whether two dicts hold the same keys, in the same order, bound to the same objects."""
+    return len(now) == len(saved) and all(a is b and k == j for (k, a), (j, b) in zip(now.items(), saved.items()))
 
 
 def refuse_uninitialized(modules: list[tuple[str, nn.Module]]) -> None:

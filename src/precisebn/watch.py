@@ -18,7 +18,6 @@ float64 reduction of what it normalised.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -38,7 +37,7 @@ Above the rounding of torch's own kernels in the default memory layout (float32:
 1/(n - 1)). A layer whose figures are further off — e.g. channels_last inputs on CPU,
 whose float32 figures carry about 2e-5 — is measured in float64 instead."""
 
-_SIGNATURES = {f: inspect.signature(f) for f in (F.batch_norm, F.instance_norm)}
+_NORMS = (F.batch_norm, F.instance_norm)  # both (input, running_mean, running_var, ...)
 # torch.nn.modules._functions.SyncBatchNorm (world size > 1) does not call F.batch_norm: it
 # passes its input and running buffers to these (input first, running_mean fourth).
 _GATHERS = tuple(
@@ -65,7 +64,7 @@ def normalises_its_input(module: nn.Module) -> bool:
         type(module).forward in _TORCH_FORWARDS
         and "forward" not in module.__dict__
         and getattr(F.batch_norm, "__module__", None) == "torch.nn.functional"
-        and F.batch_norm in _SIGNATURES
+        and F.batch_norm in _NORMS
     )
 
 
@@ -83,18 +82,12 @@ class Watch(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        signature = _SIGNATURES.get(func)
-        if func in _GATHERS and self.running_mean is not None:
-            running_mean = args[3] if len(args) > 3 else kwargs.get("running_mean")
-            if running_mean is self.running_mean:
-                self.seen.append(args[0] if args else kwargs["input"])
-        elif signature is not None:
-            try:
-                bound = signature.bind(*args, **kwargs).arguments
-            except TypeError:  # torch will say what is wrong with the call
-                bound = {}
-            if self.running_mean is not None and bound.get("running_mean") is self.running_mean:
-                self.seen.append(bound["input"])
+        if self.running_mean is not None and (func in _NORMS or func in _GATHERS):
+            at = 1 if func in _NORMS else 3  # running_mean's position
+            running_mean = args[at] if len(args) > at else kwargs.get("running_mean")
+            x = args[0] if args else kwargs.get("input")
+            if running_mean is self.running_mean and isinstance(x, Tensor):  # else torch says what is wrong
+                self.seen.append(x)
         return func(*args, **kwargs)
 
 
