@@ -166,6 +166,7 @@ def find_norm_layers(
     *,
     capture: Capture = "auto",
     require: bool = True,
+    modules: list[tuple[str, nn.Module]] | None = None,
 ) -> list[NormLayer]:
     """The normalization layers of ``model`` to recalibrate, in module order.
 
@@ -176,12 +177,13 @@ def find_norm_layers(
         capture: ``"auto"``: each layer gets the fastest path that verifies exact
             (see :class:`NormLayer`); ``"float64"``: every layer on the float64 path.
         require: Raise :class:`LayerNotFoundError` when nothing is selected.
+        modules: ``model.named_modules()``, if the caller has already listed them.
 
     Raises:
         LayerNotFoundError: A named layer does not exist, or nothing is selected.
         UninitializedLayerError: A selected lazy layer has not run yet.
     """
-    all_modules = dict(model.named_modules(remove_duplicate=True))
+    all_modules = dict(modules if modules is not None else model.named_modules(remove_duplicate=True))
     match = _matcher(layers, all_modules)
     found: list[NormLayer] = []
     for name, module in all_modules.items():
@@ -282,7 +284,12 @@ def _allocate_scratch(layers: Sequence[NormLayer]) -> tuple[list[ScratchGroup], 
 
 
 @contextlib.contextmanager
-def recalibration_state(model: nn.Module, layers: Sequence[NormLayer], mode: Mode) -> Iterator[RecalibrationState]:
+def recalibration_state(
+    model: nn.Module,
+    layers: Sequence[NormLayer],
+    mode: Mode,
+    modules: list[tuple[str, nn.Module]] | None = None,
+) -> Iterator[RecalibrationState]:
     """Prepares ``model`` for a statistics pass and restores it bitwise afterwards.
 
     Inside the block:
@@ -303,11 +310,13 @@ def recalibration_state(model: nn.Module, layers: Sequence[NormLayer], mode: Mod
     flag is restored. Parameters that the model's own forward changed in place and that
     could not be restored are named in a :class:`~precisebn.errors.ModelChangedWarning`.
 
+    ``modules``: the model's ``named_modules()``, if the caller has already listed them.
+
     Raises:
         UninitializedLayerError: The model has lazy modules that never ran (the passes
             would materialise them).
     """
-    modules = list(model.named_modules())
+    modules = list(model.named_modules()) if modules is None else modules
     refuse_uninitialized(modules)
     swapped = {
         id(t)

@@ -75,9 +75,11 @@ class Pass:
         self.precision = float("nan")  # the last precision looked at (auto)
         self._decided = False  # the ranks voted to stop
 
-    def measure(self, selected: list[NormLayer], abort: Any = None) -> Measurement:
+    def measure(
+        self, selected: list[NormLayer], abort: Any = None, modules: list[tuple[str, nn.Module]] | None = None
+    ) -> Measurement:
         start = time.perf_counter()
-        with torch.no_grad(), recalibration_state(self.model, selected, self.mode) as state:
+        with torch.no_grad(), recalibration_state(self.model, selected, self.mode, modules) as state:
             collector = Collector(state, per_call=self.per_call)
             samples, batches = self._loop(collector, abort)
             parts = collector.finish()

@@ -314,9 +314,10 @@ def _estimate(
             vote,
             per_call,
         )
-        guard.enter_context(exclusive(model))
-        selected = find_norm_layers(model, layers, capture=capture)
-        local = run.measure(selected, abort=ctx.poll if ctx is not None else None)
+        walk = list(model.named_modules())  # one walk of the model for the whole call
+        guard.enter_context(exclusive(model, walk))
+        selected = find_norm_layers(model, layers, capture=capture, modules=walk)
+        local = run.measure(selected, abort=ctx.poll if ctx is not None else None, modules=walk)
     except BaseException as exc:
         if ctx is None:
             raise
@@ -395,11 +396,10 @@ def _apply(model: nn.Module, stats: PopulationStats, prior: float | None = None,
     """:func:`apply` on an unwrapped model that the caller holds: checks everything and
     builds the report first, then writes, restoring the old values if the writes are
     interrupted. ``prior`` is checked (:func:`~precisebn.adapt.check_adapt`)."""
-    modules = dict(model.named_modules(remove_duplicate=False))
     problems = []
     entries = []
     for name, s in stats.items():
-        m = modules.get(name)
+        m = _submodule(model, name)
         if m is None:
             problems.append(
                 f"{name!r} is not in the model"
@@ -481,6 +481,17 @@ def _apply(model: nn.Module, stats: PopulationStats, prior: float | None = None,
                 else "was not reached by any forward pass",
             )
     return report
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    """The module under qualified ``name`` (any of its names, as ``named_modules(remove_duplicate=False)``
+    lists them), or ``None``."""
+    module: nn.Module | None = model
+    for part in name.split(".") if name else ():
+        module = module._modules.get(part)  # type: ignore[union-attr]
+        if module is None:
+            return None
+    return module
 
 
 def _is_call(name: str) -> bool:

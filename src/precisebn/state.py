@@ -25,6 +25,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -82,25 +83,42 @@ class StateSnapshot:
     """
 
     def __init__(self, modules: list[tuple[str, nn.Module]], uncopied: set[int] | None = None) -> None:
-        self._dicts: list[tuple[nn.Module, dict[str, Tensor | None], dict[str, nn.Parameter | None], set[str]]] = []
-        self._saved: list[_Saved] = []
+        # per module: its buffer and parameter dicts and non-persistent names (None where empty)
+        self._dicts: list[tuple[nn.Module, dict[str, Any] | None, dict[str, Any] | None, set[str] | None]] = []
+        self._saved: list[_Saved] = []  # tensors whose values are copied
+        self._watched: list[
+            tuple[str, str, Tensor, int | None]
+        ] = []  # parameters not copied: (prefix, key, t, version)
         skip = set(uncopied or ())
         pieces: dict[torch.device, list[Tensor]] = {}
         sizes: dict[torch.device, int] = {}
         with torch.no_grad():
             for prefix, module in modules:
+                buffers, params, non_persistent = (
+                    module._buffers,
+                    module._parameters,
+                    module._non_persistent_buffers_set,
+                )
                 self._dicts.append(
-                    (module, dict(module._buffers), dict(module._parameters), set(module._non_persistent_buffers_set))
+                    (
+                        module,
+                        dict(buffers) if buffers else None,
+                        dict(params) if params else None,
+                        set(non_persistent) if non_persistent else None,
+                    )
                 )
                 copy_params = isinstance(module, _RENORMALISED) and module.max_norm is not None
-                for tensors, copy in ((module._buffers, True), (module._parameters, copy_params)):
+                for tensors, copy in ((buffers, True), (params, copy_params)):
                     for key, t in tensors.items():
                         if not isinstance(t, Tensor) or id(t) in skip:
                             continue
                         skip.add(id(t))
+                        if not copy:
+                            self._watched.append((prefix, key, t, _version(t)))
+                            continue
                         saved = _Saved(f"{prefix}.{key}" if prefix else key, t, _version(t), None)
                         self._saved.append(saved)
-                        span = _span(t) if copy else None
+                        span = _span(t)
                         if span is None:
                             continue
                         raw = _bytes(span)
@@ -122,13 +140,21 @@ class StateSnapshot:
         """
         for module, buffers, params, non_persistent in self._dicts:
             for now, saved in ((module._buffers, buffers), (module._parameters, params)):
-                if (now or saved) and not _same_objects(now, saved):
+                if saved is None:
+                    if now:
+                        now.clear()
+                elif not _same_objects(now, saved):
                     now.clear()
                     now.update(saved)
-            if module._non_persistent_buffers_set != non_persistent:
-                module._non_persistent_buffers_set.clear()
-                module._non_persistent_buffers_set.update(non_persistent)
-        lost = []
+            current = module._non_persistent_buffers_set
+            if current != (non_persistent or set()):
+                current.clear()
+                current.update(non_persistent or ())
+        lost = [
+            f"{prefix}.{key}" if prefix else key
+            for prefix, key, t, version in self._watched
+            if version is not None and _version(t) != version  # a parameter: only its version tells
+        ]
         with torch.no_grad():
             changed_blobs = self._changed_blobs()
             for s in self._saved:
@@ -144,7 +170,7 @@ class StateSnapshot:
                 elif s.copy is not None and (span := _span(s.tensor)) is not None:  # a dtype without a byte view
                     if not torch.equal(span, s.copy):
                         self._write(s, span, s.copy)
-                elif s.version is not None and _version(s.tensor) != s.version:  # a parameter: only its version tells
+                elif s.version is not None and _version(s.tensor) != s.version:  # a copied tensor with no span
                     lost.append(s.name)
         return lost
 
@@ -192,14 +218,15 @@ _busy_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def exclusive(model: nn.Module) -> Iterator[None]:
-    """Marks every module of ``model`` as in use for the duration of the block.
+def exclusive(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None) -> Iterator[None]:
+    """Marks every module of ``model`` (``modules``: its ``named_modules()``, if the caller has
+    them) as in use for the duration of the block.
 
     Raises:
         ConcurrentUseError: Another pass (any thread, or a call from inside this
             model's own forward) is using the model or one of its modules.
     """
-    ids = {id(m) for m in model.modules()}
+    ids = {id(m) for _, m in modules} if modules is not None else {id(m) for m in model.modules()}
     me = f"thread {threading.current_thread().name!r}"
     with _busy_lock:
         clash = ids & _busy.keys()
