@@ -47,7 +47,6 @@ of per-layer counts (usually one or two per run), kept in a small cache.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Callable
@@ -57,7 +56,7 @@ import torch
 from torch import Tensor
 
 from .errors import InvalidArgumentError, UnsupportedLayerError
-from .layers import RecalibrationState
+from .layers import RecalibrationState, ScratchGroup
 from .stats import RunningMoments, chan_merge, fold_errors
 from .watch import TOLERANCE, Watch, discrepancies, moments_of, normalises_its_input
 
@@ -121,20 +120,22 @@ class Collector:
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
         self._own: dict[int, tuple[_Group, int]] = {}  # fast-path layer -> (group, offset)
+        self._scratch: dict[int, ScratchGroup] = {}  # id(_Group) -> its scratch group
         for scratch in state.groups:
             own = [(i, off) for i, off in zip(scratch.layer_ids, scratch.offsets) if self.layers[i].path == "fast"]
             if not own:
                 continue
-            position_layer = torch.full((scratch.buffer.shape[1],), n, dtype=torch.long)  # n: padding, others
+            position_layer = [n] * scratch.buffer.shape[1]  # n: padding, others
             for i, off in own:
-                position_layer[off : off + self.layers[i].channels] = i
-            g = _Group(scratch.buffer, position_layer, _accumulation_device(scratch.buffer.device))
+                position_layer[off : off + self.layers[i].channels] = [i] * self.layers[i].channels
+            g = _Group(scratch.buffer, torch.tensor(position_layer), _accumulation_device(scratch.buffer.device))
             self._groups.append(g)
             self._own.update((i, (g, off)) for i, off in own)
+            self._scratch[id(g)] = scratch
         self._pairs: list[Tensor | None] = [None] * n  # each layer's (mean, var) scratch as one (2, C) view
         for scratch in state.groups:
-            for i, off in zip(scratch.layer_ids, scratch.offsets):
-                self._pairs[i] = scratch.buffer[:, off : off + self.layers[i].channels]
+            for i, pair in zip(scratch.layer_ids, scratch.slices(scratch.buffer)):
+                self._pairs[i] = pair
         for i, layer in enumerate(self.layers):
             state.wrap_forward(layer.module, self._call(i))  # _call(i) looks at the forward before it is wrapped
 
@@ -428,12 +429,9 @@ class Collector:
         """Each fast-path layer's slice of its group's moments (views; three splits per group)."""
         out = {}
         for g in self._groups:
-            ids = sorted((off, i) for i, (h, off) in self._own.items() if h is g)
-            bounds = [b for off, i in ids for b in (off, off + self._views[i][0].shape[0])]
-            m = merged[id(g)]
-            parts = [t.tensor_split(bounds, dim=1) for t in (m.count, m.mean, m.m2)]
-            for k, (_, i) in enumerate(ids):  # piece 2k + 1 is layer k's (the others: gaps)
-                out[i] = RunningMoments(parts[0][2 * k + 1], parts[1][2 * k + 1], parts[2][2 * k + 1])
+            scratch, m = self._scratch[id(g)], merged[id(g)]
+            parts = zip(scratch.layer_ids, scratch.slices(m.count), scratch.slices(m.mean), scratch.slices(m.m2))
+            out.update((i, RunningMoments(count, mean, m2)) for i, count, mean, m2 in parts if i in self._own)
         return out
 
     def precision(self) -> float:
@@ -476,10 +474,11 @@ class _Group:
         return _to_device(per_layer[..., self.position_layer], self.device)
 
 
-@functools.lru_cache(maxsize=64)
-def _checked_channels(channels: int) -> Tensor:
-    """Up to _CHECKED_CHANNELS channel indices spread evenly over the layer's channels."""
-    return torch.linspace(0, channels - 1, min(channels, _CHECKED_CHANNELS)).round().long().unique()
+def _checked_channels(channels: int) -> slice:
+    """Up to _CHECKED_CHANNELS channels spread evenly over the layer's, from the first to
+    (about) the last, as a slice: taking them makes a view, not a copy."""
+    step = max(1, (channels - 1) // (_CHECKED_CHANNELS - 1))
+    return slice(0, step * (_CHECKED_CHANNELS - 1) + 1, step)
 
 
 class _Trial:
@@ -511,10 +510,10 @@ class _Trial:
             self.add(seen, x, channels, n)
             return
         idx = _checked_channels(channels)
-        sample = t.detach().index_select(1, idx).to(torch.float64)
+        sample = t.detach()[:, idx].to(torch.float64)
         ref_var, ref_mean = torch.var_mean(sample, [0, *range(2, sample.dim())])  # float64, unbiased
         lows, highs = pair.aminmax(dim=1)  # (min mean, min var), (max mean, max var)
-        fig_mean, fig_var = pair.index_select(1, idx).tolist()  # host reads: no kernel launches on the CPU
+        fig_mean, fig_var = pair[:, idx].tolist()  # host reads: no kernel launches on the CPU
         rm, rv = ref_mean.tolist(), ref_var.tolist()
         (low_mean, low_var), (high_mean, _) = lows.tolist(), highs.tolist()
         unit = torch.finfo(pair.dtype).eps / 2

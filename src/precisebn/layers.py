@@ -217,6 +217,13 @@ class ScratchGroup:
     buffer: Tensor
     layer_ids: list[int] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    channels: list[int] = field(default_factory=list)
+
+    def slices(self, t: Tensor, dim: int = -1) -> list[Tensor]:
+        """Each of this group's layers' stretch of ``t`` along ``dim`` (laid out as the
+        buffer's columns), in ``layer_ids`` order: views, made by one split."""
+        bounds = [b for off, c in zip(self.offsets, self.channels) for b in (off, off + c)]
+        return list(t.tensor_split(bounds, dim=dim)[1::2])  # the pieces between are alignment gaps
 
 
 @dataclass
@@ -276,10 +283,10 @@ def _allocate_scratch(layers: Sequence[NormLayer]) -> tuple[list[ScratchGroup], 
             size += -(-layers[i].channels // _ALIGN) * _ALIGN
         buffer = torch.zeros(2, size, dtype=dtype, device=device)
         buffer[1].fill_(1.0)
-        for i, off in zip(ids, offsets):
-            c = layers[i].channels
-            views[i] = (buffer[0, off : off + c], buffer[1, off : off + c])
-        groups.append(ScratchGroup(buffer, list(ids), offsets))
+        group = ScratchGroup(buffer, list(ids), offsets, [layers[i].channels for i in ids])
+        for i, mean, var in zip(ids, group.slices(buffer[0]), group.slices(buffer[1])):
+            views[i] = (mean, var)
+        groups.append(group)
     return groups, [v for v in views if v is not None]
 
 

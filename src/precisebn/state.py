@@ -34,6 +34,7 @@ from .errors import ConcurrentUseError, UninitializedLayerError
 
 __all__ = ["StateSnapshot", "exclusive", "refuse_uninitialized", "restore_on_error"]
 
+_UNINITIALIZED = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)  # lazy modules' tensors
 _RENORMALISED = (nn.Embedding, nn.EmbeddingBag)  # modules whose forward writes their weight (max_norm)
 
 
@@ -199,10 +200,8 @@ def refuse_uninitialized(modules: list[tuple[str, nn.Module]]) -> None:
     lazy = [
         name or type(m).__name__
         for name, m in modules
-        if any(
-            isinstance(t, (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer))
-            for t in (*m._parameters.values(), *m._buffers.values())
-        )
+        if (m._parameters or m._buffers)
+        and any(isinstance(t, _UNINITIALIZED) for t in (*m._parameters.values(), *m._buffers.values()))
     ]
     if lazy:
         shown = ", ".join(map(repr, lazy[:5])) + (f" and {len(lazy) - 5} more" if len(lazy) > 5 else "")

@@ -78,9 +78,10 @@ class RunningMoments:
     __slots__ = ("count", "m2", "mean")
 
     def __init__(self, count: Tensor, mean: Tensor, m2: Tensor) -> None:
-        self.count = count.to(_F64)
-        self.mean = mean.to(_F64)
-        self.m2 = m2.to(_F64)
+        # (the dtype read first: a no-op .to() still costs a dispatch, and moments are made often)
+        self.count = count if count.dtype is _F64 else count.to(_F64)
+        self.mean = mean if mean.dtype is _F64 else mean.to(_F64)
+        self.m2 = m2 if m2.dtype is _F64 else m2.to(_F64)
 
     @classmethod
     def zeros(cls, shape: int | Sequence[int], device: torch.device | str | None = None) -> RunningMoments:
