@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from .errors import InvalidArgumentError, UnsupportedLayerError
-from .layers import RecalibrationState, ScratchGroup
+from .layers import NormLayer, RecalibrationState, ScratchGroup
 from .stats import RunningMoments, chan_merge, fold_errors
 from .watch import TOLERANCE, Watch, discrepancies, moments_of, normalises_its_input
 
@@ -125,10 +125,8 @@ class Collector:
             own = [(i, off) for i, off in zip(scratch.layer_ids, scratch.offsets) if self.layers[i].path == "fast"]
             if not own:
                 continue
-            position_layer = [n] * scratch.buffer.shape[1]  # n: padding, others
-            for i, off in own:
-                position_layer[off : off + self.layers[i].channels] = [i] * self.layers[i].channels
-            g = _Group(scratch.buffer, torch.tensor(position_layer), _accumulation_device(scratch.buffer.device))
+            positions = _positions(own, self.layers, n, scratch.buffer.shape[1])
+            g = _Group(scratch.buffer, positions, _accumulation_device(scratch.buffer.device))
             self._groups.append(g)
             self._own.update((i, (g, off)) for i, off in own)
             self._scratch[id(g)] = scratch
@@ -451,6 +449,19 @@ class Collector:
 
 def _times(k: int) -> str:
     return {1: "once", 2: "twice"}.get(k, f"{k} times")
+
+
+def _positions(own: list[tuple[int, int]], layers: list[NormLayer], other: int, size: int) -> Tensor:
+    """The layer of each of a scratch buffer's ``size`` columns: ``i`` for layer i's channels
+    (``own``: (i, offset), by offset), ``other`` for the rest (alignment gaps, other layers)."""
+    values, lengths, at = [], [], 0
+    for i, off in own:
+        values += [other, i]
+        lengths += [off - at, layers[i].channels]
+        at = off + layers[i].channels
+    values.append(other)
+    lengths.append(size - at)
+    return torch.repeat_interleave(torch.tensor(values), torch.tensor(lengths))
 
 
 class _Group:
