@@ -149,6 +149,51 @@ def test_large_mean_over_std_float32() -> None:
     assert max_rel_error(stats.var, truth.var) <= 1e-3
 
 
+def _sixteen_channels(offset: float, std: float, dead: bool = False) -> list[torch.Tensor]:
+    """Batches for a BatchNorm1d(16) whose channel 7, one the CPU check does not sample (it takes
+    channels 0, 5, 10, 15), has mean ``offset`` and standard deviation ``std``; channel 3 is
+    constant 0 if ``dead``."""
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(10):
+        x = torch.randn(32, 16, generator=g, dtype=torch.float64)
+        x[:, 7] = x[:, 7] * std + offset
+        if dead:
+            x[:, 3] = 0.0
+        out.append(x.float())
+    return out
+
+
+def test_an_unchecked_channel_with_a_huge_mean_moves_the_layer_to_float64() -> None:
+    """|mean|/std = 1e6 on an unsampled channel: float32 batch figures are far off there; the
+    rounding term, taken over every channel, catches it and the layer is measured in float64."""
+    layer = nn.BatchNorm1d(16)
+    control = precisebn.estimate(layer, _sixteen_channels(0.0, 1.0))[""]
+    assert control.path == "fast"  # the same layer keeps its own figures without the offset
+    batches = _sixteen_channels(1e5, 0.1)
+    truth = compute_truth(layer, batches)[""]
+    stats = precisebn.estimate(layer, batches)[""]
+    assert stats.path == "float64"
+    assert max_rel_error(stats.mean, truth.mean) <= 1e-12
+    assert max_rel_error(stats.var, truth.var) <= 1e-9
+
+
+def test_a_loose_rounding_bound_is_computed_exactly_before_leaving_the_fast_path() -> None:
+    """Channel 7 has |mean| = 200 (std 1) and channel 3 is constant: the bound from the figures'
+    extremes (200² / eps) is too loose, the exact term (200² / 1) is not, so the layer keeps its
+    own figures, within the float32 tolerance."""
+    layer = nn.BatchNorm1d(16)
+    batches = _sixteen_channels(200.0, 1.0, dead=True)
+    truth = compute_truth(layer, batches)[""]
+    stats = precisebn.estimate(layer, batches)[""]
+    assert stats.path == "fast"
+    scale = torch.maximum(truth.mean.abs(), truth.var.sqrt())
+    assert max_rel_error(stats.mean, truth.mean, scale) <= 1e-5
+    live = torch.arange(16) != 3
+    assert max_rel_error(stats.var[live], truth.var[live]) <= 1e-5
+    assert float(stats.var[3]) == 0.0
+
+
 def test_tiny_batches_and_huge_offset_never_negative() -> None:
     torch.manual_seed(4)
     layer = nn.BatchNorm1d(4)
