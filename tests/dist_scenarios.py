@@ -8,6 +8,7 @@ over the union of all ranks' data.
 from __future__ import annotations
 
 import datetime
+import gc
 import itertools
 import os
 import sys
@@ -213,9 +214,11 @@ def failure_surfaces_fast(rank: int, world_size: int) -> Result:
 def group_released(rank: int, world_size: int) -> Result:
     """After a call, successful or failed, nothing of precisebn's holds the process group:
     a failed call's traceback cycles would otherwise keep it until the interpreter shuts
-    down, where destroying it sometimes aborts the process (seen with gloo). Reference
-    counts are read without collecting garbage, as a program's exit would find them."""
+    down, where destroying it sometimes aborts the process (seen with gloo). After the
+    calls, reference counts are read without collecting garbage, as a program's exit would
+    find them."""
     group = torch.distributed.group.WORLD
+    gc.collect()  # no earlier garbage holds the group: a collection during the calls cannot lower the count
     before = sys.getrefcount(group)
     precisebn.recalibrate(make_model(), shard(rank, world_size), num_samples="all")
     after_success = sys.getrefcount(group)
