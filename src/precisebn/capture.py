@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from .errors import InvalidArgumentError, UnsupportedLayerError
-from .layers import NormLayer, RecalibrationState, ScratchGroup
+from .layers import RecalibrationState, ScratchGroup
 from .stats import RunningMoments, chan_merge, fold_errors
 from .watch import TOLERANCE, Watch, discrepancies, moments_of, normalises_its_input
 
@@ -119,17 +119,13 @@ class Collector:
         self._trials: dict[int, _Trial] = {}  # layers being verified in this batch
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
-        self._own: dict[int, tuple[_Group, int]] = {}  # fast-path layer -> (group, offset)
-        self._scratch: dict[int, ScratchGroup] = {}  # id(_Group) -> its scratch group
+        self._own: set[int] = set()  # fast-path candidates: their figures go into a group's sums
         for scratch in state.groups:
-            own = [(i, off) for i, off in zip(scratch.layer_ids, scratch.offsets) if self.layers[i].path == "fast"]
-            if not own:
-                continue
-            positions = _positions(own, self.layers, n, scratch.buffer.shape[1])
-            g = _Group(scratch.buffer, positions, _accumulation_device(scratch.buffer.device))
-            self._groups.append(g)
-            self._own.update((i, (g, off)) for i, off in own)
-            self._scratch[id(g)] = scratch
+            own = [i for i in scratch.layer_ids if self.layers[i].path == "fast"]
+            if own:
+                device = _accumulation_device(scratch.buffer.device)
+                self._groups.append(_Group(scratch, scratch.positions(own, other=n), device))
+                self._own.update(own)
         self._pairs: list[Tensor | None] = [None] * n  # each layer's (mean, var) scratch as one (2, C) view
         for scratch in state.groups:
             for i, pair in zip(scratch.layer_ids, scratch.slices(scratch.buffer)):
@@ -265,18 +261,20 @@ class Collector:
             if n:
                 summed[i] += n
         for g, (count, count_minus_one) in zip(self._groups, self._counts_on_device(row)):
-            mean, var = g.buffer[0], g.buffer[1]
+            mean, var = g.scratch.buffer[0], g.scratch.buffer[1]
             if g.device != mean.device:
                 mean, var = mean.to(g.device), var.to(g.device)
             if g.shift is None:  # a copy: a float64 buffer would otherwise be its own shift
                 g.shift = mean.to(torch.float64, copy=True)
             d = torch.sub(mean, g.shift)  # float64; garbage only where count is 0
-            nd = d * count
-            if self._batch < FOLDS:  # this fold's first batch
-                g.s1[fold].zero_()
-                g.s2[fold].zero_()
-            g.s1[fold].add_(nd)
-            g.s2[fold].addcmul_(nd, d).addcmul_(var, count_minus_one)
+            s1, s2 = g.s1[fold], g.s2[fold]
+            if self._batch < FOLDS:  # this fold's first batch: its rows are written, not added to
+                torch.mul(d, count, out=s1)
+                torch.mul(s1, d, out=s2).addcmul_(var, count_minus_one)
+            else:
+                nd = d * count
+                s1.add_(nd)
+                s2.addcmul_(nd, d).addcmul_(var, count_minus_one)
 
     def _check_calls_per_batch(self) -> None:
         for i, k in enumerate(self._in_batch):
@@ -427,8 +425,8 @@ class Collector:
         """Each fast-path layer's slice of its group's moments (views; three splits per group)."""
         out = {}
         for g in self._groups:
-            scratch, m = self._scratch[id(g)], merged[id(g)]
-            parts = zip(scratch.layer_ids, scratch.slices(m.count), scratch.slices(m.mean), scratch.slices(m.m2))
+            m = merged[id(g)]
+            parts = zip(g.scratch.layer_ids, *(g.scratch.slices(t) for t in (m.count, m.mean, m.m2)))
             out.update((i, RunningMoments(count, mean, m2)) for i, count, mean, m2 in parts if i in self._own)
         return out
 
@@ -451,32 +449,19 @@ def _times(k: int) -> str:
     return {1: "once", 2: "twice"}.get(k, f"{k} times")
 
 
-def _positions(own: list[tuple[int, int]], layers: list[NormLayer], other: int, size: int) -> Tensor:
-    """The layer of each of a scratch buffer's ``size`` columns: ``i`` for layer i's channels
-    (``own``: (i, offset), by offset), ``other`` for the rest (alignment gaps, other layers)."""
-    values, lengths, at = [], [], 0
-    for i, off in own:
-        values += [other, i]
-        lengths += [off - at, layers[i].channels]
-        at = off + layers[i].channels
-    values.append(other)
-    lengths.append(size - at)
-    return torch.repeat_interleave(torch.tensor(values), torch.tensor(lengths))
-
-
 class _Group:
     """Accumulators of one scratch buffer: float64 sums around a per-channel shift."""
 
-    __slots__ = ("buffer", "device", "position_layer", "s1", "s2", "shift")
+    __slots__ = ("device", "position_layer", "s1", "s2", "scratch", "shift")
 
-    def __init__(self, buffer: Tensor, position_layer: Tensor, device: torch.device) -> None:
-        self.buffer = buffer
+    def __init__(self, scratch: ScratchGroup, position_layer: Tensor, device: torch.device) -> None:
+        self.scratch = scratch
         self.position_layer = position_layer  # host: the layer of each channel (or the padding index)
         self.device = device
         self.shift: Tensor | None = None
-        # per fold; fold k is zeroed by the batch that first uses it (a short pass touches only a few)
-        self.s1 = torch.empty(FOLDS, buffer.shape[1], dtype=torch.float64, device=device)
-        self.s2 = torch.empty(FOLDS, buffer.shape[1], dtype=torch.float64, device=device)
+        # per fold; fold k is written by the batch that first uses it (a short pass touches only a few)
+        self.s1 = torch.empty(FOLDS, scratch.buffer.shape[1], dtype=torch.float64, device=device)
+        self.s2 = torch.empty(FOLDS, scratch.buffer.shape[1], dtype=torch.float64, device=device)
         self.s1[0].zero_()  # what finish() reads before any batch has ended
         self.s2[0].zero_()
 

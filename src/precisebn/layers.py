@@ -225,6 +225,20 @@ class ScratchGroup:
         bounds = [b for off, c in zip(self.offsets, self.channels) for b in (off, off + c)]
         return list(t.tensor_split(bounds, dim=dim)[1::2])  # the pieces between are alignment gaps
 
+    def positions(self, keep: Iterable[int], other: int) -> Tensor:
+        """The layer of each of the buffer's columns (host): ``i`` for the channels of layer
+        ``i`` in ``keep``, ``other`` for the rest (alignment gaps, the other layers)."""
+        keep = set(keep)
+        values, lengths, at = [], [], 0
+        for i, off, c in zip(self.layer_ids, self.offsets, self.channels):
+            if i in keep:
+                values += [other, i]
+                lengths += [off - at, c]
+                at = off + c
+        values.append(other)
+        lengths.append(self.buffer.shape[1] - at)
+        return torch.repeat_interleave(torch.tensor(values), torch.tensor(lengths))
+
 
 @dataclass
 class RecalibrationState:

@@ -87,9 +87,8 @@ class StateSnapshot:
         # per module: its buffer and parameter dicts and non-persistent names (None where empty)
         self._dicts: list[tuple[nn.Module, dict[str, Any] | None, dict[str, Any] | None, set[str] | None]] = []
         self._saved: list[_Saved] = []  # tensors whose values are copied
-        self._watched: list[
-            tuple[str, str, Tensor, int | None]
-        ] = []  # parameters not copied: (prefix, key, t, version)
+        # parameters not copied, whose version counters tell whether they changed: (prefix, key, tensor, version)
+        self._watched: list[tuple[str, str, Tensor, int | None]] = []
         skip = set(uncopied or ())
         pieces: dict[torch.device, list[Tensor]] = {}
         sizes: dict[torch.device, int] = {}
