@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 from torch import nn
 
 from conftest import assert_unchanged, state_snapshot
-from precisebn.layers import find_norm_layers, has_running_stats, recalibration_state, unwrap
+from precisebn.layers import ScratchGroup, find_norm_layers, has_running_stats, recalibration_state, unwrap
 
 
 def test_has_running_stats() -> None:
@@ -103,3 +105,28 @@ def test_instance_level_forward_is_put_back() -> None:
     with recalibration_state(plain, find_norm_layers(plain), "norm") as state:
         state.add_pre_hook(plain, lambda m, a, k: None)
     assert "forward" not in plain.__dict__
+
+
+@settings(max_examples=30, deadline=None)
+@given(channels=st.lists(st.integers(1, 40), min_size=1, max_size=8), data=st.data())
+def test_a_scratch_groups_columns_are_its_layers_stretches(channels: list[int], data: st.DataObject) -> None:
+    """columns(), slices() and positions() of a group of layers with unaligned channel counts agree
+    with the layout written out by hand: layer i at offsets[i] for channels[i] columns."""
+    offsets, at = [], 0
+    for c in channels:
+        offsets.append(at)
+        at += -(-c // 16) * 16
+    ids = [10 + i for i in range(len(channels))]
+    group = ScratchGroup(torch.zeros(2, at), ids, offsets, channels)
+    keep = sorted(data.draw(st.sets(st.sampled_from(ids), min_size=1)))
+    by_hand = [col for i, off, c in zip(ids, offsets, channels) if i in keep for col in range(off, off + c)]
+    assert group.columns(keep).tolist() == by_hand
+    marked = torch.arange(float(at))
+    assert [t.tolist() for t in group.slices(marked)] == [
+        list(map(float, range(o, o + c))) for o, c in zip(offsets, channels)
+    ]
+    layer_of = group.positions(keep, other=-1).tolist()
+    assert [col for col, i in enumerate(layer_of) if i != -1] == by_hand
+    assert all(
+        layer_of[col] == i for i, off, c in zip(ids, offsets, channels) if i in keep for col in range(off, off + c)
+    )

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from precisebn.stats import RunningMoments, chan_merge
+from precisebn.stats import RunningMoments, chan_merge, fold_errors
 
 
 def reference(x: torch.Tensor, channel_dim: int = 1) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -173,3 +173,72 @@ def test_from_data_leaves_a_float64_input_unchanged() -> None:
     assert m.count.tolist() == [float(n)] * 3
     torch.testing.assert_close(m.mean, mean, rtol=1e-13, atol=0)
     torch.testing.assert_close(m.var, var, rtol=1e-12, atol=0)
+
+
+def jackknife_from_values(folds: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Delete-one-fold jackknife per channel, recomputed from the raw values: ``folds[k][c]`` holds
+    channel c's values in fold k (possibly none). Folds without values of a channel are left out
+    of its jackknife; NaN with fewer than two such folds."""
+    se_mean, se_var = [], []
+    for c in range(len(folds[0])):
+        present = [f[c] for f in folds if f[c].numel()]
+        everything = torch.cat(present)
+        var = everything.var(unbiased=False)
+        if len(present) < 2:
+            se_mean.append(torch.tensor(float("nan"), dtype=torch.float64))
+            se_var.append(torch.tensor(float("nan"), dtype=torch.float64))
+            continue
+        rest = [torch.cat([p for j, p in enumerate(present) if j != k]) for k in range(len(present))]
+        m = torch.stack([r.mean() for r in rest])
+        v = torch.stack([r.var(unbiased=False) for r in rest])
+        g = len(present)
+        se_mean.append(((g - 1) / g * (m - m.mean()).square().sum()).sqrt() / var.sqrt())
+        se_var.append(((g - 1) / g * (v - v.mean()).square().sum()).sqrt() / var)
+    return torch.stack(se_mean), torch.stack(se_var)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    folds=st.integers(1, 6),
+    sizes=st.lists(st.integers(0, 5), min_size=18, max_size=18),
+    offset=st.sampled_from([0.0, 1e4]),
+    seed=st.integers(0, 2**16),
+)
+def test_fold_errors_equal_a_jackknife_of_the_raw_values(
+    folds: int, sizes: list[int], offset: float, seed: int
+) -> None:
+    """Both of fold_errors' paths (every fold holding values, and folds without values, which
+    must be left out) against the jackknife recomputed from the values of each fold."""
+    g = torch.Generator().manual_seed(seed)
+    channels = 3
+    values = [
+        [torch.randn(max(sizes[k * channels + c], 1 if k == 0 else 0), generator=g, dtype=torch.float64) * (c + 1)
+         + offset for c in range(channels)]
+        for k in range(folds)
+    ]  # fmt: skip
+    stacked = RunningMoments(
+        *(
+            torch.stack([torch.stack([getattr(RunningMoments.from_data(v[:, None]), key)[0] if v.numel()
+                                      else torch.tensor(0.0, dtype=torch.float64) for v in fold]) for fold in values])
+            for key in ("count", "mean", "m2")
+        )
+    )  # fmt: skip
+    pooled, se_mean, se_var = fold_errors(stacked)
+    truth_mean, truth_var = jackknife_from_values(values)
+    everything = [torch.cat([fold[c] for fold in values]) for c in range(channels)]
+    torch.testing.assert_close(pooled.mean, torch.stack([e.mean() for e in everything]), rtol=1e-12, atol=1e-9)
+    torch.testing.assert_close(pooled.var, torch.stack([e.var(unbiased=False) for e in everything]), rtol=1e-9, atol=0)
+    torch.testing.assert_close(se_mean, truth_mean, rtol=1e-6, atol=1e-9, equal_nan=True)
+    torch.testing.assert_close(se_var, truth_var, rtol=1e-6, atol=1e-9, equal_nan=True)
+
+
+def test_fold_errors_of_a_constant_channel() -> None:
+    """Variance 0 and no spread: errors 0 (not NaN), on both paths."""
+    for counts in ([4.0, 4.0], [4.0, 0.0, 4.0]):
+        k = len(counts)
+        count = torch.tensor(counts, dtype=torch.float64)[:, None]
+        folds = RunningMoments(
+            count, torch.full((k, 1), 3.0, dtype=torch.float64), torch.zeros(k, 1, dtype=torch.float64)
+        )
+        _, se_mean, se_var = fold_errors(folds)
+        assert se_mean.tolist() == [0.0] and se_var.tolist() == [0.0]

@@ -119,6 +119,8 @@ class Collector:
         self._trials: dict[int, _Trial] = {}  # layers being verified in this batch
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
+        # after finish(): (layers, their moments side by side) per group of fast-path layers
+        self.joined: list[tuple[list[int], RunningMoments]] = []
         self._own: set[int] = set()  # fast-path candidates: their figures go into a group's sums
         for scratch in state.groups:
             own = [i for i in scratch.layer_ids if self.layers[i].path == "fast"]
@@ -401,11 +403,7 @@ class Collector:
                 )
         folds = max(1, min(self._batch, FOLDS))  # fold b holds batches b, b + FOLDS, ...: the rest are empty
         summed = torch.tensor(self._summed[:folds], dtype=torch.float64)  # (folds, layers + 1)
-        merged = {}  # per group, all its channels at once
-        for g in self._groups:
-            shift = g.shift if g.shift is not None else torch.zeros_like(g.s1[0])
-            merged[id(g)] = RunningMoments.from_shifted_sums(g.per_channel(summed), shift, g.s1[:folds], g.s2[:folds])
-        own = self._own_moments(merged)
+        own = self._own_moments(summed, folds)
         out = []
         for i in range(len(self.layers)):
             channels = self._views[i][0].shape[0]
@@ -416,18 +414,31 @@ class Collector:
                 m = own[i]
                 if parts[-1] is not None:  # pooled: the calls before the last one in a batch
                     m.merge(parts[-1].to(m.mean.device))
+                    self.joined = [(ids, j) for ids, j in self.joined if i not in ids]  # m is no view of it now
                 parts[-1] = m
             device = _accumulation_device(self._views[i][0].device)
             out.append([p if p is not None else RunningMoments.zeros((folds, channels), device) for p in parts])
         return out
 
-    def _own_moments(self, merged: dict[int, RunningMoments]) -> dict[int, RunningMoments]:
-        """Each fast-path layer's slice of its group's moments (views; three splits per group)."""
+    def _own_moments(self, summed: Tensor, folds: int) -> dict[int, RunningMoments]:
+        """Each fast-path layer's moments per fold: views of one ``(folds, channels)`` set per
+        group, its fast layers' columns side by side (also kept in ``joined``)."""
         out = {}
+        self.joined = []
         for g in self._groups:
-            m = merged[id(g)]
-            parts = zip(g.scratch.layer_ids, *(g.scratch.slices(t) for t in (m.count, m.mean, m.m2)))
-            out.update((i, RunningMoments(count, mean, m2)) for i, count, mean, m2 in parts if i in self._own)
+            fast = [i for i in g.scratch.layer_ids if self.paths[i] == "fast"]
+            if not fast:
+                continue
+            sizes = [self.layers[i].channels for i in fast]
+            columns = _to_device(g.scratch.columns(fast), g.device)
+            count = _to_device(summed[:, fast].repeat_interleave(torch.tensor(sizes), dim=1), g.device)
+            shift = g.shift.index_select(0, columns) if g.shift is not None else torch.zeros_like(count[0])
+            m = RunningMoments.from_shifted_sums(
+                count, shift, g.s1[:folds].index_select(1, columns), g.s2[:folds].index_select(1, columns)
+            )
+            parts = zip(fast, *(t.split(sizes, dim=-1) for t in (m.count, m.mean, m.m2)))
+            out.update((i, RunningMoments(count, mean, m2)) for i, count, mean, m2 in parts)
+            self.joined.append((fast, m))
         return out
 
     def precision(self) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import warnings
@@ -36,6 +37,8 @@ Vote = Callable[[float, int, bool], bool]
 distributed ``num_samples="auto"`` (one small collective per call)."""
 
 logger = logging.getLogger("precisebn")
+
+_KEYS = ("count", "mean", "m2")
 
 
 def _progress_bar(enabled: bool, total: int | None, unit: str) -> Any:
@@ -95,7 +98,10 @@ class Pass:
                 part = NormLayer(call_name(layer.name, j), layer.module, layer.path)
                 entries.append((part, m, collector.calls[i] // k, values[j], path, 1))
         layers, moments, calls, counts, paths, most = (list(column) for column in zip(*entries))
-        result = Measurement(layers, moments, calls, counts, samples, batches, self.mode, paths, per_forward=most)
+        joined = collector.joined if len(entries) == len(selected) else []  # indices of entries are those of layers
+        result = Measurement(
+            layers, moments, calls, counts, samples, batches, self.mode, paths, per_forward=most, joined=joined
+        )
         result.check()
         result.seconds = time.perf_counter() - start
         logger.info(
@@ -200,20 +206,22 @@ class Measurement:
     seconds: float = 0.0
     world_size: int = 1
     per_forward: list[int] = field(default_factory=list)
+    # moments already side by side: (indices, moments whose column slices are theirs, in that order)
+    joined: list[tuple[list[int], RunningMoments]] = field(default_factory=list, repr=False)
 
     def check(self) -> None:
         """Raises :class:`NonFiniteError` naming the layers whose statistics hold NaN/Inf
         (one host read per device, at the end)."""
-        by_device: dict[torch.device, list[int]] = {}
-        for i, (m, count) in enumerate(zip(self.moments, self.counts)):
-            if count > 0:
-                by_device.setdefault(m.mean.device, []).append(i)
         bad = []
-        for ids in by_device.values():
-            values = torch.cat([t.reshape(-1) for i in ids for t in (self.moments[i].mean, self.moments[i].m2)])
-            if not bool(values.isfinite().all()):
+        for ids, joined in self._joined:
+            # one sum: NaN/Inf anywhere make it non-finite (so may finite values that overflow it, which
+            # the check layer by layer then clears); far cheaper than isfinite() over every value
+            if not bool(joined.mean.sum().add_(joined.m2.sum()).isfinite()):
                 bad += [
-                    i for i in ids if not bool((self.moments[i].mean.isfinite() & self.moments[i].m2.isfinite()).all())
+                    i
+                    for i in ids
+                    if self.counts[i] > 0
+                    and not bool((self.moments[i].mean.isfinite() & self.moments[i].m2.isfinite()).all())
                 ]
         if bad:
             bad.sort()
@@ -222,11 +230,11 @@ class Measurement:
     def to_population(self) -> PopulationStats:
         layers = {}
         per_forward = self.per_forward or [_per_forward(calls, self.batches) for calls in self.calls]
-        for layer, (m, se_mean, se_var), count, calls, path, most in zip(
-            self.layers, _fold_errors_of_all(self.moments), self.counts, self.calls, self.paths, per_forward
+        for layer, (m, var, se_mean, se_var), count, calls, path, most in zip(
+            self.layers, self._fold_errors(), self.counts, self.calls, self.paths, per_forward
         ):
             if count > 0:
-                mean, var = m.mean, m.var
+                mean = m.mean
             else:
                 mean, var = torch.full_like(m.mean, float("nan")), torch.full_like(m.mean, float("nan"))
             layers[layer.name] = LayerStats(
@@ -234,27 +242,32 @@ class Measurement:
             )
         return PopulationStats(layers, self.samples, self.batches, self.mode, self.seconds, self.world_size)
 
+    @functools.cached_property
+    def _joined(self) -> list[tuple[list[int], RunningMoments]]:
+        """Every layer's moments side by side, one ``(FOLDS, channels)`` set per device (with
+        the indices of its layers, in order): the checks and the folds' errors then take a
+        few kernels in all rather than a few per layer."""
+        by_device: dict[torch.device, list[int]] = {}
+        for i, m in enumerate(self.moments):
+            by_device.setdefault(m.mean.device, []).append(i)
+        ready = {frozenset(ids): (ids, m) for ids, m in self.joined}
+        return [
+            ready.get(frozenset(ids))
+            or (ids, RunningMoments(*(torch.cat([getattr(self.moments[i], k) for i in ids], -1) for k in _KEYS)))
+            for ids in by_device.values()
+        ]
 
-def _fold_errors_of_all(moments: list[RunningMoments]) -> list[tuple[RunningMoments, Tensor, Tensor]]:
-    """:func:`fold_errors` of every layer, all the layers of a device at once (a few dozen kernels
-    in all rather than per layer)."""
-    by_device: dict[torch.device, list[int]] = {}
-    for i, m in enumerate(moments):
-        by_device.setdefault(m.mean.device, []).append(i)
-    out: list[Any] = [None] * len(moments)
-    for ids in by_device.values():
-        sizes = [moments[i].mean.shape[-1] for i in ids]
-        joined = RunningMoments(
-            *(torch.cat([getattr(moments[i], key) for i in ids], dim=-1) for key in ("count", "mean", "m2"))
-        )
-        pooled, se_mean, se_var = fold_errors(joined)
-        parts = zip(
-            pooled.count.split(sizes), pooled.mean.split(sizes), pooled.m2.split(sizes),
-            se_mean.split(sizes), se_var.split(sizes),
-        )  # fmt: skip
-        for i, (count, mean, m2, sm, sv) in zip(ids, parts):
-            out[i] = (RunningMoments(count, mean, m2), sm, sv)
-    return out
+    def _fold_errors(self) -> list[tuple[RunningMoments, Tensor, Tensor, Tensor]]:
+        """Each layer's pooled moments, population variance and :func:`fold_errors`."""
+        out: list[Any] = [None] * len(self.moments)
+        for ids, joined in self._joined:
+            sizes = [self.moments[i].mean.shape[-1] for i in ids]
+            pooled, se_mean, se_var = fold_errors(joined)
+            var = pooled.var
+            parts = zip(*(t.split(sizes) for t in (pooled.count, pooled.mean, pooled.m2, var, se_mean, se_var)))
+            for i, (count, mean, m2, v, sm, sv) in zip(ids, parts):
+                out[i] = (RunningMoments(count, mean, m2), v, sm, sv)
+        return out
 
 
 def _non_finite_message(bad: list[NormLayer], moments: list[RunningMoments]) -> str:

@@ -41,6 +41,13 @@ CHUNK_VALUES = 1 << 24
 """Largest number of values :meth:`RunningMoments.from_data` converts to float64 at once."""
 
 
+def _all_positive(counts: Tensor) -> bool:
+    """Whether every count is positive, read at once on the CPU (``False`` elsewhere: callers
+    then mask, which needs no host read). A reduction rather than ``(counts > 0).all()``:
+    boolean kernels are several times slower on large tensors."""
+    return counts.device.type == "cpu" and counts.numel() > 0 and float(counts.amin()) > 0
+
+
 def _centred(x: Tensor, mean: Tensor) -> Tensor:
     """``x - mean`` in float64, in place on the float64 copy of ``x`` when one is made."""
     return x.to(_F64).sub_(mean) if x.dtype != _F64 else x - mean
@@ -132,8 +139,8 @@ class RunningMoments:
         Uses the two-pass form: the pooled mean first, then the deviations from it.
         """
         counts, means, m2s = counts.to(_F64), means.to(_F64), m2s.to(_F64)
-        present = counts > 0
-        if counts.device.type != "cpu" or not bool(present.all()):  # rows without values must not leak NaN in
+        if not _all_positive(counts):  # rows without values must not leak NaN in
+            present = counts > 0
             zero = torch.zeros((), dtype=_F64, device=counts.device)
             counts = torch.where(present, counts, zero)
             means = torch.where(present, means, zero)
@@ -156,12 +163,11 @@ class RunningMoments:
         ``mean = K + s1 / n`` and ``M2 = s2 - s1² / n``. In float64 the cancellation in
         ``M2`` costs about ``2⁻⁵³ · ((mean - K) / std)²`` relative error: negligible
         whenever ``K`` is within a few thousand standard deviations of the mean (e.g.
-        the first batch's mean).
+        the first batch's mean). Where ``count`` is 0 the sums must be 0 too (no value
+        added): there ``mean = K`` and ``M2 = 0``.
         """
-        safe = count.clamp_min(1)
-        offset = s1 / safe
-        m2 = (s2 - s1 * offset).clamp_min(0)
-        return cls(count, shift + offset, torch.where(count > 0, m2, 0.0))
+        offset = s1 / count.clamp_min(1)
+        return cls(count, shift + offset, torch.sub(s2, s1 * offset).clamp_min_(0))  # 0 where the sums are
 
     def update(self, x: Tensor, channel_dim: int = 1) -> None:
         """Adds the values of a raw tensor (see :meth:`from_data`), in place."""
@@ -214,37 +220,69 @@ def fold_errors(folds: RunningMoments) -> tuple[RunningMoments, Tensor, Tensor]:
         >>> pooled.mean.tolist(), pooled.var.tolist()
         ([3.5], [5.25])
     """
+    if folds.count.shape[0] > 1 and _all_positive(folds.count):  # the usual case on the CPU
+        return _fold_errors_dense(folds)
+    return _fold_errors_general(folds)
+
+
+def _fold_errors_dense(folds: RunningMoments) -> tuple[RunningMoments, Tensor, Tensor]:
+    """:func:`fold_errors` when every fold holds values: no masking, and three ``(K, channels)``
+    temporaries reused in place (fresh large buffers cost page faults)."""
+    n_k, mean_k, m2_k = folds.count, folds.mean, folds.m2
+    k = n_k.shape[0]
+    n = n_k.sum(0)
+    a = torch.mul(n_k, mean_k)
+    mean = a.sum(0).div_(n)
+    d = torch.sub(mean_k, mean, out=a)  # mean_k - mean
+    b = torch.mul(d, d)
+    m2 = b.mul_(n_k).sum(0).add_(m2_k.sum(0))
+    # without fold k (see _fold_errors_general): the deviations of mean_(-k) and var_(-k)
+    inv_rest = torch.sub(n, n_k, out=b).reciprocal_()  # 1 / (n - n_k), positive: k >= 2 folds hold values
+    mean_out = torch.mul(d, n_k).mul_(inv_rest)
+    var_out = d.mul_(mean_out).mul_(n).sub_(m2).add_(m2_k).neg_().clamp_min_(0).mul_(inv_rest)
+    factor = (k - 1) / k
+
+    def spread(values: Tensor) -> Tensor:
+        return values.sub_(values.sum(0).div_(k)).square_().sum(0).mul_(factor).sqrt_()
+
+    se_mean, se_var = spread(mean_out), spread(var_out)
+    var = m2 / n
+    if float(var.amin()) > 0:
+        return RunningMoments(n, mean, m2), se_mean.div_(var.sqrt()), se_var.div_(var)
+    return RunningMoments(n, mean, m2), *_relative(se_mean, se_var, var)
+
+
+def _relative(se_mean: Tensor, se_var: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
+    """The errors in σ (mean) and relative to the variance: 0 where both are 0, infinite
+    where only the variance is."""
+    rel_mean = torch.where(var > 0, se_mean / var.sqrt(), torch.where(se_mean > 0, float("inf"), 0.0))
+    rel_var = torch.where(var > 0, se_var / var, torch.where(se_var > 0, float("inf"), 0.0))
+    return rel_mean, rel_var
+
+
+def _fold_errors_general(folds: RunningMoments) -> tuple[RunningMoments, Tensor, Tensor]:
+    """:func:`fold_errors` with folds that may hold no values (and on any device: no host read)."""
     pooled = RunningMoments.from_batches(folds.count, folds.mean, folds.m2)
     n, mean, m2 = pooled.count, pooled.mean, pooled.m2
     n_k = folds.count
     rest = n - n_k
     used = (n_k > 0) & (rest > 0)
-    everywhere = n.device.type == "cpu" and bool(used.all())  # on the CPU, the usual case needs no masking
-    if not everywhere:
-        rest.masked_fill_(~used, 1)
+    rest.masked_fill_(~used, 1)
     # without fold k (in place, few temporaries; the jackknife is shift-invariant and
     # sign-blind, so the mean's deviation is taken as n_k (mean_k - mean) / (n - n_k)):
     #   mean_(-k) - mean = -n_k (mean_k - mean) / (n - n_k)
     #   var_(-k) = (M2 - M2_k - n_k n (mean_k - mean)^2 / (n - n_k)) / (n - n_k)
     d = folds.mean - mean
-    mean_out = d.mul(n_k).div_(rest)
-    var_out = torch.sub(m2, folds.m2).sub_(d.mul_(mean_out).mul_(n)).clamp_min_(0).div_(rest)
-    if not everywhere:
-        mean_out.masked_fill_(~used, 0)
-        var_out.masked_fill_(~used, 0)
-    k = used.sum(0).to(_F64) if not everywhere else torch.full_like(n, float(used.shape[0]))
+    mean_out = d.mul(n_k).div_(rest).masked_fill_(~used, 0)
+    var_out = torch.sub(m2, folds.m2).sub_(d.mul_(mean_out).mul_(n)).clamp_min_(0).div_(rest).masked_fill_(~used, 0)
+    k = used.sum(0).to(_F64)
     factor = (k - 1) / k.clamp_min(1)
 
     def spread(values: Tensor) -> Tensor:
         centre = values.sum(0).div_(k.clamp_min(1))
-        dev = values.sub_(centre)  # values are temporaries of this function
-        if not everywhere:
-            dev.masked_fill_(~used, 0)
-        return dev.square_().sum(0).mul_(factor).sqrt_()
+        return values.sub_(centre).masked_fill_(~used, 0).square_().sum(0).mul_(factor).sqrt_()
 
     se_mean, se_var = spread(mean_out), spread(var_out)
-    var = m2 / n.clamp_min(1)
-    nan = torch.full_like(var, float("nan"))
-    rel_mean = torch.where(var > 0, se_mean / var.sqrt(), torch.where(se_mean > 0, float("inf"), 0.0))
-    rel_var = torch.where(var > 0, se_var / var, torch.where(se_var > 0, float("inf"), 0.0))
+    rel_mean, rel_var = _relative(se_mean, se_var, m2 / n.clamp_min(1))
+    nan = torch.full_like(rel_mean, float("nan"))
     return pooled, torch.where(k >= 2, rel_mean, nan), torch.where(k >= 2, rel_var, nan)
