@@ -317,7 +317,10 @@ def test_apply_refuses_values_that_overflow_the_buffer_dtype() -> None:
     assert_unchanged(model, before)
 
 
-def test_apply_interrupted_while_writing_restores_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("writes_with", ["foreach", "copy_"])
+def test_apply_interrupted_while_writing_restores_everything(monkeypatch: pytest.MonkeyPatch, writes_with: str) -> None:
+    """Ctrl-C after some buffers are written (by torch._foreach_copy_, or copy_ by copy_ where
+    torch has no foreach copy) puts every buffer back."""
     model = mlp()
     stats = precisebn.estimate(model, data())
     before = state_snapshot(model)
@@ -330,7 +333,16 @@ def test_apply_interrupted_while_writing_restores_everything(monkeypatch: pytest
             raise KeyboardInterrupt
         return original(self, src, non_blocking)
 
-    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    def foreach_copy_(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        for target, value in zip(targets, values):
+            copy_(target, value)
+
+    if writes_with == "foreach":
+        assert hasattr(torch, "_foreach_copy_")  # what apply uses on this torch
+        monkeypatch.setattr(torch, "_foreach_copy_", foreach_copy_)
+    else:
+        monkeypatch.delattr(torch, "_foreach_copy_")
+        monkeypatch.setattr(torch.Tensor, "copy_", copy_)
     with pytest.raises(KeyboardInterrupt):
         precisebn.apply(model, stats)
     monkeypatch.undo()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from precisebn.stats import RunningMoments, chan_merge, fold_errors
+from precisebn.stats import RunningMoments, chan_merge, fold_errors, fold_errors_from_sums
 
 
 def reference(x: torch.Tensor, channel_dim: int = 1) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -63,7 +63,9 @@ def test_merge_is_invariant_to_split_and_order(sizes: list[int], offset: float, 
     pooled = RunningMoments.from_batches(
         torch.stack([p.count for p in parts]), torch.stack([p.mean for p in parts]), torch.stack([p.m2 for p in parts])
     )
-    torch.testing.assert_close(pooled.mean, acc.mean, rtol=1e-12, atol=1e-12 * abs(offset))
+    # (the means' rounding is relative to the values' magnitude, |offset| + σ with σ = 1, not to the mean's:
+    # a mean near 0 is not known to 1e-12 of itself)
+    torch.testing.assert_close(pooled.mean, acc.mean, rtol=1e-12, atol=1e-12 * (abs(offset) + 1))
     torch.testing.assert_close(pooled.var, acc.var, rtol=1e-9, atol=0)
 
 
@@ -242,3 +244,52 @@ def test_fold_errors_of_a_constant_channel() -> None:
         )
         _, se_mean, se_var = fold_errors(folds)
         assert se_mean.tolist() == [0.0] and se_var.tolist() == [0.0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    folds=st.integers(2, 7),
+    sizes=st.lists(st.integers(1, 6), min_size=21, max_size=21),
+    offset=st.sampled_from([0.0, 1e4, -3e5]),
+    shift=st.sampled_from(["first", "zero"]),
+    overwrite=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_fold_errors_from_sums_equal_a_jackknife_of_the_raw_values(
+    folds: int, sizes: list[int], offset: float, shift: str, overwrite: bool, seed: int
+) -> None:
+    """Every fold holding values (the function's precondition): the pooled moments and both
+    errors against the jackknife recomputed from each fold's values; the inputs untouched
+    unless overwrite=True."""
+    g = torch.Generator().manual_seed(seed)
+    channels = 3
+    values = [
+        [
+            torch.randn(sizes[k * channels + c], generator=g, dtype=torch.float64) * (c + 1) + offset
+            for c in range(channels)
+        ]
+        for k in range(folds)
+    ]
+    everything = [torch.cat([fold[c] for fold in values]) for c in range(channels)]
+    k = (
+        torch.stack([values[0][c].mean() for c in range(channels)])
+        if shift == "first"
+        else torch.zeros(channels, dtype=torch.float64)
+    )
+    count = torch.tensor([[float(v.numel()) for v in fold] for fold in values], dtype=torch.float64)
+    s1 = torch.stack([torch.stack([(v - k[c]).sum() for c, v in enumerate(fold)]) for fold in values])
+    s2 = torch.stack([torch.stack([(v - k[c]).square().sum() for c, v in enumerate(fold)]) for fold in values])
+    inputs = [t.clone() for t in (count, s1, s2)]
+    pooled, se_mean, se_var = fold_errors_from_sums(count, k, s1, s2, overwrite=overwrite)
+    if not overwrite:
+        assert all(torch.equal(a, b) for a, b in zip(inputs, (count, s1, s2)))
+    truth_mean, truth_var = jackknife_from_values(values)
+    mean = torch.stack([e.mean() for e in everything])
+    var = torch.stack([e.var(unbiased=False) for e in everything])
+    # the documented cancellation: ~2^-53 ((mean - shift) / std)^2 relative to the variance
+    eps = torch.finfo(torch.float64).eps
+    cancel = 16 * eps * (mean - k).square() / var
+    assert bool(((pooled.mean - mean).abs() <= 1e-12 * (abs(offset) + 3)).all())
+    assert bool(((pooled.var - var).abs() / var <= 1e-9 + cancel).all())
+    assert bool(((se_mean - truth_mean).abs() <= 1e-6 * truth_mean + 1e-9 + cancel.sqrt()).all())
+    assert bool(((se_var - truth_var).abs() <= 1e-6 * truth_var + 1e-9 + cancel).all())

@@ -57,7 +57,7 @@ from torch import Tensor
 
 from .errors import InvalidArgumentError, UnsupportedLayerError
 from .layers import RecalibrationState, ScratchGroup
-from .stats import RunningMoments, chan_merge, fold_errors
+from .stats import RunningMoments, chan_merge, fold_errors, fold_errors_from_sums
 from .watch import TOLERANCE, Watch, discrepancies, moments_of, normalises_its_input
 
 logger = logging.getLogger("precisebn")
@@ -119,8 +119,10 @@ class Collector:
         self._trials: dict[int, _Trial] = {}  # layers being verified in this batch
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
-        # after finish(): (layers, their moments side by side) per group of fast-path layers
+        # after finish(): (layers, their moments side by side) per group of fast-path layers, and the
+        # pooled (moments, variance, se_mean, se_var) of fast-path layers pooled there
         self.joined: list[tuple[list[int], RunningMoments]] = []
+        self.pooled: dict[int, tuple[RunningMoments, Tensor, Tensor, Tensor]] = {}
         self._own: set[int] = set()  # fast-path candidates: their figures go into a group's sums
         for scratch in state.groups:
             own = [i for i in scratch.layer_ids if self.layers[i].path == "fast"]
@@ -380,12 +382,19 @@ class Collector:
 
     # -- results -----------------------------------------------------------------------
 
-    def finish(self) -> list[list[RunningMoments]]:
+    def finish(self, *, pool: bool = True, overwrite: bool = False) -> list[list[RunningMoments]]:
         """Each layer's moments per fold, shape ``(K, channels)`` with ``K = min(batches, FOLDS)``
         (the folds that can hold values), over everything it saw (count 0 if never reached);
         see :func:`precisebn.stats.fold_errors`. One set per
         layer, or with ``per_call`` one per call index for a layer called k > 1 times per
         batch (in call order).
+
+        With ``pool``, fast-path layers whose every fold holds values (K >= 2, each call's
+        figures in the sums) get their pooled moments, population variance and standard
+        errors here, from their group's sums at once
+        (:func:`~precisebn.stats.fold_errors_from_sums`), kept in ``pooled`` by layer; their
+        entry is then those pooled moments as one fold, shape ``(1, channels)``.
+        ``overwrite``: the last call, the sums may serve as scratch space.
 
         Raises:
             UnsupportedLayerError: A layer read through its own figures was called but its
@@ -403,7 +412,18 @@ class Collector:
                 )
         folds = max(1, min(self._batch, FOLDS))  # fold b holds batches b, b + FOLDS, ...: the rest are empty
         summed = torch.tensor(self._summed[:folds], dtype=torch.float64)  # (folds, layers + 1)
-        own = self._own_moments(summed, folds)
+        self.pooled = {}
+        self.joined = []
+        own = {}
+        for g in self._groups:
+            fast = [i for i in g.scratch.layer_ids if self.paths[i] == "fast"]
+            if not fast:
+                continue
+            stashed = any(key[0] in fast for key in self._kept)
+            if pool and folds > 1 and g.shift is not None and not stashed and float(summed[:, fast].amin()) > 0:
+                own.update(self._pool(g, g.shift, fast, summed, folds, overwrite))
+            else:
+                own.update(self._own_moments(g, fast, summed, folds))
         out = []
         for i in range(len(self.layers)):
             channels = self._views[i][0].shape[0]
@@ -420,25 +440,37 @@ class Collector:
             out.append([p if p is not None else RunningMoments.zeros((folds, channels), device) for p in parts])
         return out
 
-    def _own_moments(self, summed: Tensor, folds: int) -> dict[int, RunningMoments]:
-        """Each fast-path layer's moments per fold: views of one ``(folds, channels)`` set per
-        group, its fast layers' columns side by side (also kept in ``joined``)."""
+    def _own_moments(self, g: _Group, fast: list[int], summed: Tensor, folds: int) -> dict[int, RunningMoments]:
+        """Fast-path layers' moments per fold: views of one ``(folds, channels)`` set, their
+        columns side by side (also kept in ``joined``)."""
+        sizes = [self.layers[i].channels for i in fast]
+        columns = _to_device(g.scratch.columns(fast), g.device)
+        count = _to_device(summed[:, fast].repeat_interleave(torch.tensor(sizes), dim=1), g.device)
+        shift = g.shift.index_select(0, columns) if g.shift is not None else torch.zeros_like(count[0])
+        m = RunningMoments.from_shifted_sums(
+            count, shift, g.s1[:folds].index_select(1, columns), g.s2[:folds].index_select(1, columns)
+        )
+        self.joined.append((fast, m))
+        parts = zip(fast, *(t.split(sizes, dim=-1) for t in (m.count, m.mean, m.m2)))
+        return {i: RunningMoments(count, mean, m2) for i, count, mean, m2 in parts}
+
+    def _pool(
+        self, g: _Group, shift: Tensor, fast: list[int], summed: Tensor, folds: int, overwrite: bool
+    ) -> dict[int, RunningMoments]:
+        """Fast-path layers' pooled moments and errors (into ``pooled``), computed over the
+        group's whole buffer at once: a few kernels on its sums, whatever the number of layers
+        (the alignment gaps and other layers' columns come out meaningless, and are not read)."""
+        pooled, se_mean, se_var = fold_errors_from_sums(
+            g.per_channel(summed), shift, g.s1[:folds], g.s2[:folds], overwrite=overwrite
+        )
+        var = pooled.m2 / pooled.count
+        keep = set(fast)
         out = {}
-        self.joined = []
-        for g in self._groups:
-            fast = [i for i in g.scratch.layer_ids if self.paths[i] == "fast"]
-            if not fast:
-                continue
-            sizes = [self.layers[i].channels for i in fast]
-            columns = _to_device(g.scratch.columns(fast), g.device)
-            count = _to_device(summed[:, fast].repeat_interleave(torch.tensor(sizes), dim=1), g.device)
-            shift = g.shift.index_select(0, columns) if g.shift is not None else torch.zeros_like(count[0])
-            m = RunningMoments.from_shifted_sums(
-                count, shift, g.s1[:folds].index_select(1, columns), g.s2[:folds].index_select(1, columns)
-            )
-            parts = zip(fast, *(t.split(sizes, dim=-1) for t in (m.count, m.mean, m.m2)))
-            out.update((i, RunningMoments(count, mean, m2)) for i, count, mean, m2 in parts)
-            self.joined.append((fast, m))
+        pieces = (g.scratch.slices(t) for t in (pooled.count, pooled.mean, pooled.m2, var, se_mean, se_var))
+        for i, count, mean, m2, v, sm, sv in zip(g.scratch.layer_ids, *pieces):
+            if i in keep:
+                self.pooled[i] = (RunningMoments(count, mean, m2), v, sm, sv)
+                out[i] = RunningMoments(count[None], mean[None], m2[None])
         return out
 
     def precision(self) -> float:
@@ -447,9 +479,9 @@ class Collector:
         deviations) and of the variance's relative error; ``inf`` while unknown (one host
         read per device)."""
         by_device: dict[torch.device, list[Tensor]] = {}
-        for parts, count in zip(self.finish(), self.counts):
+        for i, (parts, count) in enumerate(zip(self.finish(), self.counts)):
             for folds in parts if count else ():
-                _, se_mean, se_var = fold_errors(folds)
+                se_mean, se_var = self.pooled[i][2:] if i in self.pooled else fold_errors(folds)[1:]
                 worst = torch.maximum(se_mean.nanmedian(), se_var.nanmedian())
                 by_device.setdefault(worst.device, []).append(worst)
         values = [v for group in by_device.values() for v in torch.stack(group).tolist()]
@@ -517,11 +549,14 @@ class _Trial:
             self.add(seen, x, channels, n)
             return
         idx = _checked_channels(channels)
-        sample = t.detach()[:, idx].to(torch.float64)
-        ref_var, ref_mean = torch.var_mean(sample, [0, *range(2, sample.dim())])  # float64, unbiased
+        sample = t.detach()[:, idx].to(torch.float64, copy=True)  # a copy even in float64: centred in place
+        # two passes in float64 (torch.var_mean's Welford loop is several times slower on the CPU)
+        dims = [0, *range(2, sample.dim())]
+        ref_mean = sample.sum(dims, keepdim=True).div_(n)
+        ref_var = sample.sub_(ref_mean).square_().sum(dims).div_(n - 1)  # unbiased
         lows, highs = pair.aminmax(dim=1)  # (min mean, min var), (max mean, max var)
         fig_mean, fig_var = pair[:, idx].tolist()  # host reads: no kernel launches on the CPU
-        rm, rv = ref_mean.tolist(), ref_var.tolist()
+        rm, rv = ref_mean.flatten().tolist(), ref_var.tolist()
         (low_mean, low_var), (high_mean, _) = lows.tolist(), highs.tolist()
         unit = torch.finfo(pair.dtype).eps / 2
         tolerance = TOLERANCE[pair.dtype]

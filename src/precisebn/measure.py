@@ -79,17 +79,27 @@ class Pass:
         self._decided = False  # the ranks voted to stop
 
     def measure(
-        self, selected: list[NormLayer], abort: Any = None, modules: list[tuple[str, nn.Module]] | None = None
+        self,
+        selected: list[NormLayer],
+        abort: Any = None,
+        modules: list[tuple[str, nn.Module]] | None = None,
+        keep_folds: bool = False,
     ) -> Measurement:
+        """One pass. ``keep_folds``: every layer's moments stay per fold (to be merged across
+        processes fold by fold); else layers the collector can pool come pooled, with their
+        errors (see :meth:`Collector.finish`)."""
         start = time.perf_counter()
         with torch.no_grad(), recalibration_state(self.model, selected, self.mode, modules) as state:
             collector = Collector(state, per_call=self.per_call)
             samples, batches = self._loop(collector, abort)
-            parts = collector.finish()
+            parts = collector.finish(pool=not keep_folds, overwrite=True)
         entries: list[tuple[NormLayer, RunningMoments, int, int, str, int]] = []
+        pooled = {}
         for i, (layer, per_call) in enumerate(zip(selected, parts)):
             path = collector.paths[i] if collector.paths[i] != "verify" else "none"  # "verify": never called
             if len(per_call) == 1:
+                if i in collector.pooled:
+                    pooled[len(entries)] = collector.pooled[i]
                 entries.append((layer, per_call[0], collector.calls[i], collector.counts[i], path, collector.most[i]))
                 continue
             k = len(per_call)  # per_call: one entry per call index, named as untie_calls names them
@@ -100,7 +110,7 @@ class Pass:
         layers, moments, calls, counts, paths, most = (list(column) for column in zip(*entries))
         joined = collector.joined if len(entries) == len(selected) else []  # indices of entries are those of layers
         result = Measurement(
-            layers, moments, calls, counts, samples, batches, self.mode, paths, per_forward=most, joined=joined
+            layers, moments, calls, counts, samples, batches, self.mode, paths, most, joined=joined, pooled=pooled
         )
         result.check()
         result.seconds = time.perf_counter() - start
@@ -208,6 +218,9 @@ class Measurement:
     per_forward: list[int] = field(default_factory=list)
     # moments already side by side: (indices, moments whose column slices are theirs, in that order)
     joined: list[tuple[list[int], RunningMoments]] = field(default_factory=list, repr=False)
+    # entries whose pooled (moments, population variance, se_mean, se_var) are known (their
+    # ``moments`` are those pooled moments as one fold)
+    pooled: dict[int, tuple[RunningMoments, Tensor, Tensor, Tensor]] = field(default_factory=dict, repr=False)
 
     def check(self) -> None:
         """Raises :class:`NonFiniteError` naming the layers whose statistics hold NaN/Inf
@@ -247,20 +260,25 @@ class Measurement:
         """Every layer's moments side by side, one ``(FOLDS, channels)`` set per device (with
         the indices of its layers, in order): the checks and the folds' errors then take a
         few kernels in all rather than a few per layer."""
-        by_device: dict[torch.device, list[int]] = {}
+        by_kind: dict[tuple[torch.device, int], list[int]] = {}  # by device and number of folds
         for i, m in enumerate(self.moments):
-            by_device.setdefault(m.mean.device, []).append(i)
+            by_kind.setdefault((m.mean.device, m.mean.shape[0]), []).append(i)
         ready = {frozenset(ids): (ids, m) for ids, m in self.joined}
         return [
             ready.get(frozenset(ids))
             or (ids, RunningMoments(*(torch.cat([getattr(self.moments[i], k) for i in ids], -1) for k in _KEYS)))
-            for ids in by_device.values()
+            for ids in by_kind.values()
         ]
 
     def _fold_errors(self) -> list[tuple[RunningMoments, Tensor, Tensor, Tensor]]:
         """Each layer's pooled moments, population variance and :func:`fold_errors`."""
-        out: list[Any] = [None] * len(self.moments)
+        out: list[Any] = list(map(self.pooled.get, range(len(self.moments))))
         for ids, joined in self._joined:
+            if all(i in self.pooled for i in ids):
+                continue
+            if any(i in self.pooled for i in ids):  # (not made by Pass.measure, which pools whole groups)
+                ids = [i for i in ids if i not in self.pooled]
+                joined = RunningMoments(*(torch.cat([getattr(self.moments[i], k) for i in ids], -1) for k in _KEYS))
             sizes = [self.moments[i].mean.shape[-1] for i in ids]
             pooled, se_mean, se_var = fold_errors(joined)
             var = pooled.var

@@ -36,7 +36,7 @@ from .layers import Capture, LayerSelection, Mode, find_norm_layers, has_running
 from .measure import AUTO_MAX_SAMPLES, AUTO_MIN_SAMPLES, Pass
 from .population import PopulationStats
 from .report import LayerReport, Report
-from .state import exclusive, restore_on_error
+from .state import copy_all, exclusive, restore_on_error
 
 __all__ = ["DEFAULT_NUM_SAMPLES", "DEFAULT_TOLERANCE", "apply", "check_options", "estimate", "recalibrate"]
 
@@ -317,7 +317,8 @@ def _estimate(
         walk = list(model.named_modules())  # one walk of the model for the whole call
         guard.enter_context(exclusive(model, walk))
         selected = find_norm_layers(model, layers, capture=capture, modules=walk)
-        local = run.measure(selected, abort=ctx.poll if ctx is not None else None, modules=walk)
+        abort = ctx.poll if ctx is not None else None
+        local = run.measure(selected, abort=abort, modules=walk, keep_folds=ctx is not None)
     except BaseException as exc:
         if ctx is None:
             raise
@@ -469,8 +470,7 @@ def _apply(model: nn.Module, stats: PopulationStats, prior: float | None = None,
     report = Report(rows, stats.samples, stats.batches, stats.seconds, stats.mode, stats.world_size)
     targets = [t for m, _ in updated for t, w in zip((m.running_mean, m.running_var), write) if w]
     with torch.no_grad(), restore_on_error(targets):
-        for target, value in zip(targets, new):
-            target.copy_(value)
+        copy_all(targets, new)
     for name, _, s in entries:
         if not s.reached:
             logger.warning(
@@ -545,14 +545,14 @@ def _converted(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Ten
 
 def _all_fine(new: list[torch.Tensor], write: tuple[bool, bool]) -> bool:
     """Whether the new values (host float64, in the order of ``_apply``'s ``new``) are all finite
-    and the variances among them non-negative."""
-    flat = torch.cat(new)
-    if not bool(flat.isfinite().all()):
+    and the variances among them non-negative (a sum and a minimum: reductions are far cheaper
+    than element-wise tests; a sum that overflows only sends the caller to its exact check)."""
+    if not math.isfinite(float(torch.cat(new).sum())):
         return False
     if not write[1]:
         return True
     variances = new[1::2] if write[0] else new
-    return not bool((torch.cat(variances) < 0).any())
+    return float(torch.cat(variances).amin()) >= 0
 
 
 def recalibrate(

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from .errors import ConcurrentUseError, UninitializedLayerError
 
-__all__ = ["StateSnapshot", "exclusive", "refuse_uninitialized", "restore_on_error"]
+__all__ = ["StateSnapshot", "copy_all", "exclusive", "refuse_uninitialized", "restore_on_error"]
 
 _UNINITIALIZED = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)  # lazy modules' tensors
 _RENORMALISED = (nn.Embedding, nn.EmbeddingBag)  # modules whose forward writes their weight (max_norm)
@@ -249,12 +249,26 @@ def exclusive(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = No
 @contextlib.contextmanager
 def restore_on_error(tensors: list[Tensor]) -> Iterator[None]:
     """Copies ``tensors`` and puts their values back if the block raises (anything,
-    ``KeyboardInterrupt`` included)."""
-    saved = [(t, t.detach().clone()) for t in tensors]
+    ``KeyboardInterrupt`` included). One copy per device and dtype, not one per tensor."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    saved = [(group, torch.cat([t.detach().reshape(-1) for t in group])) for group in by_kind.values()]
     try:
         yield
     except BaseException:
         with torch.no_grad():
-            for t, copy in saved:
-                t.copy_(copy)
+            for group, flat in saved:
+                for t, old in zip(group, flat.split([t.numel() for t in group])):
+                    t.copy_(old.view(t.shape))
         raise
+
+
+def copy_all(targets: list[Tensor], values: list[Tensor]) -> None:
+    """``target.copy_(value)`` for each pair, in one call where torch has one."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None and targets:
+        foreach(targets, values)
+        return
+    for target, value in zip(targets, values):
+        target.copy_(value)

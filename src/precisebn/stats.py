@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["RunningMoments", "chan_merge", "fold_errors"]
+__all__ = ["RunningMoments", "chan_merge", "fold_errors", "fold_errors_from_sums"]
 
 _F64 = torch.float64
 
@@ -240,24 +240,67 @@ def _fold_errors_dense(folds: RunningMoments) -> tuple[RunningMoments, Tensor, T
     inv_rest = torch.sub(n, n_k, out=b).reciprocal_()  # 1 / (n - n_k), positive: k >= 2 folds hold values
     mean_out = torch.mul(d, n_k).mul_(inv_rest)
     var_out = d.mul_(mean_out).mul_(n).sub_(m2).add_(m2_k).neg_().clamp_min_(0).mul_(inv_rest)
-    factor = (k - 1) / k
+    return RunningMoments(n, mean, m2), *_relative(_spread(mean_out, k), _spread(var_out, k), m2 / n)
 
-    def spread(values: Tensor) -> Tensor:
-        return values.sub_(values.sum(0).div_(k)).square_().sum(0).mul_(factor).sqrt_()
 
-    se_mean, se_var = spread(mean_out), spread(var_out)
-    var = m2 / n
-    if float(var.amin()) > 0:
-        return RunningMoments(n, mean, m2), se_mean.div_(var.sqrt()), se_var.div_(var)
-    return RunningMoments(n, mean, m2), *_relative(se_mean, se_var, var)
+def fold_errors_from_sums(
+    count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor, *, overwrite: bool = False
+) -> tuple[RunningMoments, Tensor, Tensor]:
+    """:func:`fold_errors` of folds kept as sums around a shift (see
+    :meth:`RunningMoments.from_shifted_sums`): ``count``, ``s1`` and ``s2`` of shape
+    ``(K, channels)``, ``shift`` of shape ``(channels,)``.
+
+    Every fold must hold values (``count > 0``) in every channel, and ``K >= 2``; where
+    that does not hold the results mean nothing. The delete-one-fold estimates come from
+    the sums without fold k, ``S - s_k``: ``mean_(-k) = K + (S1 - s1_k) / (n - n_k)`` and
+    ``var_(-k) = (S2 - s2_k) / (n - n_k) - (mean_(-k) - K)²`` (the shifted-sums
+    cancellation again, negligible for a shift within a few thousand standard deviations
+    of the mean). No host read.
+
+    Args:
+        overwrite: ``count``, ``s1`` and ``s2`` may serve as scratch space (their values
+            are then lost): no ``(K, channels)`` buffer is allocated.
+
+    Example:
+        >>> import torch
+        >>> x = torch.arange(8.0, dtype=torch.float64).reshape(4, 2)  # 4 folds of 2 values, one channel
+        >>> k = torch.tensor([1.0], dtype=torch.float64)  # the shift
+        >>> n = torch.full((4, 1), 2.0, dtype=torch.float64)
+        >>> s1, s2 = (x - k).sum(1, keepdim=True), (x - k).square().sum(1, keepdim=True)
+        >>> pooled, se_mean, se_var = fold_errors_from_sums(n, k, s1, s2)
+        >>> pooled.mean.tolist(), pooled.var.tolist()
+        ([3.5], [5.25])
+        >>> folds = RunningMoments.from_shifted_sums(n, k.expand(4, 1), s1, s2)
+        >>> bool(torch.allclose(se_var, fold_errors(folds)[2]))
+        True
+    """
+    k = count.shape[0]
+    n = count.sum(0)
+    total1, total2 = s1.sum(0), s2.sum(0)
+    pooled = RunningMoments.from_shifted_sums(n, shift, total1, total2)
+    if not overwrite:
+        count, s1, s2 = count.clone(), s1.clone(), s2.clone()
+    inv_rest = count.neg_().add_(n).reciprocal_()  # 1 / (n - n_k)
+    mean_out = s1.neg_().add_(total1).mul_(inv_rest)  # mean_(-k) - K
+    var_out = s2.neg_().add_(total2).mul_(inv_rest).addcmul_(mean_out, mean_out, value=-1).clamp_min_(0)
+    return pooled, *_relative(_spread(mean_out, k), _spread(var_out, k), pooled.m2 / n)
+
+
+def _spread(values: Tensor, k: int) -> Tensor:
+    """The jackknife's ``sqrt((K - 1) / K · Σ_k (θ_k - mean θ)²)`` over dimension 0, in
+    place on ``values``."""
+    return values.sub_(values.sum(0).div_(k)).square_().sum(0).mul_((k - 1) / k).sqrt_()
 
 
 def _relative(se_mean: Tensor, se_var: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
-    """The errors in σ (mean) and relative to the variance: 0 where both are 0, infinite
-    where only the variance is."""
-    rel_mean = torch.where(var > 0, se_mean / var.sqrt(), torch.where(se_mean > 0, float("inf"), 0.0))
-    rel_var = torch.where(var > 0, se_var / var, torch.where(se_var > 0, float("inf"), 0.0))
-    return rel_mean, rel_var
+    """The errors in σ (mean) and relative to the variance, in place: infinite where only
+    the variance is 0, and 0 where both are (0 / 0, the only NaN that values without NaN
+    can give here)."""
+    inf = float("inf")
+    return (
+        se_mean.div_(var.sqrt()).nan_to_num_(nan=0.0, posinf=inf, neginf=-inf),
+        se_var.div_(var).nan_to_num_(nan=0.0, posinf=inf, neginf=-inf),
+    )
 
 
 def _fold_errors_general(folds: RunningMoments) -> tuple[RunningMoments, Tensor, Tensor]:
