@@ -424,16 +424,17 @@ def _apply(model: nn.Module, stats: PopulationStats, prior: float | None = None,
         entries, problems = with_prior(entries, prior, stats.samples)
         _refuse("the statistics cannot be pooled with the model's", problems)
     write = (adapt != "var", adapt != "mean")  # running_mean, running_var
-    updated = [(m, s) for _, m, s in entries if s.reached]
+    buffers = [(m.running_mean, m.running_var) for _, m, _ in entries]  # read once: Module.__getattr__ is slow
+    updated = [(pair, s) for pair, (_, _, s) in zip(buffers, entries) if s.reached]
     new = _converted(
         [
             (t, buffer)
-            for m, s in updated
-            for t, buffer, w in ((s.mean, m.running_mean, write[0]), (s.var, m.running_var, write[1]))
+            for (rm, rv), s in updated
+            for t, buffer, w in ((s.mean, rm, write[0]), (s.var, rv, write[1]))
             if w
         ]
     )
-    old = [t for _, m, _ in entries for t in (m.running_mean, m.running_var)]
+    old = [t for pair in buffers for t in pair]
     host = _cpu64(old + new)
     old_host, new_host = host[: len(old)], iter(host[len(old) :])
     values = {}
@@ -454,7 +455,7 @@ def _apply(model: nn.Module, stats: PopulationStats, prior: float | None = None,
         LayerReport(
             name,
             s.layer_type,
-            int(m.running_mean.shape[0]),
+            int(rm.shape[0]),
             s.count,
             s.calls,
             *values[name],
@@ -465,10 +466,10 @@ def _apply(model: nn.Module, stats: PopulationStats, prior: float | None = None,
             s.se_var,
             s.per_forward,
         )
-        for name, m, s in entries
+        for (name, m, s), (rm, _) in zip(entries, buffers)
     ]
     report = Report(rows, stats.samples, stats.batches, stats.seconds, stats.mode, stats.world_size)
-    targets = [t for m, _ in updated for t, w in zip((m.running_mean, m.running_var), write) if w]
+    targets = [t for pair, _ in updated for t, w in zip(pair, write) if w]
     with torch.no_grad(), restore_on_error(targets):
         copy_all(targets, new)
     for name, _, s in entries:
@@ -537,9 +538,10 @@ def _converted(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Ten
     out: list[torch.Tensor] = [torch.empty(0)] * len(pairs)
     with torch.no_grad():
         for (device, dtype), ids in by_kind.items():
-            flat = torch.cat([_flat(pairs[i][0].to(device)) for i in ids]).to(dtype)
-            for i, part in zip(ids, flat.split([pairs[i][0].numel() for i in ids])):
-                out[i] = part.view(pairs[i][0].shape)
+            sources = [pairs[i][0] for i in ids]
+            flat = torch.cat([_flat(t if t.device == device else t.to(device)) for t in sources]).to(dtype)
+            for i, t, part in zip(ids, sources, flat.split([t.numel() for t in sources])):
+                out[i] = part if t.dim() == 1 else part.view(t.shape)
     return out
 
 
