@@ -134,3 +134,30 @@ def test_auto_stops_at_its_sample_cap(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_tolerance_mistakes(options: dict, message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         precisebn.estimate(net(), [torch.randn(8, 3, 6, 6)], **options)
+
+
+def test_errors_from_the_sums_equal_those_of_the_folds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fast-path layers are pooled straight from their sums (stats.fold_errors_from_sums); the
+    same pass with per-fold moments (as kept for a distributed merge) gives the same statistics
+    and errors, to float64 rounding."""
+    import precisebn.capture as capture
+
+    model = net()
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(5, 3, 6, 6, generator=g) * 2 + 1 for _ in range(21)]  # 16 folds, some of two batches
+    used = []
+    original_sums, original_finish = capture.fold_errors_from_sums, capture.Collector.finish
+    monkeypatch.setattr(capture, "fold_errors_from_sums", lambda *a, **k: used.append(1) or original_sums(*a, **k))
+    pooled = precisebn.estimate(model, batches, num_samples="all")
+    assert used, "the pass did not pool from the sums"
+    monkeypatch.setattr(capture.Collector, "finish", lambda self, **k: original_finish(self, **{**k, "pool": False}))
+    used.clear()
+    folds = precisebn.estimate(model, batches, num_samples="all")
+    assert not used
+    for name in ("1", "5"):
+        a, b = pooled[name], folds[name]
+        assert a.count == b.count and a.path == b.path == "fast"
+        torch.testing.assert_close(a.mean, b.mean, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(a.var, b.var, rtol=1e-10, atol=0)
+        torch.testing.assert_close(a.se_mean, b.se_mean, rtol=1e-8, atol=1e-12)
+        torch.testing.assert_close(a.se_var, b.se_var, rtol=1e-8, atol=1e-12)
