@@ -11,7 +11,9 @@ Two paths, chosen per layer by verifying it, not by its class:
   sums around a fixed shift per channel (the first batch's mean):
   ``s1 += n·(μ_b − K)`` and ``s2 += n·(μ_b − K)² + (n − 1)·σ²_b`` — five whole-buffer
   kernels, whatever the number of layers (see
-  :meth:`~precisebn.stats.RunningMoments.from_shifted_sums` for the precision). A
+  :meth:`~precisebn.stats.RunningMoments.from_shifted_sums` for the precision); at the
+  end the pooled moments and the standard errors of a group's layers come from those
+  sums at once (:func:`~precisebn.stats.fold_errors_from_sums`). A
   wrapper around the layer's forward records only the number of values per channel
   (a host integer from the input's shape), and — for a layer called several times in
   one forward — keeps the previous call's figures before the layer overwrites them;
