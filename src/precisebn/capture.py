@@ -137,7 +137,7 @@ class Collector:
             for i, pair in zip(scratch.layer_ids, scratch.slices(scratch.buffer)):
                 self._pairs[i] = pair
         for i, layer in enumerate(self.layers):
-            state.wrap_forward(layer.module, self._call(i))  # _call(i) looks at the forward before it is wrapped
+            state.wrap_forward(layer.module, _LayerCall(self, i))  # looks at the forward before it is wrapped
 
     # -- calls -------------------------------------------------------------------------
 
@@ -163,74 +163,6 @@ class Collector:
                 f"({type(x).__name__}); cannot measure it."
             )
         return x
-
-    def _call(self, i: int) -> Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]:
-        channels = self.layers[i].channels
-        mean_view, var_view = self._views[i]
-        pair = self._pairs[i]
-        paths = self.paths
-        module = self.layers[i].module
-        own_forward = normalises_its_input(module)  # torch's own forward: what it normalises is its input
-
-        def watched(forward: Callable[..., Any], x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            """Runs the layer; returns its output and what it normalised with its running buffers."""
-            if own_forward and module.track_running_stats and module._buffers.get("running_mean") is mean_view:
-                return forward(*args, **kwargs), [x]  # torch's own forward, normalising with the scratch buffers
-            with Watch(module) as watch:
-                out = forward(*args, **kwargs)
-            return out, watch.seen
-
-        def fast(x: Tensor, j: int) -> int:
-            n = x.numel() // channels
-            if n == 1:
-                raise self._too_few(i, x)
-            row = self._row
-            if row[i]:  # another call in this batch: keep the previous call's figures
-                self._extras.append((i, j - 1, row[i], mean_view.clone(), var_view.clone()))
-            row[i] = n
-            self.counts[i] += n
-            self.calls[i] += 1
-            if self.per_call:
-                self._count_call(i, j, n)
-            return n
-
-        def call(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            path = paths[i]
-            in_batch = self._in_batch
-            j = in_batch[i]  # this call's index within the batch
-            in_batch[i] = j + 1
-            if j >= self.most[i]:
-                self.most[i] = j + 1
-            if path == "fast":
-                fast(self._check(i, args, kwargs), j)
-                return forward(*args, **kwargs)
-            if path == "verify":
-                x = self._check(i, args, kwargs)
-                trial = self._trials.get(i) or self._trials.setdefault(i, _Trial(self.counts[i]))
-                counter = self._counters[i]
-                before = counter._version if counter is not None else -1
-                n = fast(x, j)
-                out, seen = watched(forward, x, args, kwargs)
-                if x.device.type == "cpu" and mean_view.device.type == "cpu":  # host reads cost nothing here
-                    trial.add_checked(seen, x, channels, n, pair, float(module.eps))
-                else:
-                    trial.add(seen, x, channels, n)
-                trial.counted &= counter is not None and counter._version == before + 1
-                return out
-            x = self._check(i, args, kwargs)
-            self.calls[i] += 1
-            if path == "none":  # verified never to normalise with its running buffers: nothing to watch
-                return forward(*args, **kwargs)
-            out, seen = watched(forward, x, args, kwargs)
-            if seen:
-                n = sum(t.numel() // channels for t in seen)
-                self.counts[i] += n
-                if self.per_call:
-                    self._count_call(i, j, n)
-                self._keep((i, j if self.per_call else 0), moments_of(seen))  # type: ignore[arg-type]
-            return out
-
-        return call
 
     def _count_call(self, i: int, j: int, n: int) -> None:
         counts = self.call_counts[i]
@@ -488,6 +420,84 @@ class Collector:
                 by_device.setdefault(worst.device, []).append(worst)
         values = [v for group in by_device.values() for v in torch.stack(group).tolist()]
         return max((v if v == v else float("inf") for v in values), default=float("inf"))
+
+
+class _LayerCall:
+    """What one layer's wrapped forward calls: routes the call by the layer's path and
+    records it in the collector. One small object per layer (rather than closures: a
+    pass makes few objects for the garbage collector to track)."""
+
+    __slots__ = ("c", "channels", "i", "mean_view", "module", "own_forward", "pair", "var_view")
+
+    def __init__(self, collector: Collector, i: int) -> None:
+        self.c = collector
+        self.i = i
+        self.channels = collector.layers[i].channels
+        self.mean_view, self.var_view = collector._views[i]
+        self.pair = collector._pairs[i]
+        self.module = collector.layers[i].module
+        self.own_forward = normalises_its_input(self.module)  # torch's own forward: what it normalises is its input
+
+    def watched(self, forward: Callable[..., Any], x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Runs the layer; returns its output and what it normalised with its running buffers."""
+        module = self.module
+        if self.own_forward and module.track_running_stats and module._buffers.get("running_mean") is self.mean_view:
+            return forward(*args, **kwargs), [x]  # torch's own forward, normalising with the scratch buffers
+        with Watch(module) as watch:
+            out = forward(*args, **kwargs)
+        return out, watch.seen
+
+    def fast(self, x: Tensor, j: int) -> int:
+        c, i = self.c, self.i
+        n = x.numel() // self.channels
+        if n == 1:
+            raise c._too_few(i, x)
+        row = c._row
+        if row[i]:  # another call in this batch: keep the previous call's figures
+            c._extras.append((i, j - 1, row[i], self.mean_view.clone(), self.var_view.clone()))
+        row[i] = n
+        c.counts[i] += n
+        c.calls[i] += 1
+        if c.per_call:
+            c._count_call(i, j, n)
+        return n
+
+    def __call__(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        c, i = self.c, self.i
+        path = c.paths[i]
+        in_batch = c._in_batch
+        j = in_batch[i]  # this call's index within the batch
+        in_batch[i] = j + 1
+        if j >= c.most[i]:
+            c.most[i] = j + 1
+        if path == "fast":
+            self.fast(c._check(i, args, kwargs), j)
+            return forward(*args, **kwargs)
+        if path == "verify":
+            x = c._check(i, args, kwargs)
+            trial = c._trials.get(i) or c._trials.setdefault(i, _Trial(c.counts[i]))
+            counter = c._counters[i]
+            before = counter._version if counter is not None else -1
+            n = self.fast(x, j)
+            out, seen = self.watched(forward, x, args, kwargs)
+            if x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads cost nothing here
+                trial.add_checked(seen, x, self.channels, n, self.pair, float(self.module.eps))
+            else:
+                trial.add(seen, x, self.channels, n)
+            trial.counted &= counter is not None and counter._version == before + 1
+            return out
+        x = c._check(i, args, kwargs)
+        c.calls[i] += 1
+        if path == "none":  # verified never to normalise with its running buffers: nothing to watch
+            return forward(*args, **kwargs)
+        out, seen = self.watched(forward, x, args, kwargs)
+        if seen:
+            n = sum(t.numel() // self.channels for t in seen)
+            c.counts[i] += n
+            if c.per_call:
+                c._count_call(i, j, n)
+            c._keep((i, j if c.per_call else 0), moments_of(seen))  # type: ignore[arg-type]
+        return out
 
 
 def _times(k: int) -> str:

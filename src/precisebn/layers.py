@@ -357,10 +357,11 @@ def recalibration_state(
         if isinstance(t := layer.module._buffers.get(k), Tensor)
     }
     with contextlib.ExitStack() as stack:
-        flags = [(m, m.training) for _, m in modules]
-        stack.callback(_restore_flags, flags)
-        momenta = [(layer.module, layer.module.momentum) for layer in layers]
-        stack.callback(_restore_momenta, momenta)
+        # parallel lists rather than (module, value) pairs: a pass makes few objects for the gc to track
+        mods = [m for _, m in modules]
+        stack.callback(_restore_flags, mods, [m.training for m in mods])
+        norms = [layer.module for layer in layers]
+        stack.callback(_restore_momenta, norms, [m.momentum for m in norms])
         snapshot = StateSnapshot(modules, uncopied=swapped)
         stack.callback(_restore_snapshot, snapshot)
 
@@ -379,7 +380,7 @@ def recalibration_state(
                 m._buffers["num_batches_tracked"] = counter
             counters.append(counter)
             _set_attribute(m, "momentum", 1.0)
-        _set_modes([m for _, m in modules], {id(layer.module) for layer in layers}, mode)
+        _set_modes(mods, {id(m) for m in norms}, mode)
         yield state
 
 
@@ -409,13 +410,13 @@ def _set_attribute(m: nn.Module, name: str, value: object) -> None:
         setattr(m, name, value)
 
 
-def _restore_flags(flags: list[tuple[nn.Module, bool]]) -> None:
-    for m, training in flags:
+def _restore_flags(modules: list[nn.Module], flags: list[bool]) -> None:
+    for m, training in zip(modules, flags):
         _set_flag(m, training)
 
 
-def _restore_momenta(momenta: list[tuple[nn.Module, float | None]]) -> None:
-    for m, momentum in momenta:
+def _restore_momenta(modules: list[nn.Module], momenta: list[float | None]) -> None:
+    for m, momentum in zip(modules, momenta):
         _set_attribute(m, "momentum", momentum)
 
 

@@ -84,11 +84,17 @@ class StateSnapshot:
     """
 
     def __init__(self, modules: list[tuple[str, nn.Module]], uncopied: set[int] | None = None) -> None:
-        # per module: its buffer and parameter dicts and non-persistent names (None where empty)
-        self._dicts: list[tuple[nn.Module, dict[str, Any] | None, dict[str, Any] | None, set[str] | None]] = []
+        # per module (parallel lists, not tuples: a snapshot makes few objects for the gc to track): the
+        # module, copies of its buffer and parameter dicts and its non-persistent names (None where empty)
+        self._modules: list[nn.Module] = []
+        self._buffers: list[dict[str, Any] | None] = []
+        self._params: list[dict[str, Any] | None] = []
+        self._non_persistent: list[set[str] | None] = []
         self._saved: list[_Saved] = []  # tensors whose values are copied
-        # parameters not copied, whose version counters tell whether they changed: (prefix, key, tensor, version)
-        self._watched: list[tuple[str, str, Tensor, int | None]] = []
+        # parameters not copied, whose version counters tell whether they changed (parallel lists)
+        self._watched_names: list[str] = []
+        self._watched: list[Tensor] = []
+        self._watched_versions: list[int | None] = []
         skip = set(uncopied or ())
         pieces: dict[torch.device, list[Tensor]] = {}
         sizes: dict[torch.device, int] = {}
@@ -99,14 +105,10 @@ class StateSnapshot:
                     module._parameters,
                     module._non_persistent_buffers_set,
                 )
-                self._dicts.append(
-                    (
-                        module,
-                        dict(buffers) if buffers else None,
-                        dict(params) if params else None,
-                        set(non_persistent) if non_persistent else None,
-                    )
-                )
+                self._modules.append(module)
+                self._buffers.append(dict(buffers) if buffers else None)
+                self._params.append(dict(params) if params else None)
+                self._non_persistent.append(set(non_persistent) if non_persistent else None)
                 copy_params = isinstance(module, _RENORMALISED) and module.max_norm is not None
                 for tensors, copy in ((buffers, True), (params, copy_params)):
                     for key, t in tensors.items():
@@ -114,7 +116,9 @@ class StateSnapshot:
                             continue
                         skip.add(id(t))
                         if not copy:
-                            self._watched.append((prefix, key, t, _version(t)))
+                            self._watched_names.append(f"{prefix}.{key}" if prefix else key)
+                            self._watched.append(t)
+                            self._watched_versions.append(_version(t))
                             continue
                         saved = _Saved(f"{prefix}.{key}" if prefix else key, t, _version(t), None)
                         self._saved.append(saved)
@@ -138,7 +142,9 @@ class StateSnapshot:
             The names of parameters that the passes changed in place and that could not
             be restored (not copied); empty when the model is bitwise as it was.
         """
-        for module, buffers, params, non_persistent in self._dicts:
+        for module, buffers, params, non_persistent in zip(
+            self._modules, self._buffers, self._params, self._non_persistent
+        ):
             for now, saved in ((module._buffers, buffers), (module._parameters, params)):
                 if saved is None:
                     if now:
@@ -151,8 +157,8 @@ class StateSnapshot:
                 current.clear()
                 current.update(non_persistent or ())
         lost = [
-            f"{prefix}.{key}" if prefix else key
-            for prefix, key, t, version in self._watched
+            name
+            for name, t, version in zip(self._watched_names, self._watched, self._watched_versions)
             if version is not None and _version(t) != version  # a parameter: only its version tells
         ]
         with torch.no_grad():
