@@ -109,9 +109,9 @@ def test_instance_level_forward_is_put_back() -> None:
 
 @settings(max_examples=30, deadline=None)
 @given(channels=st.lists(st.integers(1, 40), min_size=1, max_size=8), data=st.data())
-def test_a_scratch_groups_columns_are_its_layers_stretches(channels: list[int], data: st.DataObject) -> None:
-    """columns(), slices() and positions() of a group of layers with unaligned channel counts agree
-    with the layout written out by hand: layer i at offsets[i] for channels[i] columns."""
+def test_a_scratch_groups_slices_and_positions_follow_its_layout(channels: list[int], data: st.DataObject) -> None:
+    """slices() and positions() of a group of layers with unaligned channel counts agree with
+    the layout written out by hand: layer i at offsets[i] for channels[i] columns."""
     offsets, at = [], 0
     for c in channels:
         offsets.append(at)
@@ -120,7 +120,6 @@ def test_a_scratch_groups_columns_are_its_layers_stretches(channels: list[int], 
     group = ScratchGroup(torch.zeros(2, at), ids, offsets, channels)
     keep = sorted(data.draw(st.sets(st.sampled_from(ids), min_size=1)))
     by_hand = [col for i, off, c in zip(ids, offsets, channels) if i in keep for col in range(off, off + c)]
-    assert group.columns(keep).tolist() == by_hand
     marked = torch.arange(float(at))
     assert [t.tolist() for t in group.slices(marked)] == [
         list(map(float, range(o, o + c))) for o, c in zip(offsets, channels)

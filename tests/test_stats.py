@@ -204,15 +204,20 @@ def jackknife_from_values(folds: list[list[torch.Tensor]]) -> tuple[torch.Tensor
     folds=st.integers(1, 6),
     sizes=st.lists(st.integers(0, 5), min_size=18, max_size=18),
     offset=st.sampled_from([0.0, 1e4]),
+    every_fold=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_fold_errors_equal_a_jackknife_of_the_raw_values(
-    folds: int, sizes: list[int], offset: float, seed: int
+    folds: int, sizes: list[int], offset: float, every_fold: bool, seed: int
 ) -> None:
     """Both of fold_errors' paths (every fold holding values, and folds without values, which
     must be left out) against the jackknife recomputed from the values of each fold."""
     g = torch.Generator().manual_seed(seed)
     channels = 3
+    if every_fold:  # the dense path (with two folds or more)
+        sizes = [max(s, 1) for s in sizes]
+    else:  # the general path: fold 1 holds no value of channel 0 (one fold alone: no error either way)
+        sizes[channels] = 0
     values = [
         [torch.randn(max(sizes[k * channels + c], 1 if k == 0 else 0), generator=g, dtype=torch.float64) * (c + 1)
          + offset for c in range(channels)]

@@ -121,9 +121,7 @@ class Collector:
         self._trials: dict[int, _Trial] = {}  # layers being verified in this batch
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
-        # after finish(): (layers, their moments side by side) per group of fast-path layers, and the
-        # pooled (moments, variance, se_mean, se_var) of fast-path layers pooled there
-        self.joined: list[tuple[list[int], RunningMoments]] = []
+        # after finish(): the pooled (moments, variance, se_mean, se_var) of fast-path layers pooled there
         self.pooled: dict[int, tuple[RunningMoments, Tensor, Tensor, Tensor]] = {}
         self._own: set[int] = set()  # fast-path candidates: their figures go into a group's sums
         for scratch in state.groups:
@@ -347,7 +345,6 @@ class Collector:
         folds = max(1, min(self._batch, FOLDS))  # fold b holds batches b, b + FOLDS, ...: the rest are empty
         summed = torch.tensor(self._summed[:folds], dtype=torch.float64)  # (folds, layers + 1)
         self.pooled = {}
-        self.joined = []
         own = {}
         for g in self._groups:
             fast = [i for i in g.scratch.layer_ids if self.paths[i] == "fast"]
@@ -368,25 +365,19 @@ class Collector:
                 m = own[i]
                 if parts[-1] is not None:  # pooled: the calls before the last one in a batch
                     m.merge(parts[-1].to(m.mean.device))
-                    self.joined = [(ids, j) for ids, j in self.joined if i not in ids]  # m is no view of it now
                 parts[-1] = m
             device = _accumulation_device(self._views[i][0].device)
             out.append([p if p is not None else RunningMoments.zeros((folds, channels), device) for p in parts])
         return out
 
     def _own_moments(self, g: _Group, fast: list[int], summed: Tensor, folds: int) -> dict[int, RunningMoments]:
-        """Fast-path layers' moments per fold: views of one ``(folds, channels)`` set, their
-        columns side by side (also kept in ``joined``)."""
-        sizes = [self.layers[i].channels for i in fast]
-        columns = _to_device(g.scratch.columns(fast), g.device)
-        count = _to_device(summed[:, fast].repeat_interleave(torch.tensor(sizes), dim=1), g.device)
-        shift = g.shift.index_select(0, columns) if g.shift is not None else torch.zeros_like(count[0])
-        m = RunningMoments.from_shifted_sums(
-            count, shift, g.s1[:folds].index_select(1, columns), g.s2[:folds].index_select(1, columns)
-        )
-        self.joined.append((fast, m))
-        parts = zip(fast, *(t.split(sizes, dim=-1) for t in (m.count, m.mean, m.m2)))
-        return {i: RunningMoments(count, mean, m2) for i, count, mean, m2 in parts}
+        """Fast-path layers' moments per fold: views of the group's moments, computed over its
+        whole buffer at once (the other columns come out meaningless, and are not read)."""
+        shift = g.shift if g.shift is not None else torch.zeros_like(g.s1[0])
+        m = RunningMoments.from_shifted_sums(g.per_channel(summed), shift, g.s1[:folds], g.s2[:folds])
+        keep = set(fast)
+        parts = zip(g.scratch.layer_ids, *(g.scratch.slices(t) for t in (m.count, m.mean, m.m2)))
+        return {i: RunningMoments(count, mean, m2) for i, count, mean, m2 in parts if i in keep}
 
     def _pool(
         self, g: _Group, shift: Tensor, fast: list[int], summed: Tensor, folds: int, overwrite: bool
@@ -397,7 +388,7 @@ class Collector:
         pooled, se_mean, se_var = fold_errors_from_sums(
             g.per_channel(summed), shift, g.s1[:folds], g.s2[:folds], overwrite=overwrite
         )
-        var = pooled.m2 / pooled.count
+        var = pooled.var
         keep = set(fast)
         out = {}
         pieces = (g.scratch.slices(t) for t in (pooled.count, pooled.mean, pooled.m2, var, se_mean, se_var))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
-import itertools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -225,16 +224,6 @@ class ScratchGroup:
         buffer's columns), in ``layer_ids`` order: views, made by one split."""
         bounds = [b for off, c in zip(self.offsets, self.channels) for b in (off, off + c)]
         return list(t.tensor_split(bounds, dim=dim)[1::2])  # the pieces between are alignment gaps
-
-    def columns(self, ids: Sequence[int]) -> Tensor:
-        """The buffer's columns of the layers ``ids`` (a subset of ``layer_ids``, in its
-        order), side by side (host, int64)."""
-        where = dict(zip(self.layer_ids, zip(self.offsets, self.channels)))
-        starts, lengths = zip(*(where[i] for i in ids))
-        ends = list(itertools.accumulate(lengths))
-        # each column: its layer's offset, plus its position among the columns, less its layer's start there
-        shifts = torch.tensor([off - end + c for off, end, c in zip(starts, ends, lengths)])
-        return torch.arange(ends[-1]) + shifts.repeat_interleave(torch.tensor(lengths))
 
     def positions(self, keep: Iterable[int], other: int) -> Tensor:
         """The layer of each of the buffer's columns (host): ``i`` for the channels of layer

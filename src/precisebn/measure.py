@@ -108,10 +108,7 @@ class Pass:
                 part = NormLayer(call_name(layer.name, j), layer.module, layer.path)
                 entries.append((part, m, collector.calls[i] // k, values[j], path, 1))
         layers, moments, calls, counts, paths, most = (list(column) for column in zip(*entries))
-        joined = collector.joined if len(entries) == len(selected) else []  # indices of entries are those of layers
-        result = Measurement(
-            layers, moments, calls, counts, samples, batches, self.mode, paths, most, joined=joined, pooled=pooled
-        )
+        result = Measurement(layers, moments, calls, counts, samples, batches, self.mode, paths, most, pooled=pooled)
         result.check()
         result.seconds = time.perf_counter() - start
         logger.info(
@@ -216,8 +213,6 @@ class Measurement:
     seconds: float = 0.0
     world_size: int = 1
     per_forward: list[int] = field(default_factory=list)
-    # moments already side by side: (indices, moments whose column slices are theirs, in that order)
-    joined: list[tuple[list[int], RunningMoments]] = field(default_factory=list, repr=False)
     # entries whose pooled (moments, population variance, se_mean, se_var) are known (their
     # ``moments`` are those pooled moments as one fold)
     pooled: dict[int, tuple[RunningMoments, Tensor, Tensor, Tensor]] = field(default_factory=dict, repr=False)
@@ -257,16 +252,14 @@ class Measurement:
 
     @functools.cached_property
     def _joined(self) -> list[tuple[list[int], RunningMoments]]:
-        """Every layer's moments side by side, one ``(FOLDS, channels)`` set per device (with
-        the indices of its layers, in order): the checks and the folds' errors then take a
-        few kernels in all rather than a few per layer."""
-        by_kind: dict[tuple[torch.device, int], list[int]] = {}  # by device and number of folds
+        """Every layer's moments side by side (with the indices of its layers, in order), one
+        set per device, number of folds and whether they are pooled already: the checks and
+        the folds' errors then take a few kernels in all rather than a few per layer."""
+        by_kind: dict[tuple[torch.device, int, bool], list[int]] = {}
         for i, m in enumerate(self.moments):
-            by_kind.setdefault((m.mean.device, m.mean.shape[0]), []).append(i)
-        ready = {frozenset(ids): (ids, m) for ids, m in self.joined}
+            by_kind.setdefault((m.mean.device, m.mean.shape[0], i in self.pooled), []).append(i)
         return [
-            ready.get(frozenset(ids))
-            or (ids, RunningMoments(*(torch.cat([getattr(self.moments[i], k) for i in ids], -1) for k in _KEYS)))
+            (ids, RunningMoments(*(torch.cat([getattr(self.moments[i], k) for i in ids], -1) for k in _KEYS)))
             for ids in by_kind.values()
         ]
 
@@ -274,15 +267,11 @@ class Measurement:
         """Each layer's pooled moments, population variance and :func:`fold_errors`."""
         out: list[Any] = list(map(self.pooled.get, range(len(self.moments))))
         for ids, joined in self._joined:
-            if all(i in self.pooled for i in ids):
+            if ids[0] in self.pooled:  # (a kind is pooled throughout or not at all)
                 continue
-            if any(i in self.pooled for i in ids):  # (not made by Pass.measure, which pools whole groups)
-                ids = [i for i in ids if i not in self.pooled]
-                joined = RunningMoments(*(torch.cat([getattr(self.moments[i], k) for i in ids], -1) for k in _KEYS))
             sizes = [self.moments[i].mean.shape[-1] for i in ids]
             pooled, se_mean, se_var = fold_errors(joined)
-            var = pooled.var
-            parts = zip(*(t.split(sizes) for t in (pooled.count, pooled.mean, pooled.m2, var, se_mean, se_var)))
+            parts = zip(*(t.split(sizes) for t in (pooled.count, pooled.mean, pooled.m2, pooled.var, se_mean, se_var)))
             for i, (count, mean, m2, v, sm, sv) in zip(ids, parts):
                 out[i] = (RunningMoments(count, mean, m2), v, sm, sv)
         return out

@@ -485,14 +485,11 @@ def _apply(model: nn.Module, stats: PopulationStats, prior: float | None = None,
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:
-    """The module under qualified ``name`` (any of its names, as ``named_modules(remove_duplicate=False)``
-    lists them), or ``None``."""
-    module: nn.Module | None = model
-    for part in name.split(".") if name else ():
-        module = module._modules.get(part)  # type: ignore[union-attr]
-        if module is None:
-            return None
-    return module
+    """The module under qualified ``name`` (``""``: the model), or ``None``."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _is_call(name: str) -> bool:

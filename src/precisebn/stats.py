@@ -226,21 +226,16 @@ def fold_errors(folds: RunningMoments) -> tuple[RunningMoments, Tensor, Tensor]:
 
 
 def _fold_errors_dense(folds: RunningMoments) -> tuple[RunningMoments, Tensor, Tensor]:
-    """:func:`fold_errors` when every fold holds values: no masking, and three ``(K, channels)``
-    temporaries reused in place (fresh large buffers cost page faults)."""
+    """:func:`fold_errors` when every fold holds values: the folds as sums around the pooled
+    mean, then :func:`fold_errors_from_sums` (no masking; three ``(K, channels)`` buffers,
+    reused in place: fresh large buffers cost page faults)."""
     n_k, mean_k, m2_k = folds.count, folds.mean, folds.m2
-    k = n_k.shape[0]
-    n = n_k.sum(0)
     a = torch.mul(n_k, mean_k)
-    mean = a.sum(0).div_(n)
-    d = torch.sub(mean_k, mean, out=a)  # mean_k - mean
-    b = torch.mul(d, d)
-    m2 = b.mul_(n_k).sum(0).add_(m2_k.sum(0))
-    # without fold k (see _fold_errors_general): the deviations of mean_(-k) and var_(-k)
-    inv_rest = torch.sub(n, n_k, out=b).reciprocal_()  # 1 / (n - n_k), positive: k >= 2 folds hold values
-    mean_out = torch.mul(d, n_k).mul_(inv_rest)
-    var_out = d.mul_(mean_out).mul_(n).sub_(m2).add_(m2_k).neg_().clamp_min_(0).mul_(inv_rest)
-    return RunningMoments(n, mean, m2), *_relative(_spread(mean_out, k), _spread(var_out, k), m2 / n)
+    shift = a.sum(0).div_(n_k.sum(0))  # the pooled mean: no cancellation in the sums around it
+    d = torch.sub(mean_k, shift, out=a)
+    s1 = torch.mul(d, n_k)
+    s2 = torch.addcmul(m2_k, s1, d)  # M2_k + n_k (mean_k - shift)²
+    return fold_errors_from_sums(a.copy_(n_k), shift, s1, s2, overwrite=True)
 
 
 def fold_errors_from_sums(
