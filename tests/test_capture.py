@@ -271,3 +271,34 @@ def test_layer_first_reached_late_with_a_large_mean() -> None:
     assert late.count == 19 * 32
     assert max_rel_error(late.mean, truth.mean) <= 1e-5
     assert max_rel_error(late.var, truth.var) <= 1e-3
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.sampled_from([(2, 4), (3, 4, 5), (2, 4, 3, 3), (5, 4, 7, 2)]),
+    log_offset=st.floats(min_value=-3.0, max_value=4.7),
+    log_std=st.floats(min_value=-6.0, max_value=3.0),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_reference_of_the_cpu_check_is_float64_exact(shape, log_offset, log_std, dtype, seed) -> None:
+    """The float64 reference the CPU check compares a layer's figures with, against the float64
+    truth of what the sample holds. Below float64 it comes from the sums of the values and
+    of their squares: its variance may be off by a few float64 roundings of the mean square,
+    at most a quarter of the float32 figures' own rounding term (2⁻²⁴ mean)², so it can
+    never pass figures that the rounding term would not; a float64 sample is centred (1e-12)."""
+    from precisebn.capture import _reference
+
+    g = torch.Generator().manual_seed(seed)
+    x64 = torch.randn(*shape, generator=g, dtype=torch.float64) * 10**log_std + 10**log_offset * 10**log_std
+    x = x64.to(dtype)
+    truth = x.double().transpose(0, 1).reshape(shape[1], -1)  # what the sample holds, exactly
+    n = truth.shape[1]
+    mean, var = _reference(x, n)
+    true_mean, true_var = truth.mean(1), truth.var(1)
+    for c in range(shape[1]):
+        m, v = float(true_mean[c]), float(true_var[c])
+        assert abs(mean[c] - m) <= 1e-12 * (abs(m) + v**0.5)
+        rounding_term = (2.0**-24 * m) ** 2  # times the variance: what the figures' check allows for
+        allowed = 1e-12 * v if dtype == torch.float64 else rounding_term / 4 * n / (n - 1) + 1e-12 * v
+        assert abs(var[c] - v) <= allowed

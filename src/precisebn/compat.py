@@ -70,6 +70,7 @@ def update_bn_stats(
 
     if not find_norm_layers(model, selected, require=False):
         return
+    walk: list[tuple[str, nn.Module]] = []
     with contextlib.ExitStack() as guard:  # one hold on the model from the passes to the writes
         try:
             with warnings.catch_warnings():
@@ -90,6 +91,7 @@ def update_bn_stats(
                     capture="auto",
                     tolerance=None,
                     _mode="keep",
+                    walk=walk,
                 )
         except EmptyDataError as exc:
             raise ShortLoaderError(
@@ -100,7 +102,7 @@ def update_bn_stats(
                 f"update_bn_stats is meant to run for {num_iters} iterations, but the data loader stops at "
                 f"{stats.batches} iterations; the model was left unchanged."
             )
-        _apply(unwrap(model), stats)
+        _apply(unwrap(model), stats, modules=walk)
 
 
 def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | str | None = None) -> None:

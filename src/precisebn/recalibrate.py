@@ -260,10 +260,13 @@ def _estimate(
     tolerance: Any,
     _mode: Mode | None,
     per_call: Any = False,
+    walk: list[tuple[str, nn.Module]] | None = None,
 ) -> PopulationStats:
     """:func:`estimate`, holding the model in ``guard`` (so that :func:`recalibrate` can
     keep it until its statistics are written). Every check runs on every rank inside
-    the distributed failure protocol, so a mistake on one rank reaches all of them."""
+    the distributed failure protocol, so a mistake on one rank reaches all of them.
+    ``walk``, if given, receives the unwrapped model's ``named_modules()`` (for
+    :func:`_apply`: the model is walked once per call)."""
     ctx = _dist.RankContext.resolve(distributed, process_group)
     try:
         check_options(
@@ -314,11 +317,13 @@ def _estimate(
             vote,
             per_call,
         )
-        walk = list(model.named_modules())  # one walk of the model for the whole call
-        guard.enter_context(exclusive(model, walk))
-        selected = find_norm_layers(model, layers, capture=capture, modules=walk)
+        modules = list(model.named_modules())  # one walk of the model for the whole call
+        if walk is not None:
+            walk[:] = modules
+        guard.enter_context(exclusive(model, modules))
+        selected = find_norm_layers(model, layers, capture=capture, modules=modules)
         abort = ctx.poll if ctx is not None else None
-        local = run.measure(selected, abort=abort, modules=walk, keep_folds=ctx is not None)
+        local = run.measure(selected, abort=abort, modules=modules, keep_folds=ctx is not None)
     except BaseException as exc:
         if ctx is None:
             raise
@@ -393,14 +398,22 @@ def apply(model: nn.Module, stats: PopulationStats, *, prior: float | None = Non
         return _apply(model, stats, checked_prior, adapt)
 
 
-def _apply(model: nn.Module, stats: PopulationStats, prior: float | None = None, adapt: Adapt = "both") -> Report:
+def _apply(
+    model: nn.Module,
+    stats: PopulationStats,
+    prior: float | None = None,
+    adapt: Adapt = "both",
+    modules: list[tuple[str, nn.Module]] | None = None,
+) -> Report:
     """:func:`apply` on an unwrapped model that the caller holds: checks everything and
     builds the report first, then writes, restoring the old values if the writes are
-    interrupted. ``prior`` is checked (:func:`~precisebn.adapt.check_adapt`)."""
+    interrupted. ``prior`` is checked (:func:`~precisebn.adapt.check_adapt`). ``modules``:
+    the model's ``named_modules()``, if the caller has walked it already."""
     problems = []
     entries = []
+    found = dict(modules or model.named_modules())  # a name the walk does not give (an alias) is looked up
     for name, s in stats.items():
-        m = _submodule(model, name)
+        m = found[name] if name in found else _submodule(model, name)
         if m is None:
             problems.append(
                 f"{name!r} is not in the model"
@@ -595,6 +608,7 @@ def recalibrate(
         (32, 6272)
     """
     checked_prior = check_adapt(prior, adapt)  # before any forward pass
+    walk: list[tuple[str, nn.Module]] = []
     with contextlib.ExitStack() as guard:
         stats = _estimate(
             guard,
@@ -612,5 +626,6 @@ def recalibrate(
             capture=capture,
             tolerance=tolerance,
             _mode=None,
+            walk=walk,
         )
-        return _apply(unwrap(model), stats, checked_prior, adapt)
+        return _apply(unwrap(model), stats, checked_prior, adapt, walk)
