@@ -220,7 +220,10 @@ def fold_errors(folds: RunningMoments) -> tuple[RunningMoments, Tensor, Tensor]:
         >>> pooled.mean.tolist(), pooled.var.tolist()
         ([3.5], [5.25])
     """
-    if folds.count.shape[0] > 1 and _all_positive(folds.count):  # the usual case on the CPU
+    if folds.count.shape[0] == 1:  # one fold: nothing to compare it with
+        nan = torch.full_like(folds.mean[0], float("nan"), dtype=_F64)
+        return RunningMoments.from_batches(folds.count, folds.mean, folds.m2), nan, nan.clone()
+    if _all_positive(folds.count):  # the usual case on the CPU
         return _fold_errors_dense(folds)
     return _fold_errors_general(folds)
 
@@ -275,9 +278,9 @@ def fold_errors_from_sums(
     pooled = RunningMoments.from_shifted_sums(n, shift, total1, total2)
     if not overwrite:
         count, s1, s2 = count.clone(), s1.clone(), s2.clone()
-    inv_rest = count.neg_().add_(n).reciprocal_()  # 1 / (n - n_k)
-    mean_out = s1.neg_().add_(total1).mul_(inv_rest)  # mean_(-k) - K
-    var_out = s2.neg_().add_(total2).mul_(inv_rest).addcmul_(mean_out, mean_out, value=-1).clamp_min_(0)
+    inv_rest = torch.sub(n, count, out=count).reciprocal_()  # 1 / (n - n_k)
+    mean_out = torch.sub(total1, s1, out=s1).mul_(inv_rest)  # mean_(-k) - K
+    var_out = torch.sub(total2, s2, out=s2).mul_(inv_rest).addcmul_(mean_out, mean_out, value=-1).clamp_min_(0)
     return pooled, *_relative(_spread(mean_out, k), _spread(var_out, k), pooled.m2 / n)
 
 
