@@ -11,10 +11,18 @@ see the same machine. Two figures per process:
 * ratio: ``recalibrate`` over the case's batches divided by the mean of the floor runs
   just before and after it, median over rounds (what ``benchmarks.run`` reports).
 
+``--paired`` instead imports both versions into one process (A's package copied under
+another name; precisebn imports itself only relatively) and times them call by call,
+alternating which goes first, on small inputs (2 samples, 16x16 or 32x32 for densenet121)
+so that the forward passes are short; it reports the median of the paired differences
+B - A with their quartiles. Changes of a few milliseconds that whole-case medians cannot
+resolve on a shared machine show there.
+
 Usage::
 
     git worktree add /tmp/old <commit>
     python -m benchmarks.ab /tmp/old/src src --models timm_efficientnet_b0,mlp --pairs 3
+    python -m benchmarks.ab /tmp/old/src src --models densenet121 --paired --rounds 40
 
 Nothing here is imported by precisebn.
 """
@@ -76,6 +84,55 @@ def _measure(src: str, model_name: str, rounds: int) -> None:
     print(f"{fixed:.2f} {statistics.median(ratios):.4f}")
 
 
+def _paired(a_src: str, b_src: str, models: Sequence[str], rounds: int) -> None:
+    """Both versions in this process, timed call by call (see the module's docstring)."""
+    import functools
+    import gc
+    import importlib
+    import shutil
+    import tempfile
+
+    copy = Path(tempfile.mkdtemp(prefix="precisebn-ab-"))
+    shutil.copytree(Path(a_src) / "precisebn", copy / "precisebn_a")
+    sys.path[:0] = [str(copy), b_src]
+    import torch
+
+    from benchmarks import common
+
+    torch.set_num_threads(1)
+    versions = (importlib.import_module("precisebn_a"), importlib.import_module("precisebn"))
+    for model_name in models:
+        model = common.build_model(model_name, torch.device("cpu"))
+        g = torch.Generator().manual_seed(0)
+        shape = (2, 256) if model_name == "mlp" else (2, 3, 32, 32) if model_name == "densenet121" else (2, 3, 16, 16)
+        data = [torch.randn(*shape, generator=g) for _ in range(8)]
+        for n in (1, 8):
+            batches = data[:n]
+            runs = [functools.partial(v.recalibrate, model, batches, num_batches=n) for v in versions]
+            for run in runs * 3:  # warm-up
+                run()
+            times: tuple[list[float], list[float]] = ([], [])
+            gc.collect()
+            gc.disable()
+            try:
+                for r in range(rounds):
+                    for k in (0, 1) if r % 2 == 0 else (1, 0):
+                        start = time.perf_counter()
+                        runs[k]()
+                        times[k].append(time.perf_counter() - start)
+            finally:
+                gc.enable()
+            d = sorted((b - a) * 1e3 for a, b in zip(*times))
+            q = statistics.quantiles(d, n=4)
+            print(
+                f"{model_name:28s} {n} batch(es): A median {statistics.median(times[0]) * 1e3:.1f} ms, "
+                f"B median {statistics.median(times[1]) * 1e3:.1f} ms; B - A median {statistics.median(d):+.2f} ms "
+                f"(quartiles {q[0]:+.2f} .. {q[2]:+.2f})",
+                flush=True,
+            )
+    shutil.rmtree(copy, ignore_errors=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__.split("\n\n")[0])
     p.add_argument("a", help="source folder of version A (the folder that holds the precisebn package)")
@@ -83,12 +140,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--models", default="timm_efficientnet_b0", help="comma-separated benchmark models")
     p.add_argument("--pairs", type=int, default=3, help="A/B process pairs per model")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds per process")
+    p.add_argument("--paired", action="store_true", help="both versions in one process, call by call, small inputs")
     p.add_argument("--_measure", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if args.paired:
+        _paired(args.a, str(Path(args.b).resolve()), models, args.rounds)
+        return 0
     if args._measure:
         _measure(args._measure[0], args._measure[1], args.rounds)
         return 0
-    for model_name in [m.strip() for m in args.models.split(",") if m.strip()]:
+    for model_name in models:
         rows: dict[str, list[tuple[float, float]]] = {"A": [], "B": []}
         for _ in range(args.pairs):
             for label, src in (("A", args.a), ("B", args.b)):
