@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import hypothesis.strategies as st
 import pytest
@@ -275,30 +276,55 @@ def test_layer_first_reached_late_with_a_large_mean() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(
-    shape=st.sampled_from([(2, 4), (3, 4, 5), (2, 4, 3, 3), (5, 4, 7, 2)]),
+    shape=st.sampled_from([(2, 4), (3, 4, 5), (2, 4, 3, 3), (5, 4, 7, 2), (8, 4, 32, 32)]),
     log_offset=st.floats(min_value=-3.0, max_value=4.7),
     log_std=st.floats(min_value=-6.0, max_value=3.0),
     dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
     seed=st.integers(0, 2**16),
 )
-def test_the_reference_of_the_cpu_check_is_float64_exact(shape, log_offset, log_std, dtype, seed) -> None:
-    """The float64 reference the CPU check compares a layer's figures with, against the float64
-    truth of what the sample holds. Below float64 it comes from the sums of the values and
-    of their squares: its variance may be off by a few float64 roundings of the mean square,
-    at most a quarter of the float32 figures' own rounding term (2⁻²⁴ mean)², so it can
-    never pass figures that the rounding term would not; a float64 sample is centred (1e-12)."""
+def test_the_reference_of_the_cpu_check_is_within_its_bound(shape, log_offset, log_std, dtype, seed) -> None:
+    """The float64 reference the CPU check compares a layer's figures with, against the exact
+    moments of what the sample holds (math.fsum, two passes): the mean to float64 rounding,
+    the variance within the bound the check takes off its tolerance (and, for a float64
+    sample, to 1e-12)."""
     from precisebn.capture import _reference
 
     g = torch.Generator().manual_seed(seed)
     x64 = torch.randn(*shape, generator=g, dtype=torch.float64) * 10**log_std + 10**log_offset * 10**log_std
     x = x64.to(dtype)
-    truth = x.double().transpose(0, 1).reshape(shape[1], -1)  # what the sample holds, exactly
-    n = truth.shape[1]
-    mean, var = _reference(x, n)
-    true_mean, true_var = truth.mean(1), truth.var(1)
+    values = x.double().transpose(0, 1).reshape(shape[1], -1)  # what the sample holds, exactly
+    n = values.shape[1]
+    mean, var, bound = _reference(x, n)
     for c in range(shape[1]):
-        m, v = float(true_mean[c]), float(true_var[c])
+        row = values[c].tolist()
+        m = math.fsum(row) / n
+        v = math.fsum((a - m) ** 2 for a in row) / (n - 1)
         assert abs(mean[c] - m) <= 1e-12 * (abs(m) + v**0.5)
-        rounding_term = (2.0**-24 * m) ** 2  # times the variance: what the figures' check allows for
-        allowed = 1e-12 * v if dtype == torch.float64 else rounding_term / 4 * n / (n - 1) + 1e-12 * v
-        assert abs(var[c] - v) <= allowed
+        assert abs(var[c] - v) <= (1e-12 * v if dtype == torch.float64 else bound[c])
+        if dtype != torch.float64:  # the bound is small: 32 roundings of the mean square
+            assert bound[c] <= 2.0**-48 * (m * m + v) * n / (n - 1) * (1 + 1e-9)
+
+
+def test_the_cpu_check_takes_the_reference_error_bound_off_its_tolerance() -> None:
+    """Values 20000 ± 1: the reference is exact (sums of integers), but its error bound for a mean
+    that large (about 14 % of the tolerance) is still taken off: figures inside the tolerance by less
+    than the bound leave the fast path, figures inside it by more keep it."""
+    from precisebn.capture import _reference, _Trial
+    from precisebn.watch import TOLERANCE
+
+    n, c = 4096, 4
+    signs = torch.tensor([1.0, -1.0]).repeat(n // 2)
+    x = (20000.0 + signs[:, None].expand(n, c)).float().contiguous()
+    mean, var, bound = _reference(x, n)
+    assert mean == [20000.0] * c and var == [n / (n - 1)] * c  # exact
+    eps, margin = 1e-5, TOLERANCE[torch.float32] * (var[0] + 1e-5)
+    assert 0.05 * margin < bound[0] < 0.5 * margin
+
+    def kept(offset: float) -> bool:
+        pair = torch.tensor([[20000.0] * c, [var[0] + offset] * c], dtype=torch.float32)
+        trial = _Trial(0)
+        trial.add_checked([x], x, c, n, pair, eps)
+        return not trial.off
+
+    assert kept(margin - 2 * bound[0])
+    assert not kept(margin - bound[0] / 2)
