@@ -537,7 +537,7 @@ def _reference(sample: Tensor, n: int) -> tuple[list[float], list[float], list[f
     are cascaded: a few roundings whatever ``n``). The cancellation in
     ``Σx² - (Σx)²/n`` makes the variance's error grow with ``mean²``; the bound, 32
     roundings of the mean square ``2⁻⁴⁸ (mean² + var) n/(n-1)`` (the measured error is
-    under 2 of them), is what the caller takes off its tolerance, so that the reference's
+    under 4 of them), is what the caller takes off its tolerance, so that the reference's
     own error can never let off figures. A float64 sample, whose figures are held to
     1e-10, is centred first (two passes; bound 0)."""
     dims = [0, *range(2, sample.dim())]
