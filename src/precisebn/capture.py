@@ -123,13 +123,11 @@ class Collector:
         self._groups: list[_Group] = []
         # after finish(): the pooled (moments, variance, se_mean, se_var) of fast-path layers pooled there
         self.pooled: dict[int, tuple[RunningMoments, Tensor, Tensor, Tensor]] = {}
-        self._own: set[int] = set()  # fast-path candidates: their figures go into a group's sums
         for scratch in state.groups:
             own = [i for i in scratch.layer_ids if self.layers[i].path == "fast"]
             if own:
                 device = _accumulation_device(scratch.buffer.device)
                 self._groups.append(_Group(scratch, scratch.positions(own, other=n), device))
-                self._own.update(own)
         self._pairs: list[Tensor | None] = [None] * n  # each layer's (mean, var) scratch as one (2, C) view
         for scratch in state.groups:
             for i, pair in zip(scratch.layer_ids, scratch.slices(scratch.buffer)):
@@ -202,7 +200,6 @@ class Collector:
                 mean, var = mean.to(g.device), var.to(g.device)
             if g.shift is None:  # a copy: a float64 buffer would otherwise be its own shift
                 g.shift = mean.to(torch.float64, copy=True)
-                g.d, g.nd = torch.empty_like(g.shift), torch.empty_like(g.shift)  # reused by every batch
             d = torch.sub(mean, g.shift, out=g.d)  # float64; garbage only where count is 0
             s1, s2 = g.s1[fold], g.s2[fold]
             if self._batch < FOLDS:  # this fold's first batch: its rows are written, not added to
@@ -351,11 +348,12 @@ class Collector:
             fast = [i for i in g.scratch.layer_ids if self.paths[i] == "fast"]
             if not fast:
                 continue
-            stashed = any(key[0] in fast for key in self._kept)
+            keep = set(fast)
+            stashed = any(key[0] in keep for key in self._kept)
             if pool and folds > 1 and g.shift is not None and not stashed and float(summed[:, fast].amin()) > 0:
-                own.update(self._pool(g, g.shift, fast, summed, folds, overwrite))
+                own.update(self._pool(g, g.shift, keep, summed, folds, overwrite))
             else:
-                own.update(self._own_moments(g, fast, summed, folds))
+                own.update(self._own_moments(g, keep, summed, folds))
         out = []
         for i in range(len(self.layers)):
             channels = self._views[i][0].shape[0]
@@ -371,17 +369,16 @@ class Collector:
             out.append([p if p is not None else RunningMoments.zeros((folds, channels), device) for p in parts])
         return out
 
-    def _own_moments(self, g: _Group, fast: list[int], summed: Tensor, folds: int) -> dict[int, RunningMoments]:
+    def _own_moments(self, g: _Group, keep: set[int], summed: Tensor, folds: int) -> dict[int, RunningMoments]:
         """Fast-path layers' moments per fold: views of the group's moments, computed over its
         whole buffer at once (the other columns come out meaningless, and are not read)."""
         shift = g.shift if g.shift is not None else torch.zeros_like(g.s1[0])
         m = RunningMoments.from_shifted_sums(g.per_channel(summed), shift, g.s1[:folds], g.s2[:folds])
-        keep = set(fast)
         parts = zip(g.scratch.layer_ids, *(g.scratch.slices(t) for t in (m.count, m.mean, m.m2)))
         return {i: RunningMoments(count, mean, m2) for i, count, mean, m2 in parts if i in keep}
 
     def _pool(
-        self, g: _Group, shift: Tensor, fast: list[int], summed: Tensor, folds: int, overwrite: bool
+        self, g: _Group, shift: Tensor, keep: set[int], summed: Tensor, folds: int, overwrite: bool
     ) -> dict[int, RunningMoments]:
         """Fast-path layers' pooled moments and errors (into ``pooled``), computed over the
         group's whole buffer at once: a few kernels on its sums, whatever the number of layers
@@ -390,7 +387,6 @@ class Collector:
             g.per_channel(summed), shift, g.s1[:folds], g.s2[:folds], overwrite=overwrite
         )
         var = pooled.var
-        keep = set(fast)
         out = {}
         pieces = (g.scratch.slices(t) for t in (pooled.count, pooled.mean, pooled.m2, var, se_mean, se_var))
         for i, count, mean, m2, v, sm, sv in zip(g.scratch.layer_ids, *pieces):
@@ -506,10 +502,13 @@ class _Group:
         self.position_layer = position_layer  # host: the layer of each channel (or the padding index)
         self.device = device
         self.shift: Tensor | None = None
-        self.d = self.nd = self.shift  # per-batch temporaries, made with the shift
+        size = scratch.buffer.shape[1]
         # per fold; fold k is written by the batch that first uses it (a short pass touches only a few)
-        self.s1 = torch.empty(FOLDS, scratch.buffer.shape[1], dtype=torch.float64, device=device)
-        self.s2 = torch.empty(FOLDS, scratch.buffer.shape[1], dtype=torch.float64, device=device)
+        self.s1 = torch.empty(FOLDS, size, dtype=torch.float64, device=device)
+        self.s2 = torch.empty(FOLDS, size, dtype=torch.float64, device=device)
+        # per-batch temporaries, reused: a fresh buffer each batch costs page faults on the CPU
+        self.d = torch.empty(size, dtype=torch.float64, device=device)
+        self.nd = torch.empty(size, dtype=torch.float64, device=device)
         self.s1[0].zero_()  # what finish() reads before any batch has ended
         self.s2[0].zero_()
 
@@ -539,13 +538,13 @@ def _reference(sample: Tensor, n: int) -> tuple[list[float], list[float], list[f
     roundings of the mean square ``2⁻⁴⁸ (mean² + var) n/(n-1)`` (the measured error is
     under 4 of them), is what the caller takes off its tolerance, so that the reference's
     own error can never let off figures. A float64 sample, whose figures are held to
-    1e-10, is centred first (two passes; bound 0)."""
+    1e-10, is reduced in two passes (:meth:`RunningMoments.from_data`; bound 0)."""
+    if sample.dtype == torch.float64:
+        exact = RunningMoments.from_data(sample, 1)
+        variances = exact.m2.div_(n - 1).tolist()
+        return exact.mean.tolist(), variances, [0.0] * len(variances)
     dims = [0, *range(2, sample.dim())]
     x = sample.to(torch.float64, copy=True)
-    if sample.dtype == torch.float64:
-        mean = x.sum(dims, keepdim=True).div_(n)
-        variances = x.sub_(mean).square_().sum(dims).div_(n - 1).tolist()
-        return mean.flatten().tolist(), variances, [0.0] * len(variances)
     sums = x.sum(dims).tolist()
     squares = x.square_().sum(dims).tolist()
     means = [s / n for s in sums]

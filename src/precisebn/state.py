@@ -265,8 +265,7 @@ def restore_on_error(tensors: list[Tensor]) -> Iterator[None]:
     except BaseException:
         with torch.no_grad():
             for group, flat in saved:
-                for t, old in zip(group, flat.split([t.numel() for t in group])):
-                    t.copy_(old.view(t.shape))
+                copy_all(group, [old.view(t.shape) for t, old in zip(group, flat.split([t.numel() for t in group]))])
         raise
 
 

@@ -221,7 +221,7 @@ def fold_errors(folds: RunningMoments) -> tuple[RunningMoments, Tensor, Tensor]:
         ([3.5], [5.25])
     """
     if folds.count.shape[0] == 1:  # one fold: nothing to compare it with
-        nan = torch.full_like(folds.mean[0], float("nan"), dtype=_F64)
+        nan = torch.full_like(folds.mean[0], float("nan"))
         return RunningMoments.from_batches(folds.count, folds.mean, folds.m2), nan, nan.clone()
     if _all_positive(folds.count):  # the usual case on the CPU
         return _fold_errors_dense(folds)
