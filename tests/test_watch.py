@@ -161,10 +161,12 @@ def verification(request, monkeypatch):
     """Both ways of verifying: on the CPU each call is checked at once on a few channels; on
     accelerators every call is reduced in float64 and compared at the end of the batch."""
     if request.param.startswith("deferred"):
-        from precisebn.capture import _Trial
+        from precisebn.capture import Collector
 
         monkeypatch.setattr(
-            _Trial, "add_checked", lambda self, seen, x, channels, n, *rest: self.add(seen, x, channels, n)
+            Collector,
+            "_check_on_cpu",
+            lambda self, i, trial, seen, x, n, pair: trial.add(seen, x, self.layers[i].channels, n),
         )
     return request.param
 

@@ -25,7 +25,8 @@ Two paths, chosen per layer by verifying it, not by its class:
   :func:`~precisebn.watch.normalises_its_input`; else what :class:`~precisebn.watch.Watch`
   sees), reduces it in float64, and compares the figures the layer left behind
   (:func:`~precisebn.watch.discrepancies`, one host read at the end of that batch for all
-  layers; on the CPU each call is checked at once on a few channels instead). A layer that normalises
+  layers; on the CPU each call is checked on a few channels instead, many calls at once, see
+  :mod:`~precisebn.spotcheck`). A layer that normalises
   exactly one tensor of its input's size per call and whose figures match within
   :data:`~precisebn.watch.TOLERANCE` keeps the fast path; any other moves to the
   float64 path with that batch's float64 figures (a biased variance stored, buffers
@@ -59,6 +60,7 @@ from torch import Tensor
 
 from .errors import InvalidArgumentError, UnsupportedLayerError
 from .layers import RecalibrationState, ScratchGroup
+from .spotcheck import SpotChecks, checked_channels
 from .stats import RunningMoments, chan_merge, fold_errors, fold_errors_from_sums
 from .watch import TOLERANCE, Watch, discrepancies, moments_of, normalises_its_input
 
@@ -67,7 +69,6 @@ logger = logging.getLogger("precisebn")
 __all__ = ["Collector"]
 
 _COUNT_CACHE = 16  # distinct per-layer count combinations kept on the device
-_CHECKED_CHANNELS = 4  # channels reduced in float64 to check a layer's figures on the CPU
 
 FOLDS = 16
 """Batches are accumulated into this many interleaved folds (batch b into fold b mod FOLDS),
@@ -119,6 +120,7 @@ class Collector:
         self._batch = 0  # batches ended so far; the current one goes to fold _batch % FOLDS
         self._summed = [[0] * (n + 1) for _ in range(FOLDS)]  # per fold: values per channel in the sums
         self._trials: dict[int, _Trial] = {}  # layers being verified in this batch
+        self._spots: SpotChecks | None = None  # CPU: the checks of this batch's calls waiting to be made together
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
         # after finish(): the pooled (moments, variance, se_mean, se_var) of fast-path layers pooled there
@@ -178,6 +180,8 @@ class Collector:
         if self.per_call:
             self._check_calls_per_batch()
         self._in_batch = [0] * len(self.layers)
+        if self._spots:
+            self._run_spot_checks()
         if self._trials:
             self._settle()
         fold = self._batch % FOLDS
@@ -209,6 +213,54 @@ class Collector:
                 nd = torch.mul(d, count, out=g.nd)
                 s1.add_(nd)
                 s2.addcmul_(nd, d).addcmul_(var, count_minus_one)
+
+    def _check_on_cpu(self, i: int, trial: _Trial, seen: list[Tensor], x: Tensor, n: int, pair: Tensor) -> None:
+        """On the CPU, where reading a value costs no synchronisation: checks a call's own figures
+        on a few channels (float32 figures: together with other calls', see
+        :mod:`~precisebn.spotcheck`; float64 figures: at once) rather than reducing all it
+        normalised in float64; a call that passes keeps its figures as its moments."""
+        channels = self.layers[i].channels
+        t = seen[0] if len(seen) == 1 else None
+        if t is None or t.numel() != x.numel() or t.dim() < 2 or t.shape[1] != channels:
+            trial.add(seen, x, channels, n)
+            return
+        eps = float(self.layers[i].module.eps)
+        if pair.dtype != torch.float32:
+            trial.add_checked(t, x, channels, n, pair, eps)
+            return
+        if self._spots is None:
+            self._spots = SpotChecks(TOLERANCE[torch.float32], torch.finfo(torch.float32).eps / 2)
+        spots = self._spots
+        if not spots.room(t, channels):
+            self._run_spot_checks()
+        trial.calls.append((n, None, n, True))  # passed, unless the check says otherwise
+        inference = t.is_inference()  # no version counter: checked at once, while nothing can have changed it
+        spots.add((i, trial, len(trial.calls) - 1, seen, x, n, None if inference else t._version), i, t, pair, eps)
+        if inference:
+            self._run_spot_checks()
+
+    def _run_spot_checks(self) -> None:
+        """Makes the waiting CPU checks; a call that fails is reduced in float64 whole, from
+        what it normalised (held until now).
+
+        Raises:
+            UnsupportedLayerError: A call failed, but what it normalised was changed in place
+                since, so that it cannot be measured from it either.
+        """
+        assert self._spots is not None
+        for (i, trial, k, seen, x, n, version), passed in self._spots.run():
+            if passed:
+                continue
+            if version is not None and seen[0]._version != version:
+                layer = self.layers[i]
+                raise UnsupportedLayerError(
+                    f"layer {layer.name!r} ({layer.type_name}): its own batch figures did not match what it "
+                    "normalised, and that tensor was changed in place after the layer's call, before precisebn "
+                    "could measure it in float64. Pass capture='float64' (every layer measured in float64 as it "
+                    "is called), or exclude the layer with layers=. The model was left unchanged."
+                )
+            trial.off = True
+            trial.redo(k, seen, x, self.layers[i].channels, n)
 
     def _check_calls_per_batch(self) -> None:
         for i, k in enumerate(self._in_batch):
@@ -463,13 +515,15 @@ class _LayerCall:
             return forward(*args, **kwargs)
         if path == "verify":
             x = c._check(i, args, kwargs)
+            if c._spots is not None and i in c._spots.layers:  # its waiting figures are about to be overwritten
+                c._run_spot_checks()
             trial = c._trials.get(i) or c._trials.setdefault(i, _Trial(c.counts[i]))
             counter = c._counters[i]
             before = counter._version if counter is not None else -1
             n = self.fast(x, j)
             out, seen = self.watched(forward, x, args, kwargs)
             if x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads cost nothing here
-                trial.add_checked(seen, x, self.channels, n, self.pair, float(self.module.eps))
+                c._check_on_cpu(i, trial, seen, x, n, self.pair)
             else:
                 trial.add(seen, x, self.channels, n)
             trial.counted &= counter is not None and counter._version == before + 1
@@ -521,37 +575,6 @@ class _Group:
         return _to_device(per_layer.gather(-1, at.expand(*per_layer.shape[:-1], -1)), self.device)
 
 
-def _checked_channels(channels: int) -> slice:
-    """Up to _CHECKED_CHANNELS channels spread evenly over the layer's, from the first to
-    (about) the last, as a slice: taking them makes a view, not a copy."""
-    step = max(1, (channels - 1) // (_CHECKED_CHANNELS - 1))
-    return slice(0, step * (_CHECKED_CHANNELS - 1) + 1, step)
-
-
-def _reference(sample: Tensor, n: int) -> tuple[list[float], list[float], list[float]]:
-    """float64 mean, unbiased variance and a bound on that variance's error, per channel
-    (dimension 1) of ``sample`` (``n`` values each), as host lists.
-
-    Below float64: from the sums of a float64 copy's values and squares (torch's CPU sums
-    are cascaded: a few roundings whatever ``n``). The cancellation in
-    ``Σx² - (Σx)²/n`` makes the variance's error grow with ``mean²``; the bound, 32
-    roundings of the mean square ``2⁻⁴⁸ (mean² + var) n/(n-1)`` (the measured error is
-    under 4 of them), is what the caller takes off its tolerance, so that the reference's
-    own error can never let off figures. A float64 sample, whose figures are held to
-    1e-10, is reduced in two passes (:meth:`RunningMoments.from_data`; bound 0)."""
-    if sample.dtype == torch.float64:
-        exact = RunningMoments.from_data(sample, 1)
-        variances = exact.m2.div_(n - 1).tolist()
-        return exact.mean.tolist(), variances, [0.0] * len(variances)
-    dims = [0, *range(2, sample.dim())]
-    x = sample.to(torch.float64, copy=True)
-    sums = x.sum(dims).tolist()
-    squares = x.square_().sum(dims).tolist()
-    means = [s / n for s in sums]
-    variances = [max(0.0, q - s * m) / (n - 1) for q, s, m in zip(squares, sums, means)]
-    return means, variances, [2.0**-48 * (m * m + v) * n / (n - 1) for m, v in zip(means, variances)]
-
-
 class _Trial:
     """What one layer's calls showed in the batch that verifies its fast path."""
 
@@ -569,19 +592,16 @@ class _Trial:
         # at once: its moments are then those figures, built by resolve() only if needed)
         self.calls: list[tuple[int, RunningMoments | None, int, bool]] = []
 
-    def add_checked(self, seen: list[Tensor], x: Tensor, channels: int, n: int, pair: Tensor, eps: float) -> None:
-        """On the CPU, where reading a value costs no synchronisation: checks this call's figures
-        (``pair``: its mean and unbiased variance, shape ``(2, C)``) at once against a float64
-        reduction of a few channels of what it normalised, and the rounding term over every
-        channel (bounded first from the extremes of the figures, computed exactly only where
-        that bound is too loose). A call that passes keeps its figures as its moments; the
-        full float64 reduction is made only for a call that fails."""
-        t = seen[0] if len(seen) == 1 else None
-        if t is None or t.numel() != x.numel() or t.dim() < 2 or t.shape[1] != channels:
-            self.add(seen, x, channels, n)
-            return
-        idx = _checked_channels(channels)
-        rm, rv, slack = _reference(t.detach()[:, idx], n)
+    def add_checked(self, t: Tensor, x: Tensor, channels: int, n: int, pair: Tensor, eps: float) -> None:
+        """On the CPU, for float64 figures (held to 1e-10): checks this call's figures (``pair``:
+        its mean and unbiased variance, shape ``(2, C)``) at once against a two-pass float64
+        reduction of a few channels of ``t``, what it normalised, and the rounding term over
+        every channel (bounded first from the extremes of the figures, computed exactly only
+        where that bound is too loose). A call that passes keeps its figures as its moments;
+        the full float64 reduction is made only for a call that fails."""
+        idx = checked_channels(channels)
+        exact = RunningMoments.from_data(t[:, idx], 1)
+        rm, rv = exact.mean.tolist(), exact.m2.div_(n - 1).tolist()
         lows, highs = pair.aminmax(dim=1)  # (min mean, min var), (max mean, max var)
         fig_mean, fig_var = pair[:, idx].tolist()  # host reads: no kernel launches on the CPU
         (low_mean, low_var), (high_mean, _) = lows.tolist(), highs.tolist()
@@ -591,13 +611,17 @@ class _Trial:
         ok = scale * scale / (max(low_var, 0.0) + eps) <= tolerance  # ≥ the rounding term of every channel
         if not ok and low_var == low_var:  # too loose (or NaN figures, refused below): the exact term
             ok = float((pair[0].square() / (pair[1] + eps)).amax()) * unit * unit <= tolerance
-        for fm, fv, m, v, dv in zip(fig_mean, fig_var, rm, rv, slack):
-            ok = ok and abs(fm - m) / math.sqrt(v + eps) <= tolerance and abs(fv - v) + dv <= tolerance * (v + eps)
+        for fm, fv, m, v in zip(fig_mean, fig_var, rm, rv):
+            ok = ok and abs(fm - m) / math.sqrt(v + eps) <= tolerance and abs(fv - v) <= tolerance * (v + eps)
+        self.calls.append((n, None, n, True))
         if not ok:  # NaN fails too
             self.off = True
-            self.add(seen, x, channels, n)
-            return
-        self.calls.append((n, None, n, True))
+            self.redo(len(self.calls) - 1, [t], x, channels, n)
+
+    def redo(self, k: int, seen: list[Tensor], x: Tensor, channels: int, n: int) -> None:
+        """Call ``k``, whose own figures failed their check: its moments are those of what it
+        normalised (``seen``), reduced in float64 whole."""
+        self.calls[k] = (n, moments_of(seen), sum(t.numel() // channels for t in seen), False)
 
     def add(self, seen: list[Tensor], x: Tensor, channels: int, n: int) -> None:
         moments = moments_of(seen)

@@ -1,0 +1,189 @@
+"""Checking layers' own float32 figures on the CPU: a few channels per call, many calls at once.
+
+In the batch that verifies a layer, its figures (the batch mean and unbiased variance it
+left in its buffers) are compared with a float64 reduction of what it normalised. On the
+CPU, where reading a value costs no synchronisation, that reduction covers only
+:data:`CHECKED_CHANNELS` channels spread over the layer — a float64 copy of every input
+would cost more than the check is worth — and the rounding term is computed over every
+channel from the figures (see :func:`~precisebn.watch.discrepancies`).
+
+Each call copies its checked channels, as float64 and channel after channel, into one
+workspace (one kernel), and its check waits there. :meth:`SpotChecks.run` makes the
+checks of every waiting call together — a dozen kernels and three host reads whatever
+their number — when the workspace is full, before a waiting layer is called again
+(which overwrites its figures), and at the end of the batch. The calls' inputs are held
+until then, so that a call whose figures fail can still be reduced in float64 whole.
+
+The reference is exact up to a bound that the check takes off its tolerance, so that its
+own error can never let off figures: the values are shifted by the figure's mean before
+they are summed (in float64, in any order), so the bound is
+``4 (n + 2) u r² n/(n - 1)`` on the variance (and ``2 (n + 2) u r`` on the mean), with
+``u = 2⁻⁵³`` and ``r²`` the mean square of the shifted values — about the variance
+itself, whatever the mean, when the figures are right.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CAPACITY",
+    "CHECKED_CHANNELS",
+    "HELD",
+    "SpotChecks",
+    "checked_channels",
+    "passes",
+    "reference",
+    "references",
+]
+
+CHECKED_CHANNELS = 4
+"""Channels of each call reduced in float64 to check its figures on the CPU."""
+
+CAPACITY = 1 << 16
+"""float64 values the workspace holds (512 KiB) before the waiting checks are made."""
+
+HELD = 32 << 20
+"""Bytes of the waiting calls' inputs held (for a call that fails) before the checks are made."""
+
+_UNIT = 2.0**-53  # unit roundoff of float64
+
+
+def checked_channels(channels: int) -> slice:
+    """Up to :data:`CHECKED_CHANNELS` channels spread evenly over the layer's, from the first
+    to (about) the last, as a slice: taking them makes a view, not a copy."""
+    step = max(1, (channels - 1) // (CHECKED_CHANNELS - 1))
+    return slice(0, step * (CHECKED_CHANNELS - 1) + 1, step)
+
+
+def reference(total: float, squares: float, shift: float, n: int) -> tuple[float, float, float, float]:
+    """float64 ``(mean, unbiased variance, bound on the mean's error, bound on the variance's
+    error)`` of ``n`` values, from float64 sums, in any order, of the values shifted by
+    ``shift`` (each ``x - shift`` rounded once) and of their squares.
+
+    The bounds follow from |error of a sum of n terms| ≤ γₙ · Σ|term| (Higham, *Accuracy and
+    Stability of Numerical Algorithms*, §4.2) with Σ|x - K| ≤ n·r (Cauchy–Schwarz), where
+    ``r²`` is the mean square of the shifted values.
+
+    >>> reference(6.0, 20.0, 1.0, 4)[:2]  # values 1, 1, 3, 5 shifted by 1: 0, 0, 2, 4
+    (2.5, 3.6666666666666665)
+    """
+    d = total / n
+    mean = shift + d
+    var = max(0.0, squares - total * d) / (n - 1)
+    r2 = squares / n
+    bound_mean = 2 * (n + 2) * _UNIT * math.sqrt(r2) + 2 * _UNIT * abs(mean)
+    bound_var = 4 * (n + 2) * _UNIT * r2 * n / (n - 1) + 2 * _UNIT * var
+    return mean, var, bound_mean, bound_var
+
+
+def references(values: Tensor, lengths: list[int], shifts: list[float]) -> list[tuple[float, float, float, float]]:
+    """:func:`reference` of each segment of the float64 vector ``values`` (consecutive
+    segments of ``lengths``), each shifted by its ``shifts``: four kernels and two host
+    reads whatever the number of segments. ``values`` is overwritten."""
+    segments = torch.tensor(lengths)
+    values.sub_(torch.tensor(shifts, dtype=torch.float64).repeat_interleave(segments))
+    sums = torch.segment_reduce(values, "sum", lengths=segments).tolist()
+    squares = torch.segment_reduce(values.square_(), "sum", lengths=segments).tolist()
+    return [reference(s, q, k, n) for s, q, k, n in zip(sums, squares, shifts, lengths)]
+
+
+def passes(fig_mean: float, fig_var: float, ref: tuple[float, ...], eps: float, tolerance: float) -> bool:
+    """Whether a channel's figures match the reference ``(mean, var, bound_mean, bound_var)``:
+    ``|Δmean| / σ`` and ``|Δvar| / (var + eps)`` within ``tolerance`` after the reference's
+    error bounds are taken off it (NaN fails)."""
+    mean, var, bound_mean, bound_var = ref
+    scale = var + eps
+    return (
+        abs(fig_mean - mean) + bound_mean <= tolerance * math.sqrt(scale)
+        and abs(fig_var - var) + bound_var <= tolerance * scale
+    )
+
+
+class SpotChecks:
+    """The checks of the calls waiting in one batch (see the module's docstring).
+
+    Args:
+        tolerance: The largest discrepancy of figures that pass (the figures' dtype's
+            :data:`~precisebn.watch.TOLERANCE`).
+        unit: The unit roundoff of the figures' dtype (for the rounding term).
+        capacity: float64 values the workspace holds (default :data:`CAPACITY`).
+    """
+
+    def __init__(self, tolerance: float, unit: float, capacity: int | None = None) -> None:
+        self.tolerance, self.unit = tolerance, unit
+        self.capacity = CAPACITY if capacity is None else capacity
+        self.layers: set[int] = set()  # layers with a call waiting
+        # (owner, figures (2, C), eps, values per channel, checked channels) per waiting call
+        self._waiting: list[tuple[Any, Tensor, float, int, list[int]]] = []
+        self._workspace: Tensor | None = None
+        self._used = 0
+        self._held = 0  # bytes of the waiting calls' inputs
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def room(self, t: Tensor, channels: int) -> bool:
+        """Whether a call that normalised ``t`` (``channels`` in dimension 1) can wait with
+        those waiting now: its checked values fit in the workspace, and the inputs held stay
+        within :data:`HELD` bytes."""
+        values = t.numel() // channels * len(range(channels)[checked_channels(channels)])
+        return self._used + values <= self.capacity and self._held + t.numel() * t.element_size() <= HELD
+
+    def add(self, owner: Any, layer: int, t: Tensor, pair: Tensor, eps: float) -> None:
+        """Copies the checked channels of ``t`` (what the layer normalised, channels in
+        dimension 1) and keeps the call's figures ``pair`` (its ``(2, C)`` view of the
+        scratch buffer, read when the checks run) for :meth:`run`; make :meth:`room` first
+        (a call alone too large for it gets a workspace of its own size)."""
+        idx = checked_channels(pair.shape[1])
+        sample = t[:, idx]
+        size = sample.numel()
+        if self._workspace is None or self._used + size > self._workspace.numel():
+            if self._used:
+                raise RuntimeError("SpotChecks.add without room: run the waiting checks first")
+            self._workspace = torch.empty(max(self.capacity, size), dtype=torch.float64)
+        channels_first = (sample.shape[1], sample.shape[0], *sample.shape[2:])
+        self._workspace[self._used : self._used + size].view(channels_first).copy_(sample.transpose(0, 1))
+        picked = list(range(pair.shape[1])[idx])
+        self._waiting.append((owner, pair, eps, size // len(picked), picked))
+        self._used += size
+        self._held += t.numel() * t.element_size()
+        self.layers.add(layer)
+
+    def run(self) -> list[tuple[Any, bool]]:
+        """Makes the waiting checks: ``(owner, passed)`` per call, in the order added."""
+        waiting, self._waiting = self._waiting, []
+        self.layers.clear()
+        used, self._used, self._held = self._used, 0, 0
+        if not waiting or self._workspace is None:
+            return []
+        figures = torch.cat([pair for _, pair, _, _, _ in waiting], dim=1)  # (2, every call's channels)
+        widths = [pair.shape[1] for _, pair, _, _, _ in waiting]
+        columns, lengths, offset = [], [], 0
+        for (_, _, _, n, picked), width in zip(waiting, widths):
+            columns += [offset + c for c in picked]
+            lengths += [n] * len(picked)
+            offset += width
+        fig_mean, fig_var = figures.index_select(1, torch.tensor(columns)).tolist()
+        rounding = self._rounding(figures, widths, [eps for _, _, eps, _, _ in waiting])
+        refs = references(self._workspace[:used], lengths, fig_mean)  # shifted by the figures' means
+        out, at = [], 0
+        for (owner, _, eps, _, picked), worst in zip(waiting, rounding):
+            part = slice(at, at + len(picked))
+            ok = worst * self.unit * self.unit <= self.tolerance  # NaN fails
+            ok = ok and all(
+                passes(m, v, ref, eps, self.tolerance) for m, v, ref in zip(fig_mean[part], fig_var[part], refs[part])
+            )
+            out.append((owner, ok))
+            at += len(picked)
+        return out
+
+    def _rounding(self, figures: Tensor, widths: list[int], eps: list[float]) -> list[float]:
+        """Each call's largest ``mean² / (var + eps)`` over all its channels (NaN if any is)."""
+        sizes = torch.tensor(widths)
+        scale = figures[1] + torch.tensor(eps, dtype=figures.dtype).repeat_interleave(sizes)
+        return torch.segment_reduce(figures[0].square().div_(scale), "max", lengths=sizes).tolist()

@@ -1,0 +1,234 @@
+"""The CPU check of layers' own float32 figures: its reference against exact moments, its
+decisions, and what happens to a call that fails after its input changed."""
+
+from __future__ import annotations
+
+import math
+
+import hypothesis.strategies as st
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from torch import nn
+
+import precisebn
+from conftest import compute_truth, max_rel_error
+from precisebn.errors import UnsupportedLayerError
+from precisebn.spotcheck import SpotChecks, checked_channels, passes, references
+from precisebn.watch import TOLERANCE
+
+F32 = TOLERANCE[torch.float32]
+UNIT32 = torch.finfo(torch.float32).eps / 2
+
+
+def exact_moments(row: list[float]) -> tuple[float, float]:
+    """Mean and unbiased variance, to float64 rounding (math.fsum, two passes)."""
+    n = len(row)
+    m = math.fsum(row) / n
+    return m, math.fsum((a - m) ** 2 for a in row) / (n - 1)
+
+
+def channel_rows(x: torch.Tensor) -> torch.Tensor:
+    """Every value of each channel (dimension 1), exactly, as float64 rows."""
+    return x.double().transpose(0, 1).reshape(x.shape[1], -1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.sampled_from([(2, 4), (3, 4, 5), (2, 4, 3, 3), (5, 4, 7, 2), (8, 4, 32, 32)]),
+    log_offset=st.floats(min_value=-3.0, max_value=5.0),
+    log_std=st.floats(min_value=-6.0, max_value=3.0),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    shift=st.sampled_from(["figure", "zero", "far"]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_reference_is_within_its_bounds_whatever_the_shift(shape, log_offset, log_std, dtype, shift, seed) -> None:
+    """The reference the check compares figures with, from the sums the workspace makes,
+    against the exact moments of what the sample holds: within the bounds it reports, whether
+    the shift is the (float32) mean, zero or 100 σ away; and the bounds are small when the
+    shift is near the mean, whatever |mean|/σ."""
+    g = torch.Generator().manual_seed(seed)
+    std = 10**log_std
+    if dtype == torch.float16:  # stay finite in float16 (largest 65504)
+        std, log_offset = min(std, 10.0), min(log_offset, 3.0)
+    x = (torch.randn(*shape, generator=g, dtype=torch.float64) * std + 10**log_offset * std).to(dtype)
+    rows = channel_rows(x)
+    n = rows.shape[1]
+    truth = [exact_moments(rows[c].tolist()) for c in range(shape[1])]
+    shifts = {
+        "figure": [float(torch.tensor(m, dtype=torch.float32)) for m, _ in truth],
+        "zero": [0.0] * shape[1],
+        "far": [float(torch.tensor(m + 100 * math.sqrt(v), dtype=torch.float32)) for m, v in truth],
+    }[shift]
+    refs = references(rows.reshape(-1).clone(), [n] * shape[1], shifts)
+    for (m, v), (mean, var, bound_mean, bound_var) in zip(truth, refs):
+        assert abs(mean - m) <= bound_mean
+        assert abs(var - v) <= bound_var
+        if shift == "figure":
+            scale = v + (m - mean) ** 2 + 1e-300
+            assert bound_var <= 5 * (n + 3) * 2.0**-53 * scale * n / (n - 1)
+
+
+def test_the_check_takes_the_reference_bounds_off_its_tolerance() -> None:
+    """Figures inside the tolerance by less than the reference's bound fail; by more, pass."""
+    mean, var, eps = 3.0, 2.0, 1e-5
+    margin_var, margin_mean = F32 * (var + eps), F32 * math.sqrt(var + eps)
+    bound = 0.2 * margin_var
+    assert passes(mean, var + margin_var - 2 * bound, (mean, var, 0.0, bound), eps, F32)
+    assert not passes(mean, var + margin_var - bound / 2, (mean, var, 0.0, bound), eps, F32)
+    bound = 0.2 * margin_mean
+    assert passes(mean + margin_mean - 2 * bound, var, (mean, var, bound, 0.0), eps, F32)
+    assert not passes(mean + margin_mean - bound / 2, var, (mean, var, bound, 0.0), eps, F32)
+    assert not passes(float("nan"), var, (mean, var, 0.0, 0.0), eps, F32)
+    assert not passes(mean, float("nan"), (mean, var, 0.0, 0.0), eps, F32)
+
+
+def own_figures(x: torch.Tensor) -> torch.Tensor:
+    """What torch's BatchNorm leaves in its buffers with momentum 1: (2, C) float32."""
+    c = x.shape[1]
+    mean, var = torch.zeros(c), torch.ones(c)
+    F.batch_norm(x, mean, var, training=True, momentum=1.0)
+    return torch.stack([mean, var])
+
+
+def test_calls_checked_together_pass_and_fail_as_they_should() -> None:
+    """Several calls in one workspace: right figures pass, the others fail, each on its own —
+    a biased variance, a NaN, a channel outside the checked ones whose |mean|/σ makes float32
+    figures unreliable (the rounding term), figures of another tensor."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(8, c, 5, 5, generator=g) * 3 + 1 for c in (3, 16, 7, 9, 11, 4)]
+    pairs = [own_figures(x) for x in xs]
+    pairs[1][1] *= (200 - 1) / 200  # biased variance (8·5·5 = 200 values per channel)
+    pairs[2][0, 0] = float("nan")
+    xs[3][:, 1] = xs[3][:, 1] * 1e-3 + 1e4  # |mean|/σ ≈ 3e6 in an unchecked channel of 9
+    assert 1 not in range(9)[checked_channels(9)]
+    pairs[3] = own_figures(xs[3])
+    pairs[4] = own_figures(xs[4] + 0.01)
+    checks = SpotChecks(F32, UNIT32)
+    for k, (x, pair) in enumerate(zip(xs, pairs)):
+        assert checks.room(x, x.shape[1])
+        checks.add(f"call {k}", k, x, pair, 1e-5)
+    assert len(checks) == 6 and checks.layers == set(range(6))
+    assert checks.run() == [(f"call {k}", k in (0, 5)) for k in range(6)]
+    assert len(checks) == 0 and not checks.layers and checks.run() == []
+
+
+def test_the_workspace_is_reused_and_grows_for_a_call_larger_than_it(monkeypatch) -> None:
+    g = torch.Generator().manual_seed(1)
+    small, large = torch.randn(10, 8, generator=g), torch.randn(100, 8, generator=g)
+    checks = SpotChecks(F32, UNIT32, capacity=64)
+    checks.add("small", 0, small, own_figures(small), 1e-5)
+    assert not checks.room(small, 8)  # 40 + 40 checked values > 64
+    with pytest.raises(RuntimeError, match="run the waiting checks first"):
+        checks.add("large", 1, large, own_figures(large), 1e-5)
+    assert checks.run() == [("small", True)]
+    checks.add("large", 1, large, own_figures(large), 1e-5)  # 400 values: a workspace of its own size
+    assert checks.run() == [("large", True)]
+    monkeypatch.setattr("precisebn.spotcheck.HELD", 400)  # bytes of inputs held: one small call's 320
+    checks = SpotChecks(F32, UNIT32, capacity=1000)
+    assert checks.room(small, 8)
+    checks.add("small", 0, small, own_figures(small), 1e-5)
+    assert not checks.room(small, 8)
+    assert checks.run() == [("small", True)] and checks.room(small, 8)
+
+
+class ChangesItsInputAfterward(nn.Module):
+    """Calls the layer, then changes the tensor the layer normalised, in place."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 1.0
+        out = self.norm(x)
+        x.mul_(3.0).add_(1.0)
+        return out + x
+
+
+class BiasedVariance1d(nn.BatchNorm1d):
+    """Stores the biased batch variance: its own figures fail the check."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var, mean = torch.var_mean(x, dim=0, correction=0)
+        with torch.no_grad():
+            self.running_mean.copy_(mean)
+            self.running_var.copy_(var)
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+
+
+def batches(count: int = 6, seed: int = 2) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 5, generator=g) * 2 + 3 for _ in range(count)]
+
+
+def test_an_input_changed_in_place_after_a_passing_call_is_measured_as_it_was() -> None:
+    """The checked channels are copied at the call: the change afterwards does not matter."""
+    model = ChangesItsInputAfterward(nn.BatchNorm1d(5))
+    data = batches()
+    stats = precisebn.estimate(model, data)["norm"]
+    truth = compute_truth(model, data)["norm"]
+    assert stats.path == "fast" and stats.count == truth.count
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) <= 1e-6
+    assert max_rel_error(stats.var, truth.var) <= 1e-5
+
+
+def test_an_input_changed_in_place_after_a_failing_call_is_refused_and_nothing_changes() -> None:
+    """A call whose figures fail is reduced in float64 from what it normalised; if that was
+    changed since, there is nothing exact left to measure: a clear error, the model as it was."""
+    model = ChangesItsInputAfterward(BiasedVariance1d(5))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedLayerError, match=r"'norm'.*changed in place.*capture='float64'"):
+        precisebn.recalibrate(model, batches())
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not model.norm._forward_pre_hooks and not model.norm._forward_hooks
+    assert "forward" not in model.norm.__dict__
+    exact = precisebn.estimate(model, batches(), capture="float64")["norm"]
+    truth = compute_truth(model, batches())["norm"]
+    assert max_rel_error(exact.var, truth.var) <= 1e-12
+
+
+class CallsItTwice(nn.Module):
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) + self.norm(x * 2 - 1)
+
+
+@pytest.mark.parametrize("norm", [nn.BatchNorm1d, BiasedVariance1d])
+def test_a_layer_called_again_is_checked_before_its_figures_are_overwritten(norm) -> None:
+    """A layer called twice per batch: its first call's check is made before the second call
+    overwrites its figures (exact either way; a biased variance fails on both calls)."""
+    model = CallsItTwice(norm(5))
+    data = batches()
+    stats = precisebn.estimate(model, data)["norm"]
+    truth = compute_truth(model, data)["norm"]
+    assert stats.path == ("fast" if norm is nn.BatchNorm1d else "float64")
+    assert stats.count == truth.count == 2 * 16 * 6
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) <= 1e-6
+    assert max_rel_error(stats.var, truth.var) <= 1e-5
+
+
+def test_many_layers_fill_the_workspace_several_times(monkeypatch) -> None:
+    """More checked values than the workspace holds: the waiting checks are made whenever it is
+    full, and every layer (one of them failing) is still exact."""
+    monkeypatch.setattr("precisebn.spotcheck.CAPACITY", 256)
+    runs = []
+    run = SpotChecks.run
+    monkeypatch.setattr(SpotChecks, "run", lambda self: runs.append(len(self)) or run(self))
+    layers: list[nn.Module] = [nn.BatchNorm1d(5) for _ in range(12)]
+    layers[7] = BiasedVariance1d(5)
+    model = nn.Sequential(*layers)
+    data = batches(4)
+    stats = precisebn.estimate(model, data)
+    truth = compute_truth(model, data)
+    assert len(runs) >= 3 and sum(runs) == 12  # 12 calls of 64 checked values in the first batch, 4 per run
+    for k in range(12):
+        s, t = stats[str(k)], truth[str(k)]
+        assert s.path == ("float64" if k == 7 else "fast"), k
+        assert max_rel_error(s.mean, t.mean, t.var.sqrt()) <= 1e-6, k
+        assert max_rel_error(s.var, t.var) <= 1e-5, k
