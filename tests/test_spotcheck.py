@@ -114,6 +114,35 @@ def test_calls_checked_together_pass_and_fail_as_they_should() -> None:
     assert len(checks) == 0 and not checks.layers and checks.run() == []
 
 
+@pytest.mark.parametrize(
+    "layout",
+    ["contiguous", "channels_last", "channels_last_3d", "offset view", "transposed 3-d", "2-d", "one channel"],
+)
+def test_each_call_copies_exactly_its_checked_channels_whatever_its_layout(layout: str) -> None:
+    """The workspace holds each checked channel's values, channel after channel, whatever the
+    input's strides and storage offset; and the figures of such inputs pass."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(4, 9, 5, 6, generator=g) * 2 + 1
+    t = {
+        "contiguous": base,
+        "channels_last": base.contiguous(memory_format=torch.channels_last),
+        "channels_last_3d": torch.randn(2, 9, 3, 4, 5, generator=g).contiguous(memory_format=torch.channels_last_3d),
+        "offset view": base[1:, :, 2:, 1:5],
+        "transposed 3-d": torch.randn(7, 9, 3, generator=g).transpose(0, 2).transpose(1, 2).transpose(0, 1),
+        "2-d": torch.randn(9, 30, generator=g).t(),
+        "one channel": base[:, 3:4],
+    }[layout]
+    checks = SpotChecks(F32, UNIT32)
+    checks.add("first", 0, base, own_figures(base), 1e-5)  # so that the call under test starts at an offset
+    start = checks._used
+    checks.add("under test", 1, t, own_figures(t), 1e-5)
+    idx = checked_channels(t.shape[1])
+    expected = t[:, idx].transpose(0, 1).double().reshape(-1)
+    assert checks._used - start == expected.numel()
+    assert torch.equal(checks._workspace[start : checks._used], expected)
+    assert checks.run() == [("first", True), ("under test", True)]
+
+
 def test_the_workspace_is_reused_and_grows_for_a_call_larger_than_it(monkeypatch) -> None:
     g = torch.Generator().manual_seed(1)
     small, large = torch.randn(10, 8, generator=g), torch.randn(100, 8, generator=g)

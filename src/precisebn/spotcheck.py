@@ -24,6 +24,7 @@ itself, whatever the mean, when the figures are right.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -58,6 +59,21 @@ def checked_channels(channels: int) -> slice:
     to (about) the last, as a slice: taking them makes a view, not a copy."""
     step = max(1, (channels - 1) // (CHECKED_CHANNELS - 1))
     return slice(0, step * (CHECKED_CHANNELS - 1) + 1, step)
+
+
+@functools.lru_cache(maxsize=256)
+def _picked(channels: int) -> tuple[int, tuple[int, ...]]:
+    """The step between the checked channels of a layer, and those channels."""
+    idx = checked_channels(channels)
+    return idx.step, tuple(range(channels)[idx])
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, size = [], 1
+    for d in reversed(shape):
+        strides.append(size)
+        size *= d
+    return tuple(reversed(strides))
 
 
 def reference(total: float, squares: float, shift: float, n: int) -> tuple[float, float, float, float]:
@@ -119,7 +135,7 @@ class SpotChecks:
         self.capacity = CAPACITY if capacity is None else capacity
         self.layers: set[int] = set()  # layers with a call waiting
         # (owner, figures (2, C), eps, values per channel, checked channels) per waiting call
-        self._waiting: list[tuple[Any, Tensor, float, int, list[int]]] = []
+        self._waiting: list[tuple[Any, Tensor, float, int, tuple[int, ...]]] = []
         self._workspace: Tensor | None = None
         self._used = 0
         self._held = 0  # bytes of the waiting calls' inputs
@@ -139,16 +155,16 @@ class SpotChecks:
         dimension 1) and keeps the call's figures ``pair`` (its ``(2, C)`` view of the
         scratch buffer, read when the checks run) for :meth:`run`; make :meth:`room` first
         (a call alone too large for it gets a workspace of its own size)."""
-        idx = checked_channels(pair.shape[1])
-        sample = t[:, idx]
-        size = sample.numel()
+        step, picked = _picked(pair.shape[1])
+        shape = (len(picked), t.shape[0], *t.shape[2:])  # channels first: one segment per channel
+        size = math.prod(shape)
         if self._workspace is None or self._used + size > self._workspace.numel():
             if self._used:
                 raise RuntimeError("SpotChecks.add without room: run the waiting checks first")
             self._workspace = torch.empty(max(self.capacity, size), dtype=torch.float64)
-        channels_first = (sample.shape[1], sample.shape[0], *sample.shape[2:])
-        self._workspace[self._used : self._used + size].view(channels_first).copy_(sample.transpose(0, 1))
-        picked = list(range(pair.shape[1])[idx])
+        strides = t.stride()
+        source = t.as_strided(shape, (strides[1] * step, strides[0], *strides[2:]), t.storage_offset())
+        self._workspace.as_strided(shape, _contiguous_strides(shape), self._used).copy_(source)
         self._waiting.append((owner, pair, eps, size // len(picked), picked))
         self._used += size
         self._held += t.numel() * t.element_size()
