@@ -61,8 +61,9 @@ def test_the_reference_is_within_its_bounds_whatever_the_shift(shape, log_offset
         "zero": [0.0] * shape[1],
         "far": [float(torch.tensor(m + 100 * math.sqrt(v), dtype=torch.float32)) for m, v in truth],
     }[shift]
-    refs = references(rows.reshape(-1).clone(), [n] * shape[1], shifts)
-    for (m, v), (mean, var, bound_mean, bound_var) in zip(truth, refs):
+    lengths = torch.full((shape[1],), n)
+    refs = references(rows.reshape(-1).clone(), lengths, torch.tensor(shifts, dtype=torch.float64))
+    for (m, v), (mean, var, bound_mean, bound_var) in zip(truth, zip(*(r.tolist() for r in refs))):
         assert abs(mean - m) <= bound_mean
         assert abs(var - v) <= bound_var
         if shift == "figure":
@@ -72,16 +73,21 @@ def test_the_reference_is_within_its_bounds_whatever_the_shift(shape, log_offset
 
 def test_the_check_takes_the_reference_bounds_off_its_tolerance() -> None:
     """Figures inside the tolerance by less than the reference's bound fail; by more, pass."""
+
+    def ok(fig_mean: float, fig_var: float, ref: tuple[float, ...]) -> bool:
+        f64 = [torch.tensor([v], dtype=torch.float64) for v in (fig_mean, fig_var, *ref)]
+        return bool(passes(f64[0], f64[1], tuple(f64[2:]), eps, F32))
+
     mean, var, eps = 3.0, 2.0, 1e-5
     margin_var, margin_mean = F32 * (var + eps), F32 * math.sqrt(var + eps)
     bound = 0.2 * margin_var
-    assert passes(mean, var + margin_var - 2 * bound, (mean, var, 0.0, bound), eps, F32)
-    assert not passes(mean, var + margin_var - bound / 2, (mean, var, 0.0, bound), eps, F32)
+    assert ok(mean, var + margin_var - 2 * bound, (mean, var, 0.0, bound))
+    assert not ok(mean, var + margin_var - bound / 2, (mean, var, 0.0, bound))
     bound = 0.2 * margin_mean
-    assert passes(mean + margin_mean - 2 * bound, var, (mean, var, bound, 0.0), eps, F32)
-    assert not passes(mean + margin_mean - bound / 2, var, (mean, var, bound, 0.0), eps, F32)
-    assert not passes(float("nan"), var, (mean, var, 0.0, 0.0), eps, F32)
-    assert not passes(mean, float("nan"), (mean, var, 0.0, 0.0), eps, F32)
+    assert ok(mean + margin_mean - 2 * bound, var, (mean, var, bound, 0.0))
+    assert not ok(mean + margin_mean - bound / 2, var, (mean, var, bound, 0.0))
+    assert not ok(float("nan"), var, (mean, var, 0.0, 0.0))
+    assert not ok(mean, float("nan"), (mean, var, 0.0, 0.0))
 
 
 def own_figures(x: torch.Tensor) -> torch.Tensor:

@@ -76,47 +76,48 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def reference(total: float, squares: float, shift: float, n: int) -> tuple[float, float, float, float]:
+def reference(sums: Tensor, squares: Tensor, shifts: Tensor, n: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """float64 ``(mean, unbiased variance, bound on the mean's error, bound on the variance's
-    error)`` of ``n`` values, from float64 sums, in any order, of the values shifted by
-    ``shift`` (each ``x - shift`` rounded once) and of their squares.
+    error)`` of ``n`` values each, elementwise, from float64 sums, in any order, of the values
+    shifted by ``shifts`` (each ``x - shift`` rounded once) and of their squares.
 
     The bounds follow from |error of a sum of n terms| ≤ γₙ · Σ|term| (Higham, *Accuracy and
     Stability of Numerical Algorithms*, §4.2) with Σ|x - K| ≤ n·r (Cauchy–Schwarz), where
     ``r²`` is the mean square of the shifted values.
 
-    >>> reference(6.0, 20.0, 1.0, 4)[:2]  # values 1, 1, 3, 5 shifted by 1: 0, 0, 2, 4
+    >>> import torch
+    >>> f64 = lambda *v: torch.tensor(v, dtype=torch.float64)
+    >>> mean, var, _, _ = reference(f64(6.0), f64(20.0), f64(1.0), f64(4.0))  # 1, 1, 3, 5 shifted by 1
+    >>> mean.item(), var.item()
     (2.5, 3.6666666666666665)
     """
-    d = total / n
-    mean = shift + d
-    var = max(0.0, squares - total * d) / (n - 1)
+    d = sums / n
+    mean = shifts + d
+    var = (squares - sums * d).clamp_min_(0.0).div_(n - 1)
     r2 = squares / n
-    bound_mean = 2 * (n + 2) * _UNIT * math.sqrt(r2) + 2 * _UNIT * abs(mean)
-    bound_var = 4 * (n + 2) * _UNIT * r2 * n / (n - 1) + 2 * _UNIT * var
+    bound_mean = (n + 2).mul_(2 * _UNIT).mul_(r2.sqrt()).add_(mean.abs(), alpha=2 * _UNIT)
+    bound_var = (n + 2).mul_(4 * _UNIT).mul_(r2).mul_(n).div_(n - 1).add_(var, alpha=2 * _UNIT)
     return mean, var, bound_mean, bound_var
 
 
-def references(values: Tensor, lengths: list[int], shifts: list[float]) -> list[tuple[float, float, float, float]]:
+def references(values: Tensor, lengths: Tensor, shifts: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`reference` of each segment of the float64 vector ``values`` (consecutive
-    segments of ``lengths``), each shifted by its ``shifts``: four kernels and two host
-    reads whatever the number of segments. ``values`` is overwritten."""
-    segments = torch.tensor(lengths)
-    values.sub_(torch.tensor(shifts, dtype=torch.float64).repeat_interleave(segments))
-    sums = torch.segment_reduce(values, "sum", lengths=segments).tolist()
-    squares = torch.segment_reduce(values.square_(), "sum", lengths=segments).tolist()
-    return [reference(s, q, k, n) for s, q, k, n in zip(sums, squares, shifts, lengths)]
+    segments of ``lengths``), each shifted by its ``shifts``: a few kernels whatever the
+    number of segments, no host read. ``values`` is overwritten."""
+    values.sub_(shifts.repeat_interleave(lengths))
+    sums = torch.segment_reduce(values, "sum", lengths=lengths)
+    squares = torch.segment_reduce(values.square_(), "sum", lengths=lengths)
+    return reference(sums, squares, shifts, lengths.to(torch.float64))
 
 
-def passes(fig_mean: float, fig_var: float, ref: tuple[float, ...], eps: float, tolerance: float) -> bool:
-    """Whether a channel's figures match the reference ``(mean, var, bound_mean, bound_var)``:
-    ``|Δmean| / σ`` and ``|Δvar| / (var + eps)`` within ``tolerance`` after the reference's
-    error bounds are taken off it (NaN fails)."""
+def passes(fig_mean: Tensor, fig_var: Tensor, ref: tuple[Tensor, ...], eps: Tensor | float, tolerance: float) -> Tensor:
+    """Whether each channel's figures match the reference ``(mean, var, bound_mean,
+    bound_var)``: ``|Δmean| / σ`` and ``|Δvar| / (var + eps)`` within ``tolerance`` after the
+    reference's error bounds are taken off it (NaN fails); elementwise, float64."""
     mean, var, bound_mean, bound_var = ref
     scale = var + eps
-    return (
-        abs(fig_mean - mean) + bound_mean <= tolerance * math.sqrt(scale)
-        and abs(fig_var - var) + bound_var <= tolerance * scale
+    return ((fig_mean - mean).abs_().add_(bound_mean) <= scale.sqrt().mul_(tolerance)) & (
+        (fig_var - var).abs_().add_(bound_var) <= scale * tolerance
     )
 
 
@@ -184,22 +185,20 @@ class SpotChecks:
             columns += [offset + c for c in picked]
             lengths += [n] * len(picked)
             offset += width
-        fig_mean, fig_var = figures.index_select(1, torch.tensor(columns)).tolist()
-        rounding = self._rounding(figures, widths, [eps for _, _, eps, _, _ in waiting])
-        refs = references(self._workspace[:used], lengths, fig_mean)  # shifted by the figures' means
-        out, at = [], 0
-        for (owner, _, eps, _, picked), worst in zip(waiting, rounding):
-            part = slice(at, at + len(picked))
-            ok = worst * self.unit * self.unit <= self.tolerance  # NaN fails
-            ok = ok and all(
-                passes(m, v, ref, eps, self.tolerance) for m, v, ref in zip(fig_mean[part], fig_var[part], refs[part])
-            )
-            out.append((owner, ok))
-            at += len(picked)
-        return out
+        eps = [e for _, _, e, _, _ in waiting]
+        checked = torch.tensor([len(picked) for _, _, _, _, picked in waiting])
+        fig_mean, fig_var = figures.index_select(1, torch.tensor(columns)).double()
+        refs = references(self._workspace[:used], torch.tensor(lengths), fig_mean)  # shifted by the figures' means
+        ok = passes(
+            fig_mean, fig_var, refs, torch.tensor(eps, dtype=torch.float64).repeat_interleave(checked), self.tolerance
+        )
+        failed = torch.segment_reduce((~ok).to(torch.float64), "sum", lengths=checked)
+        rounding = self._rounding(figures, widths, eps)
+        verdicts = ((rounding * (self.unit * self.unit) <= self.tolerance) & (failed == 0)).tolist()  # NaN fails
+        return [(owner, passed) for (owner, *_), passed in zip(waiting, verdicts)]
 
-    def _rounding(self, figures: Tensor, widths: list[int], eps: list[float]) -> list[float]:
+    def _rounding(self, figures: Tensor, widths: list[int], eps: list[float]) -> Tensor:
         """Each call's largest ``mean² / (var + eps)`` over all its channels (NaN if any is)."""
         sizes = torch.tensor(widths)
         scale = figures[1] + torch.tensor(eps, dtype=figures.dtype).repeat_interleave(sizes)
-        return torch.segment_reduce(figures[0].square().div_(scale), "max", lengths=sizes).tolist()
+        return torch.segment_reduce(figures[0].square().div_(scale), "max", lengths=sizes)
