@@ -273,3 +273,25 @@ def test_buffers_removed_by_a_pre_hook_mean_not_updated() -> None:
     report = precisebn.recalibrate(model, images())
     assert report["1"].path == "none" and not report["1"].updated and report["3"].updated
     assert all(torch.equal(v, before[k]) for k, v in model[1].state_dict().items())
+
+
+class ChangesWhatItNormalised(nn.BatchNorm2d):
+    """Normalises its input with its running buffers, then changes that input in place."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        x.mul_(2.0)
+        return out
+
+
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+def test_a_layer_that_changes_what_it_normalised_afterwards_is_refused(capture: str) -> None:
+    """What such a layer normalised is gone by the end of its forward: measuring what the tensor
+    holds then would be silently wrong, so the call is refused, naming the layer, and the model
+    is left as it was (the tensor is its input: a copy is passed, so the test's data stay)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), ChangesWhatItNormalised(4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(precisebn.PreciseBNError, match=r"'1' \(ChangesWhatItNormalised\) changed the tensor"):
+        precisebn.recalibrate(model, images(), capture=capture)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert "forward" not in model[1].__dict__

@@ -79,6 +79,12 @@ class Watch(TorchFunctionMode):
         super().__init__()
         self.running_mean = module._buffers.get("running_mean")
         self.seen: list[Tensor] = []
+        self._versions: list[int | None] = []  # of each tensor in seen, when it was normalised
+
+    def changed(self) -> bool:
+        """Whether a tensor in :attr:`seen` was changed in place since it was normalised (by the
+        rest of the layer's forward): what it holds now is no longer what the layer normalised."""
+        return any(v is not None and t._version != v for t, v in zip(self.seen, self._versions))
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -88,6 +94,7 @@ class Watch(TorchFunctionMode):
             x = args[0] if args else kwargs.get("input")
             if running_mean is self.running_mean and isinstance(x, Tensor):  # else torch says what is wrong
                 self.seen.append(x)
+                self._versions.append(None if x.is_inference() else x._version)  # inference tensors have none
         return func(*args, **kwargs)
 
 
