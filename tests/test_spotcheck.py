@@ -113,7 +113,7 @@ def test_calls_checked_together_pass_and_fail_as_they_should() -> None:
     pairs[4] = own_figures(xs[4] + 0.01)
     checks = SpotChecks(F32, UNIT32)
     for k, (x, pair) in enumerate(zip(xs, pairs)):
-        assert checks.room(x, x.shape[1])
+        assert checks.room(x.numel() // x.shape[1], x.numel() * 4, x.shape[1])
         checks.add(f"call {k}", k, x, pair, 1e-5)
     assert len(checks) == 6 and checks.layers == set(range(6))
     assert checks.run() == [(f"call {k}", k in (0, 5)) for k in range(6)]
@@ -154,7 +154,7 @@ def test_the_workspace_is_reused_and_grows_for_a_call_larger_than_it(monkeypatch
     small, large = torch.randn(10, 8, generator=g), torch.randn(100, 8, generator=g)
     checks = SpotChecks(F32, UNIT32, capacity=64)
     checks.add("small", 0, small, own_figures(small), 1e-5)
-    assert not checks.room(small, 8)  # 40 + 40 checked values > 64
+    assert not checks.room(10, 320, 8)  # 40 + 40 checked values > 64
     with pytest.raises(RuntimeError, match="run the waiting checks first"):
         checks.add("large", 1, large, own_figures(large), 1e-5)
     assert checks.run() == [("small", True)]
@@ -162,10 +162,10 @@ def test_the_workspace_is_reused_and_grows_for_a_call_larger_than_it(monkeypatch
     assert checks.run() == [("large", True)]
     monkeypatch.setattr("precisebn.spotcheck.HELD", 400)  # bytes of inputs held: one small call's 320
     checks = SpotChecks(F32, UNIT32, capacity=1000)
-    assert checks.room(small, 8)
+    assert checks.room(10, 320, 8)
     checks.add("small", 0, small, own_figures(small), 1e-5)
-    assert not checks.room(small, 8)
-    assert checks.run() == [("small", True)] and checks.room(small, 8)
+    assert not checks.room(10, 320, 8)
+    assert checks.run() == [("small", True)] and checks.room(10, 320, 8)
 
 
 class ChangesItsInputAfterward(nn.Module):

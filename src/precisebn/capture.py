@@ -219,24 +219,31 @@ class Collector:
         on a few channels (float32 figures: together with other calls', see
         :mod:`~precisebn.spotcheck`; float64 figures: at once) rather than reducing all it
         normalised in float64; a call that passes keeps its figures as its moments."""
-        channels = self.layers[i].channels
+        layer = self.layers[i]
+        channels = layer.channels
         t = seen[0] if len(seen) == 1 else None
-        if t is None or t.numel() != x.numel() or t.dim() < 2 or t.shape[1] != channels:
+        shape = t.shape if t is not None else ()
+        numel = t.numel() if t is not None else 0
+        if len(shape) < 2 or shape[1] != channels or (t is not x and numel != x.numel()):
             trial.add(seen, x, channels, n)
             return
-        eps = float(self.layers[i].module.eps)
+        assert t is not None
+        eps = float(layer.module.eps)
         if pair.dtype != torch.float32:
             trial.add_checked(t, x, channels, n, pair, eps)
             return
         if self._spots is None:
             self._spots = SpotChecks(TOLERANCE[torch.float32], torch.finfo(torch.float32).eps / 2)
         spots = self._spots
-        if not spots.room(t, channels):
+        if not spots.room(numel // channels, numel * t.element_size(), channels):
             self._run_spot_checks()
+        try:
+            version: int | None = t._version
+        except RuntimeError:  # an inference tensor: no version counter, so checked at once (nothing changed it yet)
+            version = None
         trial.calls.append((n, None, n, True))  # passed, unless the check says otherwise
-        inference = t.is_inference()  # no version counter: checked at once, while nothing can have changed it
-        spots.add((i, trial, len(trial.calls) - 1, seen, x, n, None if inference else t._version), i, t, pair, eps)
-        if inference:
+        spots.add((i, trial, len(trial.calls) - 1, seen, x, n, version), i, t, pair, eps)
+        if version is None:
             self._run_spot_checks()
 
     def _run_spot_checks(self) -> None:

@@ -144,12 +144,11 @@ class SpotChecks:
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def room(self, t: Tensor, channels: int) -> bool:
-        """Whether a call that normalised ``t`` (``channels`` in dimension 1) can wait with
-        those waiting now: its checked values fit in the workspace, and the inputs held stay
-        within :data:`HELD` bytes."""
-        values = t.numel() // channels * len(range(channels)[checked_channels(channels)])
-        return self._used + values <= self.capacity and self._held + t.numel() * t.element_size() <= HELD
+    def room(self, n: int, nbytes: int, channels: int) -> bool:
+        """Whether a call that normalised ``n`` values per channel (``nbytes`` in all) of
+        ``channels`` can wait with those waiting now: its checked values fit in the
+        workspace, and the inputs held stay within :data:`HELD` bytes."""
+        return self._used + n * len(_picked(channels)[1]) <= self.capacity and self._held + nbytes <= HELD
 
     def add(self, owner: Any, layer: int, t: Tensor, pair: Tensor, eps: float) -> None:
         """Copies the checked channels of ``t`` (what the layer normalised, channels in
@@ -168,7 +167,7 @@ class SpotChecks:
         self._workspace.as_strided(shape, _contiguous_strides(shape), self._used).copy_(source)
         self._waiting.append((owner, pair, eps, size // len(picked), picked))
         self._used += size
-        self._held += t.numel() * t.element_size()
+        self._held += size // len(picked) * pair.shape[1] * t.element_size()
         self.layers.add(layer)
 
     def run(self) -> list[tuple[Any, bool]]:
