@@ -12,6 +12,7 @@ from torch import nn
 
 import precisebn
 from conftest import compute_truth, max_rel_error
+from precisebn.errors import InvalidArgumentError
 
 TOL = 1e-5  # the contract for float32 layers
 
@@ -271,3 +272,61 @@ def test_layer_first_reached_late_with_a_large_mean() -> None:
     assert late.count == 19 * 32
     assert max_rel_error(late.mean, truth.mean) <= 1e-5
     assert max_rel_error(late.var, truth.var) <= 1e-3
+
+
+class SwitchesToEval(nn.Module):
+    """Puts its BatchNorm layer in eval mode at the given forward (1-based)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3)
+        self.at, self.calls = at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            self.bn.eval()
+        return self.bn(x)
+
+
+@pytest.mark.parametrize("at", [1, 3], ids=["verifying batch", "fast path"])
+def test_a_layer_switched_to_eval_during_the_passes_is_refused_by_name(at: int) -> None:
+    model = SwitchesToEval(at)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = [torch.randn(8, 3) for _ in range(5)]
+    with pytest.raises(InvalidArgumentError, match=r"layer 'bn' was switched to eval mode"):
+        precisebn.recalibrate(model, batches)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.bn.training  # the flags the model had are back
+
+
+class TakesADict(nn.BatchNorm1d):
+    def forward(self, inputs: dict) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(inputs["x"])
+
+
+def test_a_layer_called_without_a_tensor_is_refused_by_name() -> None:
+    model = nn.Sequential()
+    model.add_module("norm", TakesADict(3))
+    with pytest.raises(InvalidArgumentError, match=r"layer 'norm' was called without a tensor input \(dict\)"):
+        precisebn.recalibrate(model, [{"x": torch.randn(4, 3)}], forward=lambda m, b: m.norm(b))
+
+
+def test_keyword_calls_are_measured_on_both_paths() -> None:
+    """``bn(input=x)``: routed through the full checks on every batch, verifying and fast."""
+
+    class Keyword(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(input=x)
+
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randn(8, 3, generator=g) * 2 + 1 for _ in range(5)]
+    stats = precisebn.estimate(Keyword(), batches)["bn"]
+    values = torch.cat(batches).double()  # what the layer normalised: its inputs, (40, 3)
+    assert stats.path == "fast" and stats.count == 40
+    assert max_rel_error(stats.mean, values.mean(0), values.var(0).sqrt()) <= 1e-6
+    assert max_rel_error(stats.var, values.var(0, correction=0)) <= TOL
