@@ -61,14 +61,28 @@ def test_the_reference_is_within_its_bounds_whatever_the_shift(shape, log_offset
         "zero": [0.0] * shape[1],
         "far": [float(torch.tensor(m + 100 * math.sqrt(v), dtype=torch.float32)) for m, v in truth],
     }[shift]
-    lengths = torch.full((shape[1],), n)
-    refs = references(rows.reshape(-1).clone(), lengths, torch.tensor(shifts, dtype=torch.float64))
+    refs = references(rows.reshape(-1).clone(), [n] * shape[1], torch.tensor(shifts, dtype=torch.float64))
     for (m, v), (mean, var, bound_mean, bound_var) in zip(truth, zip(*(r.tolist() for r in refs))):
         assert abs(mean - m) <= bound_mean
         assert abs(var - v) <= bound_var
         if shift == "figure":
             scale = v + (m - mean) ** 2 + 1e-300
             assert bound_var <= 5 * (n + 3) * 2.0**-53 * scale * n / (n - 1)
+
+
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.sampled_from([2, 3, 7, 64, 500]), min_size=1, max_size=12), seed=st.integers(0, 2**16))
+def test_segments_of_any_lengths_in_any_order_each_get_their_own_reference(lengths: list[int], seed: int) -> None:
+    """Runs of equal lengths are reduced together as matrix rows: each segment must still get the
+    moments of its own values, whatever the lengths and their order."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randn(n, generator=g, dtype=torch.float64) * (k + 1) + 10 * k for k, n in enumerate(lengths)]
+    shifts = torch.tensor([float(r.mean()) + 0.5 for r in rows], dtype=torch.float64)
+    mean, var, bound_mean, bound_var = references(torch.cat(rows), lengths, shifts)
+    for k, r in enumerate(rows):
+        m, v = exact_moments(r.tolist())
+        assert abs(float(mean[k]) - m) <= float(bound_mean[k])
+        assert abs(float(var[k]) - v) <= float(bound_var[k])
 
 
 def test_the_check_takes_the_reference_bounds_off_its_tolerance() -> None:

@@ -9,10 +9,12 @@ channel from the figures (see :func:`~precisebn.watch.discrepancies`).
 
 Each call copies its checked channels, as float64 and channel after channel, into one
 workspace (one kernel), and its check waits there. :meth:`SpotChecks.run` makes the
-checks of every waiting call together — a dozen kernels and three host reads whatever
-their number — when the workspace is full, before a waiting layer is called again
-(which overwrites its figures), and at the end of the batch. The calls' inputs are held
-until then, so that a call whose figures fail can still be reduced in float64 whole.
+checks of every waiting call together — a few dozen small kernels (four more per run of
+calls with as many values per channel) and one host read, whatever their number — when
+the workspace is full or :data:`HELD` bytes of inputs are held, before a waiting layer is
+called again (which overwrites its figures), and at the end of the batch. The calls'
+inputs are held until then, so that a call whose figures fail can still be reduced in
+float64 whole.
 
 The reference is exact up to a bound that the check takes off its tolerance, so that its
 own error can never let off figures: the values are shifted by the figure's mean before
@@ -25,6 +27,7 @@ itself, whatever the mean, when the figures are right.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any
 
@@ -45,8 +48,9 @@ __all__ = [
 CHECKED_CHANNELS = 4
 """Channels of each call reduced in float64 to check its figures on the CPU."""
 
-CAPACITY = 1 << 16
-"""float64 values the workspace holds (512 KiB) before the waiting checks are made."""
+CAPACITY = 1 << 18
+"""float64 values the workspace holds (2 MiB; its pages are touched only as far as it is filled) before the
+waiting checks are made: a model of a few dozen layers on small inputs is checked in one go."""
 
 HELD = 32 << 20
 """Bytes of the waiting calls' inputs held (for a call that fails) before the checks are made."""
@@ -100,14 +104,21 @@ def reference(sums: Tensor, squares: Tensor, shifts: Tensor, n: Tensor) -> tuple
     return mean, var, bound_mean, bound_var
 
 
-def references(values: Tensor, lengths: Tensor, shifts: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def references(values: Tensor, lengths: list[int], shifts: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`reference` of each segment of the float64 vector ``values`` (consecutive
-    segments of ``lengths``), each shifted by its ``shifts``: a few kernels whatever the
-    number of segments, no host read. ``values`` is overwritten."""
-    values.sub_(shifts.repeat_interleave(lengths))
-    sums = torch.segment_reduce(values, "sum", lengths=lengths)
-    squares = torch.segment_reduce(values.square_(), "sum", lengths=lengths)
-    return reference(sums, squares, shifts, lengths.to(torch.float64))
+    segments of ``lengths``), each shifted by its ``shifts``: consecutive segments of one
+    length are reduced as the rows of one matrix (a few kernels each; a segmented sum
+    kernel is several times slower on the CPU), no host read. ``values`` is overwritten."""
+    sums = torch.empty(len(lengths), dtype=torch.float64)
+    squares = torch.empty(len(lengths), dtype=torch.float64)
+    at = row = 0
+    for n, run in itertools.groupby(lengths):
+        rows = len(list(run))
+        block = values[at : at + rows * n].view(rows, n).sub_(shifts[row : row + rows, None])
+        torch.sum(block, 1, out=sums[row : row + rows])
+        torch.sum(block.square_(), 1, out=squares[row : row + rows])
+        at, row = at + rows * n, row + rows
+    return reference(sums, squares, shifts, torch.tensor(lengths, dtype=torch.float64))
 
 
 def passes(fig_mean: Tensor, fig_var: Tensor, ref: tuple[Tensor, ...], eps: Tensor | float, tolerance: float) -> Tensor:
@@ -187,7 +198,7 @@ class SpotChecks:
         eps = [e for _, _, e, _, _ in waiting]
         checked = torch.tensor([len(picked) for _, _, _, _, picked in waiting])
         fig_mean, fig_var = figures.index_select(1, torch.tensor(columns)).double()
-        refs = references(self._workspace[:used], torch.tensor(lengths), fig_mean)  # shifted by the figures' means
+        refs = references(self._workspace[:used], lengths, fig_mean)  # shifted by the figures' means
         ok = passes(
             fig_mean, fig_var, refs, torch.tensor(eps, dtype=torch.float64).repeat_interleave(checked), self.tolerance
         )
