@@ -93,44 +93,47 @@ def _paired(a_src: str, b_src: str, models: Sequence[str], rounds: int) -> None:
     import tempfile
 
     copy = Path(tempfile.mkdtemp(prefix="precisebn-ab-"))
-    shutil.copytree(Path(a_src) / "precisebn", copy / "precisebn_a")
-    sys.path[:0] = [str(copy), b_src]
-    import torch
+    try:
+        shutil.copytree(Path(a_src) / "precisebn", copy / "precisebn_a")
+        sys.path[:0] = [str(copy), b_src]
+        import torch
 
-    from benchmarks import common
+        from benchmarks import common
 
-    torch.set_num_threads(1)
-    versions = (importlib.import_module("precisebn_a"), importlib.import_module("precisebn"))
-    for model_name in models:
-        model = common.build_model(model_name, torch.device("cpu"))
-        g = torch.Generator().manual_seed(0)
-        shape = (2, 256) if model_name == "mlp" else (2, 3, 32, 32) if model_name == "densenet121" else (2, 3, 16, 16)
-        data = [torch.randn(*shape, generator=g) for _ in range(8)]
-        for n in (1, 8):
-            batches = data[:n]
-            runs = [functools.partial(v.recalibrate, model, batches, num_batches=n) for v in versions]
-            for run in runs * 3:  # warm-up
-                run()
-            times: tuple[list[float], list[float]] = ([], [])
-            gc.collect()
-            gc.disable()
-            try:
-                for r in range(rounds):
-                    for k in (0, 1) if r % 2 == 0 else (1, 0):
-                        start = time.perf_counter()
-                        runs[k]()
-                        times[k].append(time.perf_counter() - start)
-            finally:
-                gc.enable()
-            d = sorted((b - a) * 1e3 for a, b in zip(*times))
-            q = statistics.quantiles(d, n=4)
-            print(
-                f"{model_name:28s} {n} batch(es): A median {statistics.median(times[0]) * 1e3:.1f} ms, "
-                f"B median {statistics.median(times[1]) * 1e3:.1f} ms; B - A median {statistics.median(d):+.2f} ms "
-                f"(quartiles {q[0]:+.2f} .. {q[2]:+.2f})",
-                flush=True,
-            )
-    shutil.rmtree(copy, ignore_errors=True)
+        torch.set_num_threads(1)
+        versions = (importlib.import_module("precisebn_a"), importlib.import_module("precisebn"))
+        for model_name in models:
+            model = common.build_model(model_name, torch.device("cpu"))
+            g = torch.Generator().manual_seed(0)
+            side = 32 if model_name == "densenet121" else 16
+            shape = (2, 256) if model_name == "mlp" else (2, 3, side, side)
+            data = [torch.randn(*shape, generator=g) for _ in range(8)]
+            for n in (1, 8):
+                batches = data[:n]
+                runs = [functools.partial(v.recalibrate, model, batches, num_batches=n) for v in versions]
+                for run in runs * 3:  # warm-up
+                    run()
+                times: tuple[list[float], list[float]] = ([], [])
+                gc.collect()
+                gc.disable()
+                try:
+                    for r in range(rounds):
+                        for k in (0, 1) if r % 2 == 0 else (1, 0):
+                            start = time.perf_counter()
+                            runs[k]()
+                            times[k].append(time.perf_counter() - start)
+                finally:
+                    gc.enable()
+                d = sorted((b - a) * 1e3 for a, b in zip(*times))
+                q = statistics.quantiles(d, n=4)
+                print(
+                    f"{model_name:28s} {n} batch(es): A median {statistics.median(times[0]) * 1e3:.1f} ms, "
+                    f"B median {statistics.median(times[1]) * 1e3:.1f} ms; B - A median {statistics.median(d):+.2f} ms "
+                    f"(quartiles {q[0]:+.2f} .. {q[2]:+.2f})",
+                    flush=True,
+                )
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -104,6 +104,10 @@ def test_the_check_takes_the_reference_bounds_off_its_tolerance() -> None:
     assert not ok(mean, float("nan"), (mean, var, 0.0, 0.0))
 
 
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def own_figures(x: torch.Tensor) -> torch.Tensor:
     """What torch's BatchNorm leaves in its buffers with momentum 1: (2, C) float32."""
     c = x.shape[1]
@@ -128,7 +132,7 @@ def test_calls_checked_together_pass_and_fail_as_they_should() -> None:
     checks = SpotChecks(F32, UNIT32)
     for k, (x, pair) in enumerate(zip(xs, pairs)):
         assert checks.room(x.numel() // x.shape[1], x.numel() * 4, x.shape[1])
-        checks.add(f"call {k}", k, x, pair, 1e-5)
+        checks.add(f"call {k}", k, x, pair, 1e-5, nbytes(x))
     assert len(checks) == 6 and checks.layers == set(range(6))
     assert checks.run() == [(f"call {k}", k in (0, 5)) for k in range(6)]
     assert len(checks) == 0 and not checks.layers and checks.run() == []
@@ -153,9 +157,11 @@ def test_each_call_copies_exactly_its_checked_channels_whatever_its_layout(layou
         "one channel": base[:, 3:4],
     }[layout]
     checks = SpotChecks(F32, UNIT32)
-    checks.add("first", 0, base, own_figures(base), 1e-5)  # so that the call under test starts at an offset
+    checks.add(
+        "first", 0, base, own_figures(base), 1e-5, nbytes(base)
+    )  # so that the call under test starts at an offset
     start = checks._used
-    checks.add("under test", 1, t, own_figures(t), 1e-5)
+    checks.add("under test", 1, t, own_figures(t), 1e-5, nbytes(t))
     idx = checked_channels(t.shape[1])
     expected = t[:, idx].transpose(0, 1).double().reshape(-1)
     assert checks._used - start == expected.numel()
@@ -167,17 +173,17 @@ def test_the_workspace_is_reused_and_grows_for_a_call_larger_than_it(monkeypatch
     g = torch.Generator().manual_seed(1)
     small, large = torch.randn(10, 8, generator=g), torch.randn(100, 8, generator=g)
     checks = SpotChecks(F32, UNIT32, capacity=64)
-    checks.add("small", 0, small, own_figures(small), 1e-5)
+    checks.add("small", 0, small, own_figures(small), 1e-5, nbytes(small))
     assert not checks.room(10, 320, 8)  # 40 + 40 checked values > 64
     with pytest.raises(RuntimeError, match="run the waiting checks first"):
-        checks.add("large", 1, large, own_figures(large), 1e-5)
+        checks.add("large", 1, large, own_figures(large), 1e-5, nbytes(large))
     assert checks.run() == [("small", True)]
-    checks.add("large", 1, large, own_figures(large), 1e-5)  # 400 values: a workspace of its own size
+    checks.add("large", 1, large, own_figures(large), 1e-5, nbytes(large))  # 400 values: a workspace of its own size
     assert checks.run() == [("large", True)]
     monkeypatch.setattr("precisebn.spotcheck.HELD", 400)  # bytes of inputs held: one small call's 320
     checks = SpotChecks(F32, UNIT32, capacity=1000)
     assert checks.room(10, 320, 8)
-    checks.add("small", 0, small, own_figures(small), 1e-5)
+    checks.add("small", 0, small, own_figures(small), 1e-5, nbytes(small))
     assert not checks.room(10, 320, 8)
     assert checks.run() == [("small", True)] and checks.room(10, 320, 8)
 

@@ -61,6 +61,7 @@ from torch import Tensor
 from .errors import InvalidArgumentError, UnsupportedLayerError
 from .layers import RecalibrationState, ScratchGroup
 from .spotcheck import SpotChecks, checked_channels
+from .state import version_of
 from .stats import RunningMoments, chan_merge, fold_errors, fold_errors_from_sums
 from .watch import TOLERANCE, Watch, discrepancies, moments_of, normalises_its_input
 
@@ -221,13 +222,10 @@ class Collector:
         normalised in float64; a call that passes keeps its figures as its moments."""
         layer = self.layers[i]
         channels = layer.channels
-        t = seen[0] if len(seen) == 1 else None
-        shape = t.shape if t is not None else ()
-        numel = t.numel() if t is not None else 0
-        if len(shape) < 2 or shape[1] != channels or (t is not x and numel != x.numel()):
+        t = _fitting(seen, x, channels)
+        if t is None:
             trial.add(seen, x, channels, n)
             return
-        assert t is not None
         eps = float(layer.module.eps)
         if pair.dtype != torch.float32:
             trial.add_checked(t, x, channels, n, pair, eps)
@@ -235,14 +233,12 @@ class Collector:
         if self._spots is None:
             self._spots = SpotChecks(TOLERANCE[torch.float32], torch.finfo(torch.float32).eps / 2)
         spots = self._spots
-        if not spots.room(numel // channels, numel * t.element_size(), channels):
+        nbytes = t.numel() * t.element_size()
+        if not spots.room(n, nbytes, channels):
             self._run_spot_checks()
-        try:
-            version: int | None = t._version
-        except RuntimeError:  # an inference tensor: no version counter, so checked at once (nothing changed it yet)
-            version = None
+        version = version_of(t)  # None: an inference tensor, checked at once (nothing can have changed it yet)
         trial.calls.append((n, None, n, True))  # passed, unless the check says otherwise
-        spots.add((i, trial, len(trial.calls) - 1, seen, x, n, version), i, t, pair, eps)
+        spots.add((i, trial, len(trial.calls) - 1, seen, x, n, version), i, t, pair, eps, nbytes)
         if version is None:
             self._run_spot_checks()
 
@@ -258,7 +254,7 @@ class Collector:
         for (i, trial, k, seen, x, n, version), passed in self._spots.run():
             if passed:
                 continue
-            if version is not None and seen[0]._version != version:
+            if version is not None and version_of(seen[0]) != version:
                 layer = self.layers[i]
                 raise UnsupportedLayerError(
                     f"layer {layer.name!r} ({layer.type_name}): its own batch figures did not match what it "
@@ -601,6 +597,18 @@ class _Group:
         return _to_device(per_layer.gather(-1, at.expand(*per_layer.shape[:-1], -1)), self.device)
 
 
+def _fitting(seen: list[Tensor], x: Tensor, channels: int) -> Tensor | None:
+    """What a call normalised, if it fits the fast path: exactly one tensor, of the input's
+    size, with the layer's channels in dimension 1 (else ``None``)."""
+    if len(seen) != 1:
+        return None
+    t = seen[0]
+    shape = t.shape
+    if len(shape) < 2 or shape[1] != channels or (t is not x and t.numel() != x.numel()):
+        return None
+    return t
+
+
 class _Trial:
     """What one layer's calls showed in the batch that verifies its fast path."""
 
@@ -656,8 +664,7 @@ class _Trial:
         if moments is None:
             self.fits = False
             return
-        t = seen[0]
-        if len(seen) != 1 or t.numel() != x.numel() or t.dim() < 2 or t.shape[1] != channels:
+        if _fitting(seen, x, channels) is None:
             self.fits = False
         else:
             self.refs.append((len(self.calls) - 1, moments))

@@ -161,11 +161,12 @@ class SpotChecks:
         workspace, and the inputs held stay within :data:`HELD` bytes."""
         return self._used + n * len(_picked(channels)[1]) <= self.capacity and self._held + nbytes <= HELD
 
-    def add(self, owner: Any, layer: int, t: Tensor, pair: Tensor, eps: float) -> None:
+    def add(self, owner: Any, layer: int, t: Tensor, pair: Tensor, eps: float, nbytes: int) -> None:
         """Copies the checked channels of ``t`` (what the layer normalised, channels in
-        dimension 1) and keeps the call's figures ``pair`` (its ``(2, C)`` view of the
-        scratch buffer, read when the checks run) for :meth:`run`; make :meth:`room` first
-        (a call alone too large for it gets a workspace of its own size)."""
+        dimension 1; ``nbytes`` in all, held until the checks run) and keeps the call's
+        figures ``pair`` (its ``(2, C)`` view of the scratch buffer, read when the checks run)
+        for :meth:`run`; make :meth:`room` first (a call alone too large for it gets a
+        workspace of its own size)."""
         step, picked = _picked(pair.shape[1])
         shape = (len(picked), t.shape[0], *t.shape[2:])  # channels first: one segment per channel
         size = math.prod(shape)
@@ -178,7 +179,7 @@ class SpotChecks:
         self._workspace.as_strided(shape, _contiguous_strides(shape), self._used).copy_(source)
         self._waiting.append((owner, pair, eps, size // len(picked), picked))
         self._used += size
-        self._held += size // len(picked) * pair.shape[1] * t.element_size()
+        self._held += nbytes
         self.layers.add(layer)
 
     def run(self) -> list[tuple[Any, bool]]:

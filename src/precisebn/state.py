@@ -32,13 +32,15 @@ from torch import Tensor, nn
 
 from .errors import ConcurrentUseError, UninitializedLayerError
 
-__all__ = ["StateSnapshot", "copy_all", "exclusive", "refuse_uninitialized", "restore_on_error"]
+__all__ = ["StateSnapshot", "copy_all", "exclusive", "refuse_uninitialized", "restore_on_error", "version_of"]
 
 _UNINITIALIZED = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)  # lazy modules' tensors
 _RENORMALISED = (nn.Embedding, nn.EmbeddingBag)  # modules whose forward writes their weight (max_norm)
 
 
-def _version(t: Tensor) -> int | None:
+def version_of(t: Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place change), or ``None`` for an inference
+    tensor, which keeps none."""
     try:
         return int(t._version)
     except RuntimeError:  # inference tensors keep no version counter
@@ -118,9 +120,9 @@ class StateSnapshot:
                         if not copy:
                             self._watched_names.append(f"{prefix}.{key}" if prefix else key)
                             self._watched.append(t)
-                            self._watched_versions.append(_version(t))
+                            self._watched_versions.append(version_of(t))
                             continue
-                        saved = _Saved(f"{prefix}.{key}" if prefix else key, t, _version(t), None)
+                        saved = _Saved(f"{prefix}.{key}" if prefix else key, t, version_of(t), None)
                         self._saved.append(saved)
                         span = _span(t)
                         if span is None:
@@ -159,7 +161,7 @@ class StateSnapshot:
         lost = [
             name
             for name, t, version in zip(self._watched_names, self._watched, self._watched_versions)
-            if version is not None and _version(t) != version  # a parameter: only its version tells
+            if version is not None and version_of(t) != version  # a parameter: only its version tells
         ]
         with torch.no_grad():
             changed_blobs = self._changed_blobs()
@@ -176,7 +178,7 @@ class StateSnapshot:
                 elif s.copy is not None and (span := _span(s.tensor)) is not None:  # a dtype without a byte view
                     if not torch.equal(span, s.copy):
                         self._write(s, span, s.copy)
-                elif s.version is not None and _version(s.tensor) != s.version:  # a copied tensor with no span
+                elif s.version is not None and version_of(s.tensor) != s.version:  # a copied tensor with no span
                     lost.append(s.name)
         return lost
 

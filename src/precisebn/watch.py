@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from .state import version_of
 from .stats import RunningMoments
 
 __all__ = ["TOLERANCE", "Watch", "discrepancies", "moments_of", "normalises_its_input"]
@@ -84,7 +85,7 @@ class Watch(TorchFunctionMode):
     def changed(self) -> bool:
         """Whether a tensor in :attr:`seen` was changed in place since it was normalised (by the
         rest of the layer's forward): what it holds now is no longer what the layer normalised."""
-        return any(v is not None and t._version != v for t, v in zip(self.seen, self._versions))
+        return any(v is not None and version_of(t) != v for t, v in zip(self.seen, self._versions))
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -94,7 +95,7 @@ class Watch(TorchFunctionMode):
             x = args[0] if args else kwargs.get("input")
             if running_mean is self.running_mean and isinstance(x, Tensor):  # else torch says what is wrong
                 self.seen.append(x)
-                self._versions.append(None if x.is_inference() else x._version)  # inference tensors have none
+                self._versions.append(version_of(x))
         return func(*args, **kwargs)
 
 
