@@ -188,6 +188,27 @@ def test_the_workspace_is_reused_and_grows_for_a_call_larger_than_it(monkeypatch
     assert checks.run() == [("small", True)] and checks.room(10, 320, 8)
 
 
+def test_the_default_workspace_is_kept_between_passes_and_never_shared() -> None:
+    """A pass gives its workspace back when its checks have run (the next pass finds its pages
+    already touched); two passes at once (threads, or one nested in a model's forward) never
+    share one, and both decide right: a biased variance fails in either."""
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(6, 5, 3, generator=g), torch.randn(4, 5, 7, generator=g) * 3 + 2
+    biased = own_figures(y)
+    biased[1] *= (28 - 1) / 28  # 4·7 values per channel
+    first, second = SpotChecks(F32, UNIT32), SpotChecks(F32, UNIT32)
+    first.add("x", 0, x, own_figures(x), 1e-5, nbytes(x))
+    second.add("y", 0, y, biased, 1e-5, nbytes(y))
+    assert first._workspace is not None and second._workspace is not None
+    assert first._workspace.data_ptr() != second._workspace.data_ptr()
+    kept = first._workspace
+    assert first.run() == [("x", True)] and second.run() == [("y", False)]
+    third = SpotChecks(F32, UNIT32)
+    third.add("x", 0, x, own_figures(x), 1e-5, nbytes(x))
+    assert third._workspace is kept  # the same tensor, not merely memory at the same address
+    assert third.run() == [("x", True)]
+
+
 class ChangesItsInputAfterward(nn.Module):
     """Calls the layer, then changes the tensor the layer normalised, in place."""
 

@@ -299,3 +299,82 @@ def test_a_layer_that_changes_what_it_normalised_afterwards_is_refused(capture: 
         precisebn.recalibrate(model, images(), capture=capture)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert "forward" not in model[1].__dict__
+
+
+# -- the watch itself: an alias of running_mean in place during the layer's forward ----------
+
+
+def test_watch_records_the_input_and_leaves_the_buffer_object_updated_in_place() -> None:
+    """The figures land in the layer's own running_mean object (the alias shares its storage),
+    which is back in place afterwards; what was normalised is recorded, checked against a
+    float64 mean computed here (momentum 1.0: the buffer holds the batch mean)."""
+    from precisebn.watch import Watch
+
+    bn = BatchNormAct2d(3, momentum=1.0)
+    running_mean = bn.running_mean
+    x = images((5,))[0]
+    with torch.no_grad(), Watch(bn) as watch:
+        assert bn.running_mean is not running_mean  # the alias, during the forward
+        bn(x)
+    assert bn._buffers["running_mean"] is running_mean and type(running_mean) is torch.Tensor
+    assert len(watch.seen) == 1 and watch.seen[0] is x
+    mean, _ = stats_of([x])
+    assert max_rel_error(running_mean, mean, mean.abs().clamp_min(1)) <= 1e-6
+
+
+def test_watch_ignores_other_buffers_and_calls_outside_its_forward() -> None:
+    from precisebn.watch import Watch
+
+    bn, other = nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+    x = images((4,))[0]
+    with torch.no_grad(), Watch(bn) as watch:
+        other(x)  # another layer's buffers
+        torch.nn.functional.batch_norm(x, torch.zeros(3), torch.ones(3), training=True)
+    bn(x)  # after the watch
+    assert watch.seen == []
+
+
+class ReplacesItsBuffer(nn.BatchNorm2d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.running_mean = torch.zeros(self.num_features)
+        return super().forward(x)
+
+
+def test_watch_keeps_a_buffer_the_forward_replaced_and_puts_back_after_an_error() -> None:
+    from precisebn.watch import Watch
+
+    bn = ReplacesItsBuffer(3)
+    original = bn.running_mean
+    with torch.no_grad(), Watch(bn) as watch:
+        bn(images((4,))[0])
+    assert bn.running_mean is not original and watch.seen == []  # the forward's own buffer stays
+    plain = nn.BatchNorm2d(3)
+    original = plain.running_mean
+    with pytest.raises(RuntimeError), torch.no_grad(), Watch(plain):
+        plain(torch.randn(4, 5, 2, 2))  # wrong number of channels
+    assert plain._buffers["running_mean"] is original
+
+
+class Counted(torch.Tensor):
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        cls.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_watch_of_a_running_mean_of_another_subclass_keeps_its_behaviour() -> None:
+    """A running_mean that is itself a tensor subclass is watched through a mode: it is never
+    replaced, its own __torch_function__ still runs, and the call is still recorded."""
+    from precisebn.watch import Watch
+
+    bn = BatchNormAct2d(3)
+    bn.running_mean = bn.running_mean.as_subclass(Counted)
+    kept = bn.running_mean
+    x = images((4,))[0]
+    Counted.calls = 0
+    with torch.no_grad(), Watch(bn) as watch:
+        assert bn.running_mean is kept
+        bn(x)
+    assert Counted.calls > 0 and len(watch.seen) == 1 and watch.seen[0] is x

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import threading
 from typing import Any
 
 import torch
@@ -49,13 +50,35 @@ CHECKED_CHANNELS = 4
 """Channels of each call reduced in float64 to check its figures on the CPU."""
 
 CAPACITY = 1 << 18
-"""float64 values the workspace holds (2 MiB; its pages are touched only as far as it is filled) before the
-waiting checks are made: a model of a few dozen layers on small inputs is checked in one go."""
+"""float64 values the workspace holds (2 MiB) before the waiting checks are made: a model of a few dozen
+layers on small inputs is checked in one go. One such workspace is kept between passes (see below)."""
 
 HELD = 32 << 20
 """Bytes of the waiting calls' inputs held (for a call that fails) before the checks are made."""
 
 _UNIT = 2.0**-53  # unit roundoff of float64
+
+# One workspace of CAPACITY values kept between passes (2 MiB, once a pass has used it): a fresh one
+# costs a page fault per 4 KiB it fills, in every pass — about as much as the copies themselves. A pass
+# takes it while its checks wait and gives it back when they have run; a pass that finds it taken (two
+# passes at once, in threads or nested) makes its own.
+_spare: list[Tensor] = []
+_spare_lock = threading.Lock()
+
+
+def _take_workspace(size: int) -> Tensor:
+    if size == CAPACITY:
+        with _spare_lock:
+            if _spare:
+                return _spare.pop()
+    return torch.empty(size, dtype=torch.float64)
+
+
+def _give_back(workspace: Tensor) -> None:
+    if workspace.numel() == CAPACITY:
+        with _spare_lock:
+            if not _spare:
+                _spare.append(workspace)
 
 
 def checked_channels(channels: int) -> slice:
@@ -132,6 +155,9 @@ def passes(fig_mean: Tensor, fig_var: Tensor, ref: tuple[Tensor, ...], eps: Tens
     )
 
 
+_Waiting = tuple[Any, Tensor, float, int, tuple[int, ...]]  # owner, figures (2, C), eps, values per channel, checked
+
+
 class SpotChecks:
     """The checks of the calls waiting in one batch (see the module's docstring).
 
@@ -146,8 +172,7 @@ class SpotChecks:
         self.tolerance, self.unit = tolerance, unit
         self.capacity = CAPACITY if capacity is None else capacity
         self.layers: set[int] = set()  # layers with a call waiting
-        # (owner, figures (2, C), eps, values per channel, checked channels) per waiting call
-        self._waiting: list[tuple[Any, Tensor, float, int, tuple[int, ...]]] = []
+        self._waiting: list[_Waiting] = []
         self._workspace: Tensor | None = None
         self._used = 0
         self._held = 0  # bytes of the waiting calls' inputs
@@ -173,7 +198,7 @@ class SpotChecks:
         if self._workspace is None or self._used + size > self._workspace.numel():
             if self._used:
                 raise RuntimeError("SpotChecks.add without room: run the waiting checks first")
-            self._workspace = torch.empty(max(self.capacity, size), dtype=torch.float64)
+            self._workspace = _take_workspace(max(self.capacity, size))
         strides = t.stride()
         source = t.as_strided(shape, (strides[1] * step, strides[0], *strides[2:]), t.storage_offset())
         self._workspace.as_strided(shape, _contiguous_strides(shape), self._used).copy_(source)
@@ -187,8 +212,15 @@ class SpotChecks:
         waiting, self._waiting = self._waiting, []
         self.layers.clear()
         used, self._used, self._held = self._used, 0, 0
-        if not waiting or self._workspace is None:
+        workspace, self._workspace = self._workspace, None
+        if not waiting or workspace is None:
             return []
+        try:
+            return self._decide(waiting, workspace[:used])
+        finally:
+            _give_back(workspace)
+
+    def _decide(self, waiting: list[_Waiting], values: Tensor) -> list[tuple[Any, bool]]:
         figures = torch.cat([pair for _, pair, _, _, _ in waiting], dim=1)  # (2, every call's channels)
         widths = [pair.shape[1] for _, pair, _, _, _ in waiting]
         columns, lengths, offset = [], [], 0
@@ -199,7 +231,7 @@ class SpotChecks:
         eps = [e for _, _, e, _, _ in waiting]
         checked = torch.tensor([len(picked) for _, _, _, _, picked in waiting])
         fig_mean, fig_var = figures.index_select(1, torch.tensor(columns)).double()
-        refs = references(self._workspace[:used], lengths, fig_mean)  # shifted by the figures' means
+        refs = references(values, lengths, fig_mean)  # shifted by the figures' means
         ok = passes(
             fig_mean, fig_var, refs, torch.tensor(eps, dtype=torch.float64).repeat_interleave(checked), self.tolerance
         )

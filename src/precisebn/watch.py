@@ -6,9 +6,10 @@ fused ones such as timm's ``BatchNormAct2d``, that is the layer's input; a subcl
 normalise something else (``super().forward(x * s)``, a reshaped view), or not use its
 buffers at all.
 
-:class:`Watch` is a ``TorchFunctionMode`` entered only around one layer's forward: it
-records the ``input`` of every ``F.batch_norm``/``F.instance_norm`` call that is given
-that layer's own ``running_mean``, and of torch's cross-process gathering of batch figures
+:class:`Watch` is active only around one layer's forward: it records the ``input`` of
+every ``F.batch_norm``/``F.instance_norm`` call that is given that layer's own
+``running_mean`` (through an alias of that buffer, a tensor subclass), and of torch's
+cross-process gathering of batch figures
 (``SyncBatchNorm`` across processes: its running buffers get the figures of all
 processes' batches, what this process normalises is its own input).
 :func:`discrepancies` compares the figures a layer left in its buffers (with momentum 1.0:
@@ -69,33 +70,101 @@ def normalises_its_input(module: nn.Module) -> bool:
     )
 
 
-class Watch(TorchFunctionMode):
+class Watch:
     """Records what ``module`` normalises with its running buffers while active.
+
+    While active, the module's ``running_mean`` is an alias of itself (same storage and
+    version counter) of a tensor subclass whose ``__torch_function__`` records the
+    ``input`` of every normalization call it is given, then runs the call as usual: one
+    Python call per operation on that buffer, where a ``TorchFunctionMode`` would take one
+    per operation of the whole forward (several times slower on a fused layer such as
+    timm's ``BatchNormAct2d``). A ``running_mean`` that is already a tensor subclass (not
+    precisebn's scratch buffer: a pre-hook put it there) is watched through a mode instead,
+    so that its own ``__torch_function__`` still runs. The alias is put back on exit unless
+    the forward replaced the buffer itself.
 
     Attributes:
         seen: The ``input`` of every normalization call given the module's running mean.
     """
 
     def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.running_mean = module._buffers.get("running_mean")
+        self._buffers = module._buffers
+        self.running_mean = self._buffers.get("running_mean")
         self.seen: list[Tensor] = []
         self._versions: list[int | None] = []  # of each tensor in seen, when it was normalised
+        self._tap: _Tap | None = None
+        self._mode: _WatchMode | None = None
+
+    def __enter__(self) -> Watch:
+        running_mean = self.running_mean
+        if type(running_mean) in (Tensor, _Tap):  # _Tap: the layer's forward calls the layer again
+            tap = running_mean.as_subclass(_Tap)  # type: ignore[union-attr]
+            tap._watch = self
+            self._buffers["running_mean"] = self._tap = tap
+        elif running_mean is not None:
+            self._mode = _WatchMode(self)
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._tap is not None:
+            if self._buffers.get("running_mean") is self._tap:
+                self._buffers["running_mean"] = self.running_mean
+            self._tap._watch = None
+            self._tap = None
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
 
     def changed(self) -> bool:
         """Whether a tensor in :attr:`seen` was changed in place since it was normalised (by the
         rest of the layer's forward): what it holds now is no longer what the layer normalised."""
         return any(v is not None and version_of(t) != v for t, v in zip(self.seen, self._versions))
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if self.running_mean is not None and (func in _NORMS or func in _GATHERS):
+    def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], running_mean: Any) -> None:
+        """Records the ``input`` of ``func(*args, **kwargs)`` if it is a normalization call given
+        ``running_mean`` (the watched buffer, or its alias)."""
+        if func in _NORMS or func in _GATHERS:
             at = 1 if func in _NORMS else 3  # running_mean's position
-            running_mean = args[at] if len(args) > at else kwargs.get("running_mean")
+            given = args[at] if len(args) > at else kwargs.get("running_mean")
             x = args[0] if args else kwargs.get("input")
-            if running_mean is self.running_mean and isinstance(x, Tensor):  # else torch says what is wrong
+            if given is running_mean and isinstance(x, Tensor):  # else torch says what is wrong
                 self.seen.append(x)
                 self._versions.append(version_of(x))
+
+
+_no_subclass = torch._C.DisableTorchFunctionSubclass
+
+
+class _Tap(Tensor):
+    """The alias a :class:`Watch` puts in place of a layer's ``running_mean``."""
+
+    _watch: Watch | None
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _NORMS or func in _GATHERS:
+            at = 1 if func in _NORMS else 3
+            given = args[at] if len(args) > at else kwargs.get("running_mean")
+            watch = getattr(given, "_watch", None) if type(given) is cls else None
+            if watch is not None:
+                watch.record(func, args, kwargs, given)
+        with _no_subclass():
+            return func(*args, **kwargs)
+
+
+class _WatchMode(TorchFunctionMode):
+    """:class:`Watch` through a mode, for a ``running_mean`` of another tensor subclass."""
+
+    def __init__(self, watch: Watch) -> None:
+        super().__init__()
+        self.watch = watch
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.watch.running_mean is not None:
+            self.watch.record(func, args, kwargs, self.watch.running_mean)
         return func(*args, **kwargs)
 
 
