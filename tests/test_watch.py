@@ -378,3 +378,42 @@ def test_watch_of_a_running_mean_of_another_subclass_keeps_its_behaviour() -> No
         assert bn.running_mean is kept
         bn(x)
     assert Counted.calls > 0 and len(watch.seen) == 1 and watch.seen[0] is x
+
+
+class Greedy(torch.Tensor):
+    """Runs every call itself, with subclass dispatch disabled, without deferring to other
+    subclasses among the arguments (as torchvision's tv_tensors do)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def test_watch_of_a_layer_given_an_input_of_a_tensor_subclass_still_records_it() -> None:
+    """An input whose own __torch_function__ runs calls with subclass dispatch disabled would
+    hide the call from the alias: such a call is watched by a mode, and recorded; end to end,
+    the layer is measured exactly (float64 truth here)."""
+    from precisebn.watch import Watch
+
+    bn = BatchNormAct2d(3)
+    x = images((4,))[0].as_subclass(Greedy)
+    with torch.no_grad(), Watch(bn, x) as watch:
+        bn(x)
+    assert len(watch.seen) == 1 and watch.seen[0] is x
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = BatchNormAct2d(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(x.as_subclass(Greedy))
+
+    model = Wrap()
+    data = images()
+    stats = precisebn.estimate(model, data)
+    mean, var = stats_of(data)
+    assert stats["norm"].count == sum(x.numel() // 3 for x in data)
+    assert max_rel_error(stats["norm"].mean, mean, var.sqrt()) <= 1e-6
+    assert max_rel_error(stats["norm"].var, var) <= 1e-5

@@ -486,7 +486,7 @@ class _LayerCall:
         module = self.module
         if self.own_forward and module.track_running_stats and module._buffers.get("running_mean") is self.mean_view:
             return forward(*args, **kwargs), [x]  # torch's own forward, normalising with the scratch buffers
-        with Watch(module) as watch:
+        with Watch(module, x) as watch:
             out = forward(*args, **kwargs)
         if watch.changed():
             layer = self.c.layers[self.i]

@@ -79,15 +79,21 @@ class Watch:
     Python call per operation on that buffer, where a ``TorchFunctionMode`` would take one
     per operation of the whole forward (several times slower on a fused layer such as
     timm's ``BatchNormAct2d``). A ``running_mean`` that is already a tensor subclass (not
-    precisebn's scratch buffer: a pre-hook put it there) is watched through a mode instead,
-    so that its own ``__torch_function__`` still runs. The alias is put back on exit unless
-    the forward replaced the buffer itself.
+    precisebn's scratch buffer: a pre-hook put it there), or an input ``x`` of one (whose
+    ``__torch_function__`` may run the call with subclasses' disabled, the alias's
+    included), is watched through a mode instead. The alias is put back on exit unless the
+    forward replaced the buffer itself.
+
+    Args:
+        module: The layer.
+        x: The layer's input, if known.
 
     Attributes:
         seen: The ``input`` of every normalization call given the module's running mean.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, x: Any = None) -> None:
+        self._plain_input = x is None or type(x) is Tensor
         self._buffers = module._buffers
         self.running_mean = self._buffers.get("running_mean")
         self.seen: list[Tensor] = []
@@ -97,7 +103,7 @@ class Watch:
 
     def __enter__(self) -> Watch:
         running_mean = self.running_mean
-        if type(running_mean) in (Tensor, _Tap):  # _Tap: the layer's forward calls the layer again
+        if self._plain_input and type(running_mean) in (Tensor, _Tap):  # _Tap: a forward that calls itself
             tap = running_mean.as_subclass(_Tap)  # type: ignore[union-attr]
             tap._watch = self
             self._buffers["running_mean"] = self._tap = tap
