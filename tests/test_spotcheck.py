@@ -209,6 +209,21 @@ def test_the_default_workspace_is_kept_between_passes_and_never_shared() -> None
     assert third.run() == [("x", True)]
 
 
+def test_a_kept_workspace_is_used_only_at_its_own_size(monkeypatch) -> None:
+    """With CAPACITY changed between passes, a pass never gets a kept workspace smaller than its
+    capacity (a regression: one then failed with "SpotChecks.add without room")."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 8, generator=g)  # 4 checked channels of 40 values: 160 per call
+    for capacity in (1 << 10, 1 << 12, 1 << 10, 1 << 12):
+        monkeypatch.setattr("precisebn.spotcheck.CAPACITY", capacity)
+        checks = SpotChecks(F32, UNIT32)
+        for k in range(capacity // 160):
+            assert checks.room(40, nbytes(x), 8)
+            checks.add(k, k, x, own_figures(x), 1e-5, nbytes(x))
+        assert checks._workspace is not None and checks._workspace.numel() == capacity
+        assert all(passed for _, passed in checks.run())
+
+
 class ChangesItsInputAfterward(nn.Module):
     """Calls the layer, then changes the tensor the layer normalised, in place."""
 

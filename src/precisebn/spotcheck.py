@@ -67,18 +67,17 @@ _spare_lock = threading.Lock()
 
 
 def _take_workspace(size: int) -> Tensor:
-    if size == CAPACITY:
-        with _spare_lock:
-            if _spare:
-                return _spare.pop()
+    with _spare_lock:
+        if _spare and _spare[0].numel() == size:
+            return _spare.pop()
     return torch.empty(size, dtype=torch.float64)
 
 
 def _give_back(workspace: Tensor) -> None:
     if workspace.numel() == CAPACITY:
         with _spare_lock:
-            if not _spare:
-                _spare.append(workspace)
+            if not _spare or _spare[0].numel() != CAPACITY:  # (one of an earlier CAPACITY is dropped)
+                _spare[:] = [workspace]
 
 
 def checked_channels(channels: int) -> slice:
