@@ -89,6 +89,37 @@ def max_rel_error(estimate: Tensor, truth: Tensor, scale: Tensor | None = None) 
     return float(((est - truth).abs() / scale.clamp_min(1e-300)).max())
 
 
+def pooled_with_prior(
+    prior_mean: Tensor, prior_var: Tensor, prior_values: float, values: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The mean and population variance per channel of ``values`` (a float64 ``(channels, n)``
+    matrix) pooled with ``prior_values`` pseudo-values per channel whose mean and population
+    variance are ``prior_mean`` and ``prior_var`` (the union's moments, written out in float64)."""
+    n, p = values.shape[1], float(prior_values)
+    mean, var = values.mean(1), values.var(1, unbiased=False)
+    mu0, v0 = prior_mean.detach().double(), prior_var.detach().double()
+    total = p + n
+    return (p * mu0 + n * mean) / total, (p * v0 + n * var + p * n / total * (mean - mu0) ** 2) / total
+
+
+def assert_adapted(
+    bn: nn.Module, before: tuple[Tensor, Tensor], prior_values: float, values: Tensor, adapt: str = "both"
+) -> None:
+    """``bn``'s buffers are the data ``values`` (``(channels, n)``, float64) pooled with its statistics
+    ``before`` counted as ``prior_values`` values per channel, and a buffer that ``adapt`` leaves out is
+    bitwise as it was."""
+    mean, var = pooled_with_prior(*before, prior_values, values)
+    if adapt == "var":
+        assert torch.equal(bn.running_mean, before[0])
+    else:
+        assert max_rel_error(bn.running_mean, mean, var.sqrt()) <= 1e-6
+    if adapt == "mean":
+        assert torch.equal(bn.running_var, before[1])
+    else:
+        assert max_rel_error(bn.running_var, var) <= 1e-5
+    assert max_rel_error(mean, values.mean(1), var.sqrt()) > 1e-2  # the prior moved them
+
+
 @pytest.fixture
 def float64_truth() -> Callable[..., dict[str, Truth]]:
     """``float64_truth(model, batches, forward=None, mode="norm", select=None, seed=None)``."""

@@ -19,6 +19,7 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, DiskSaver
 
+from conftest import assert_adapted
 from precisebn.errors import InvalidArgumentError, MissingDependencyError, PreciseBNWarning
 from precisebn.integrations.ignite import PreciseBN
 
@@ -193,3 +194,23 @@ def test_missing_ignite_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setitem(sys.modules, "ignite", None)
     with pytest.raises(MissingDependencyError, match=r"pip install 'precisebn\[ignite\]'"):
         importlib.import_module("precisebn.integrations.ignite")
+
+
+@pytest.mark.parametrize("adapt", ["both", "mean"])
+def test_prior_and_adapt_reach_each_computation(adapt: str) -> None:
+    """prior=N pools the statistics the layer holds when the handler runs, as N samples, with the
+    data's (a first BatchNorm with momentum 0: its statistics are the prior set here, and its inputs
+    are the data whatever the weights); adapt="mean" leaves the variance bitwise as it was."""
+    x, y = make_data()
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4, momentum=0.0), torch.nn.Linear(4, 1))
+    bn = model[0]
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.tensor([-2.0, 4.0, 1.0, 0.0]))
+        bn.running_var.copy_(torch.tensor([0.5, 9.0, 2.0, 0.1]))
+    before = (bn.running_mean.clone(), bn.running_var.clone())
+    trainer, _, _, _ = engines(model)
+    precise = PreciseBN(model, num_samples="all", prior=24, adapt=adapt)
+    precise.attach(trainer, Events.COMPLETED)
+    trainer.run(loader(x, y), max_epochs=1)
+    assert precise.computations == 1
+    assert_adapted(bn, before, 24, x.double().t(), adapt)  # one value per sample and channel

@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveragi
 from lightning.pytorch.loggers import CSVLogger
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
+from conftest import assert_adapted
 from precisebn.errors import InvalidArgumentError, MissingDependencyError, PreciseBNWarning
 from precisebn.integrations.lightning import PreciseBN, PreciseWeightAveraging
 
@@ -583,3 +584,41 @@ def test_a_model_without_normalization_layers_trains_with_one_warning(tmp_path: 
         assert torch.equal(p, q)
     files = sorted(p.name for p in (tmp_path / "ours").glob("*.ckpt"))
     assert files == sorted(p.name for p in (tmp_path / "reference").glob("*.ckpt")) and len(files) == 2
+
+
+class NormFirst(L.LightningModule):
+    """A BatchNorm1d with momentum 0 on the inputs: its statistics stay the prior set by the test while
+    training, and its inputs are the data whatever the weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(4, momentum=0.0)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x)).squeeze(1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.02)
+
+
+@pytest.mark.parametrize("adapt", ["both", "var"])
+def test_prior_and_adapt_reach_each_computation(tmp_path: Path, adapt: str) -> None:
+    x, y = make_data()
+    model = NormFirst()
+    with torch.no_grad():
+        model.norm.running_mean.copy_(torch.tensor([-2.0, 4.0, 1.0, 0.0]))
+        model.norm.running_var.copy_(torch.tensor([0.5, 9.0, 2.0, 0.1]))
+    before = (model.norm.running_mean.clone(), model.norm.running_var.clone())
+    precise = PreciseBN(num_samples="all", prior=24, adapt=adapt)
+    trainer = make_trainer(tmp_path, max_epochs=1, callbacks=[precise], num_sanity_val_steps=0)
+    trainer.fit(model, loader(x, y), loader(x[:16], y[:16]))
+    assert precise.computations == 1  # before the validation
+    assert_adapted(model.norm, before, 24, x.double().t(), adapt)  # one value per sample and channel

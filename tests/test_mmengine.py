@@ -23,6 +23,7 @@ from mmengine.model import BaseModel
 from mmengine.registry import HOOKS, Registry
 from mmengine.runner import Runner
 
+from conftest import assert_adapted
 from precisebn.errors import InvalidArgumentError, MissingDependencyError, PreciseBNWarning
 from precisebn.integrations.mmengine import ExactPreciseBNHook, register_mmpretrain_name
 
@@ -296,3 +297,31 @@ def test_missing_mmengine_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setitem(sys.modules, "mmengine", None)
     with pytest.raises(MissingDependencyError, match=r"pip install 'precisebn\[mmengine\]'"):
         importlib.import_module("precisebn.integrations.mmengine")
+
+
+class NormFirst(BaseModel):
+    """A BatchNorm1d with momentum 0 on the inputs: its statistics stay the prior set by the test while
+    training, and its inputs are the data whatever the weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(4, momentum=0.0)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, inputs: torch.Tensor, data_samples: Any = None, mode: str = "tensor") -> Any:
+        out = self.head(self.norm(inputs)).squeeze(1)
+        return {"loss": torch.nn.functional.mse_loss(out, data_samples)} if mode == "loss" else out
+
+
+@pytest.mark.parametrize("adapt", ["both", "mean"])
+def test_prior_and_adapt_reach_each_computation(tmp_path: Path, adapt: str) -> None:
+    x, y = make_data()
+    model = NormFirst()
+    with torch.no_grad():
+        model.norm.running_mean.copy_(torch.tensor([-2.0, 4.0, 1.0, 0.0]))
+        model.norm.running_var.copy_(torch.tensor([0.5, 9.0, 2.0, 0.1]))
+    before = (model.norm.running_mean.clone(), model.norm.running_var.clone())
+    hook = ExactPreciseBNHook(num_samples="all", interval=1, prior=24, adapt=adapt, before_save=False)
+    run(tmp_path, model, loader(x, y), hooks=[hook], train_cfg={"by_epoch": True, "max_epochs": 1})
+    assert hook.computations == 1  # at the end of the epoch
+    assert_adapted(model.norm, before, 24, x.double().t(), adapt)  # one value per sample and channel

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import ResNetConfig, ResNetForImageClassification, Trainer, TrainerCallback, TrainingArguments
 
+from conftest import assert_adapted
 from precisebn.errors import MissingDependencyError, PreciseBNWarning
 from precisebn.integrations.transformers import PreciseBNCallback
 
@@ -260,3 +261,39 @@ def test_missing_transformers_says_how_to_install(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(MissingDependencyError, match=r"pip install 'precisebn\[transformers\]'"):
         importlib.import_module("precisebn.integrations.transformers")
+
+
+class NormFirst(torch.nn.Module):
+    """A BatchNorm2d with momentum 0 on the pixels: its statistics stay the prior set by the test
+    while training, and its inputs are the data whatever the weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm2d(3, momentum=0.0)
+        self.head = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 3))
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(self.norm(pixel_values))
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+@pytest.mark.parametrize("adapt", ["both", "var"])
+def test_prior_and_adapt_reach_each_computation(tmp_path: Path, adapt: str) -> None:
+    data = make_dataset()
+    model = NormFirst()
+    with torch.no_grad():
+        model.norm.running_mean.copy_(torch.tensor([3.0, -1.0, 0.0]))
+        model.norm.running_var.copy_(torch.tensor([0.25, 16.0, 1.0]))
+    before = (model.norm.running_mean.clone(), model.norm.running_var.clone())
+    precise = PreciseBNCallback(num_samples="all", prior=4, adapt=adapt, on_evaluate=False, on_save=False)
+    train(
+        Trainer,
+        model,
+        arguments(tmp_path, num_train_epochs=1),
+        train_dataset=data,
+        data_collator=collate,
+        callbacks=[precise],
+    )
+    assert precise.computations == 1  # at the end of training
+    pixels = torch.stack([r["pixel_values"] for r in data]).double().transpose(0, 1).reshape(3, -1)
+    assert_adapted(model.norm, before, 4 * 16 * 16, pixels, adapt)  # 16 x 16 values per sample and channel

@@ -80,9 +80,11 @@ class PreciseBN(TriggerState):
         data: The batches to measure on: a re-iterable (DataLoader, list) or a
             zero-argument callable returning one. Default: the data the step engine
             runs on (``engine.state.dataloader``), which must then be re-iterable.
-        num_samples, num_batches, forward, mode, layers, device, capture, progress: As
-            for :func:`precisebn.recalibrate` (``forward(model, batch)`` for batches
-            the model cannot take as they are, e.g. ``lambda m, b: m(prepare(b)[0])``).
+        num_samples, num_batches, forward, mode, layers, device, capture, tolerance, prior,
+            adapt, progress: As for :func:`precisebn.recalibrate` (``forward(model,
+            batch)`` for batches the model cannot take as they are, e.g. ``lambda m, b:
+            m(prepare(b)[0])``; ``prior=N``: each computation pools the statistics the
+            layers hold at that moment, counted as ``N`` samples, with the measured ones).
         log: Log each computation through the engine's logger.
 
     Attributes:
@@ -104,6 +106,8 @@ class PreciseBN(TriggerState):
         device: torch.device | str | None = None,
         capture: Literal["auto", "float64"] = "auto",
         tolerance: float | None = None,
+        prior: float | None = None,
+        adapt: Literal["both", "mean", "var"] = "both",
         progress: bool = False,
         log: bool = True,
     ) -> None:
@@ -116,6 +120,8 @@ class PreciseBN(TriggerState):
             layers=layers,
             capture=capture,
             tolerance=tolerance,
+            prior=prior,
+            adapt=adapt,
             progress=progress,
             data=data,
         )

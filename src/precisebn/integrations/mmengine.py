@@ -118,6 +118,9 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
             ``model(**data, mode="tensor")``.
         mode: ``"norm"`` (only normalization layers in training mode) or ``"train"``.
         layers: Which layers (names, types or a predicate); default all.
+        capture, tolerance, prior, adapt: As for :func:`precisebn.recalibrate`
+            (``prior=N``: each computation pools the statistics the layers hold at that
+            moment, counted as ``N`` samples, with the measured ones).
         before_val, before_save: Compute before validations / checkpoints.
         progress: A progress bar on rank 0 (``precisebn[progress]``).
         log: Log each computation's figures.
@@ -139,6 +142,8 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
         layers: LayerSelection = None,
         capture: Literal["auto", "float64"] = "auto",
         tolerance: float | None = None,
+        prior: float | None = None,
+        adapt: Literal["both", "mean", "var"] = "both",
         before_val: bool = True,
         before_save: bool = True,
         progress: bool = False,
@@ -155,6 +160,8 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
             layers=layers,
             capture=capture,
             tolerance=tolerance,
+            prior=prior,
+            adapt=adapt,
             progress=progress,
             data=data,
         )

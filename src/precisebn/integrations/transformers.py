@@ -88,6 +88,9 @@ class PreciseBNCallback(TriggerState, _callback.TrainerCallback):  # type: ignor
         mode: ``"norm"`` (only normalization layers in training mode, dropout off) or
             ``"train"``.
         layers: Which layers (names, types or a predicate); default all.
+        capture, tolerance, prior, adapt: As for :func:`precisebn.recalibrate`
+            (``prior=N``: each computation pools the statistics the layers hold at that
+            moment, counted as ``N`` samples, with the measured ones).
         on_evaluate, on_save, on_train_end: Recompute before evaluations / before
             checkpoints / at the end of training (all on by default).
         progress: A progress bar on the main process (``precisebn[progress]``).
@@ -110,6 +113,8 @@ class PreciseBNCallback(TriggerState, _callback.TrainerCallback):  # type: ignor
         layers: LayerSelection = None,
         capture: Literal["auto", "float64"] = "auto",
         tolerance: float | None = None,
+        prior: float | None = None,
+        adapt: Literal["both", "mean", "var"] = "both",
         on_evaluate: bool = True,
         on_save: bool = True,
         on_train_end: bool = True,
@@ -125,6 +130,8 @@ class PreciseBNCallback(TriggerState, _callback.TrainerCallback):  # type: ignor
             layers=layers,
             capture=capture,
             tolerance=tolerance,
+            prior=prior,
+            adapt=adapt,
             progress=progress,
             data=data,
         )
