@@ -127,16 +127,22 @@ class Watch:
         rest of the layer's forward): what it holds now is no longer what the layer normalised."""
         return any(v is not None and version_of(t) != v for t, v in zip(self.seen, self._versions))
 
-    def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], running_mean: Any) -> None:
-        """Records the ``input`` of ``func(*args, **kwargs)`` if it is a normalization call given
-        ``running_mean`` (the watched buffer, or its alias)."""
-        if func in _NORMS or func in _GATHERS:
-            at = 1 if func in _NORMS else 3  # running_mean's position
-            given = args[at] if len(args) > at else kwargs.get("running_mean")
-            x = args[0] if args else kwargs.get("input")
-            if given is running_mean and isinstance(x, Tensor):  # else torch says what is wrong
-                self.seen.append(x)
-                self._versions.append(version_of(x))
+    def record(self, x: Any) -> None:
+        """Records ``x``, normalised with the watched buffer (unless it is not a tensor: torch then
+        says what is wrong)."""
+        if isinstance(x, Tensor):
+            self.seen.append(x)
+            self._versions.append(version_of(x))
+
+
+def _norm_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+    """``(input, running_mean)`` of a normalization call (or of torch's gathering of batch figures
+    across processes), else ``None``."""
+    if func in _NORMS or func in _GATHERS:
+        at = 1 if func in _NORMS else 3  # running_mean's position
+        x = args[0] if args else kwargs.get("input")
+        return x, args[at] if len(args) > at else kwargs.get("running_mean")
+    return None
 
 
 _no_subclass = torch._C.DisableTorchFunctionSubclass
@@ -150,18 +156,15 @@ class _Tap(Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in _NORMS or func in _GATHERS:
-            at = 1 if func in _NORMS else 3
-            given = args[at] if len(args) > at else kwargs.get("running_mean")
-            watch = getattr(given, "_watch", None) if type(given) is cls else None
-            if watch is not None:
-                watch.record(func, args, kwargs, given)
+        call = _norm_call(func, args, kwargs)
+        if call is not None and type(call[1]) is cls and getattr(call[1], "_watch", None) is not None:
+            call[1]._watch.record(call[0])
         with _no_subclass():
             return func(*args, **kwargs)
 
 
 class _WatchMode(TorchFunctionMode):
-    """:class:`Watch` through a mode, for a ``running_mean`` of another tensor subclass."""
+    """:class:`Watch` through a mode (see there for when)."""
 
     def __init__(self, watch: Watch) -> None:
         super().__init__()
@@ -169,8 +172,9 @@ class _WatchMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.watch.running_mean is not None:
-            self.watch.record(func, args, kwargs, self.watch.running_mean)
+        call = _norm_call(func, args, kwargs)
+        if call is not None and call[1] is not None and call[1] is self.watch.running_mean:
+            self.watch.record(call[0])
         return func(*args, **kwargs)
 
 
