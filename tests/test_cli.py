@@ -829,3 +829,44 @@ def test_num_samples_auto_with_a_tolerance(tiny, work, capsys):
     assert all(layer["se_var_median"] is not None for layer in saved["layers"])
     assert main(_tiny_args(tiny, work["ckpt"], "o2.pt", "--tolerance", "0.02")) == 2  # without auto: usage
     assert "--tolerance goes with --num-samples auto" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("prior", "adapt"), [(8.0, "both"), (8.0, "var"), (None, "mean")])
+def test_apply_with_a_prior_and_adapt_pools_with_the_checkpoint(tiny, work, capsys, prior, adapt):
+    """`apply --prior N --adapt A` writes what recalibrate(prior=N, adapt=A) writes into the model loaded
+    from that checkpoint (whose prior pooling test_adapt checks against float64 truths), bitwise; the
+    buffer adapt leaves out stays as the checkpoint had it, and the other tensors are untouched."""
+    import cli_tiny
+
+    model = cli_tiny.Tiny()
+    original = torch.load(work["ckpt"], weights_only=True)
+    model.load_state_dict(original)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(4, 3, 16, 16, generator=g) * 2 + 1 for _ in range(3)]
+    precisebn.estimate(model, batches).save(work["dir"] / "s.safetensors")
+    extra = (["--prior", str(prior)] if prior else []) + ["--adapt", adapt]
+    assert main(["apply", str(work["ckpt"]), "s.safetensors", "--out", "adapted.pt", *extra]) == 0
+    assert "adapted: " in capsys.readouterr().out
+    precisebn.recalibrate(model, batches, prior=prior, adapt=adapt)
+    written = torch.load("adapted.pt", weights_only=True)
+    for key, value in model.state_dict().items():
+        assert torch.equal(written[key], value), key
+    changed = {k for k in original if not torch.equal(original[k], written[k])}
+    kinds = {"both": ("running_mean", "running_var"), "mean": ("running_mean",), "var": ("running_var",)}[adapt]
+    assert changed and {k.rpartition(".")[2] for k in changed} == set(kinds)
+
+
+def test_apply_refuses_a_prior_that_is_not_finite(tiny, work, capsys):
+    import cli_tiny
+
+    sd = torch.load(work["ckpt"], weights_only=True)
+    model = cli_tiny.Tiny()
+    model.load_state_dict(sd)
+    precisebn.estimate(model, [torch.randn(4, 3, 16, 16)]).save(work["dir"] / "s.safetensors")
+    name = next(k for k in sd if k.endswith("running_var"))
+    sd[name][0] = float("nan")
+    torch.save(sd, work["dir"] / "nan.pt")
+    assert main(["apply", "nan.pt", "s.safetensors", "--out", "x.pt", "--prior", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot be pooled" in err and name.rpartition(".")[0] in err and not Path("x.pt").exists()
+    assert main(["apply", "nan.pt", "s.safetensors", "--out", "x.pt"]) == 0  # no prior: nothing to pool with

@@ -274,19 +274,26 @@ def buffer_names(model: nn.Module, modules: list[str], buffers: tuple[str, ...],
     return out
 
 
-def stats_replacement(ckpt: Checkpoint, stats: Mapping[str, Any]) -> tuple[dict[str, Tensor], str]:
+def stats_replacement(
+    ckpt: Checkpoint, stats: Mapping[str, Any], *, prior: float | None = None, adapt: str = "both"
+) -> tuple[dict[str, Tensor], str]:
     """The checkpoint tensors that a statistics file replaces, checked by name and shape.
 
     Args:
         ckpt: The checkpoint.
         stats: A :class:`~precisebn.PopulationStats`.
+        prior, adapt: As for :func:`precisebn.apply`, with the checkpoint's statistics as
+            the prior (checked: :func:`~precisebn.adapt.check_adapt`).
 
     Returns:
         ``{checkpoint name: tensor}`` for every reached layer's ``running_mean`` and
-        ``running_var``, and the prefix found on the checkpoint's names (``module.``...).
+        ``running_var`` (only the one ``adapt`` names), and the prefix found on the
+        checkpoint's names (``module.``...).
 
     Raises:
         CheckpointMismatchError: A layer is missing from the checkpoint, or its channels differ.
+        StatsMismatchError: With ``prior``, a layer's statistics in the checkpoint are
+            NaN/Inf or negative (or the file records no samples).
     """
     wanted = stats.state_dict()  # type: ignore[attr-defined]
     if not wanted:
@@ -308,7 +315,43 @@ def stats_replacement(ckpt: Checkpoint, stats: Mapping[str, Any]) -> tuple[dict[
             f"the statistics do not fit checkpoint {str(ckpt.path)!r}: {', '.join(parts)}. Apply statistics "
             "measured on the model this checkpoint belongs to."
         )
-    return {prefix + k: v for k, v in wanted.items()}, prefix
+    replace = {prefix + k: v for k, v in wanted.items()}
+    if prior:
+        replace = _pooled_with_checkpoint(ckpt, stats, replace, prefix, prior)
+    if adapt != "both":
+        kept = "running_mean" if adapt == "mean" else "running_var"
+        replace = {k: v for k, v in replace.items() if k.rpartition(".")[2] == kept}
+    return replace, prefix
+
+
+def _pooled_with_checkpoint(
+    ckpt: Checkpoint, stats: Mapping[str, Any], replace: dict[str, Tensor], prefix: str, prior: float
+) -> dict[str, Tensor]:
+    """``replace`` with each layer's statistics pooled with the checkpoint's own as ``prior`` samples."""
+    from types import SimpleNamespace
+
+    from .adapt import with_prior
+
+    def key(name: str, buffer: str) -> str:
+        return f"{prefix}{name}.{buffer}" if name else f"{prefix}{buffer}"
+
+    sd = ckpt.state_dict
+    entries = [
+        (name, SimpleNamespace(running_mean=sd[key(name, "running_mean")], running_var=sd[key(name, "running_var")]), s)
+        for name, s in stats.items()
+        if s.reached
+    ]
+    pooled, problems = with_prior(entries, prior, stats.samples)  # type: ignore[attr-defined]
+    if problems:
+        more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise StatsMismatchError(
+            f"the statistics cannot be pooled with checkpoint {str(ckpt.path)!r}'s: {'; '.join(problems[:5])}{more}. "
+            "Nothing was written."
+        )
+    out = dict(replace)
+    for name, _, s in pooled:
+        out[key(name, "running_mean")], out[key(name, "running_var")] = s.mean, s.var
+    return out
 
 
 def load_into(model: nn.Module, ckpt: Checkpoint) -> str:

@@ -289,6 +289,18 @@ def build_parser() -> argparse.ArgumentParser:
     where = app.add_mutually_exclusive_group(required=True)
     where.add_argument("--out", type=Path, metavar="PATH", help="output checkpoint (same format as the input)")
     where.add_argument("--in-place", action="store_true", help="replace the input checkpoint (atomically)")
+    app.add_argument(
+        "--prior",
+        type=_non_negative_float,
+        metavar="N",
+        help="count the checkpoint's current statistics as N samples, pooled exactly with the file's (default: none)",
+    )
+    app.add_argument(
+        "--adapt",
+        choices=("both", "mean", "var"),
+        default="both",
+        help="which statistics to write: both (default), the mean only or the variance only",
+    )
     app.add_argument("--trust-checkpoint", action="store_true", help="allow full unpickling (trusted files only)")
     app.set_defaults(func=_cmd_apply, check=_check_apply, parser=app)
 
@@ -659,9 +671,7 @@ def _cmd_recalibrate(args: argparse.Namespace) -> int:
     print(report)
     extra: dict[str, Any] = {}
     if args.prior or args.adapt != "both":
-        what = {"both": "mean and variance", "mean": "the mean only", "var": "the variance only"}[args.adapt]
-        prior = f"pooled with the checkpoint's statistics counted as {args.prior:g} samples" if args.prior else ""
-        _say(f"adapted: {what}{', ' if prior else ''}{prior}")
+        _say_adapted(args)
         extra["adaptation"] = {"prior_samples": args.prior or 0, "adapt": args.adapt}
     if preprocessing is not None:
         _say(f"preprocessing: {preprocessing.describe()}")
@@ -681,6 +691,12 @@ def _cmd_recalibrate(args: argparse.Namespace) -> int:
     replace = {ckpt_name: state[name].detach().cpu() for ckpt_name, name in names.items()}
     _write_outputs(args, ckpt, replace, report=report, extra=extra)
     return EXIT_OK
+
+
+def _say_adapted(args: argparse.Namespace) -> None:
+    what = {"both": "mean and variance", "mean": "the mean only", "var": "the variance only"}[args.adapt]
+    prior = f"pooled with the checkpoint's statistics counted as {args.prior:g} samples" if args.prior else ""
+    _say(f"adapted: {what}{', ' if prior else ''}{prior}")
 
 
 def _write_outputs(
@@ -716,12 +732,14 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     if not args.stats.is_file():
         raise InvalidArgumentError(f"statistics file {str(args.stats)!r} does not exist; check the path.")
     stats = PopulationStats.load(args.stats)
-    replace, prefix = stats_replacement(ckpt, stats)
+    replace, prefix = stats_replacement(ckpt, stats, prior=args.prior, adapt=args.adapt)
     unreached = [name for name, s in stats.items() if not s.reached]
-    layers = len(replace) // 2
+    layers = sum(s.reached for s in stats.values())
     note = f"; {_plural(len(unreached), 'layer')} never reached, left as they are" if unreached else ""
     _say(f"applying {_plural(layers, 'layer')} of {args.stats} ({stats.samples} samples){note}"
          + (f" (checkpoint prefix {prefix!r})" if prefix else ""))  # fmt: skip
+    if args.prior or args.adapt != "both":
+        _say_adapted(args)
     _write_outputs(args, ckpt, replace)
     return EXIT_OK
 
