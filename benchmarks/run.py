@@ -562,7 +562,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--fixed-reps",
         type=int,
-        default=3,
+        default=5,
         help="repetitions of the one-batch runs that measure the fixed cost per call",
     )
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory measurement")
