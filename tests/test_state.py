@@ -15,6 +15,7 @@ from torch import nn
 
 import precisebn
 from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
+from precisebn.compat import update_bn_stats
 from precisebn.errors import (
     ConcurrentUseError,
     InvalidArgumentError,
@@ -456,3 +457,58 @@ def test_user_mistakes_are_clear_errors(options: dict, message: str) -> None:
 def test_numpy_integers_are_accepted() -> None:
     stats = precisebn.estimate(mlp(), data(4, 8), num_samples=np.int64(16), num_batches=np.int32(5))
     assert stats.samples == 16 and stats.batches == 2
+
+
+# -- torch.inference_mode -------------------------------------------------------------------
+
+
+def conv_model() -> nn.Sequential:
+    from timm.layers import BatchNormAct2d
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 5, 1), BatchNormAct2d(5))
+
+
+def images(n: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randn(4, 3, 6, 6, generator=g) * 2 + 1 for _ in range(n)]
+
+
+def assert_exact(model: nn.Module, truth: dict) -> None:
+    for name in ("1", "3"):
+        t = truth[name]
+        assert max_rel_error(model.get_submodule(name).running_mean, t.mean, t.var.sqrt()) <= 1e-6
+        assert max_rel_error(model.get_submodule(name).running_var, t.var) <= 1e-5
+
+
+@pytest.mark.parametrize("built_inside", [False, True])
+def test_recalibrate_inside_inference_mode_is_exact(built_inside: bool) -> None:
+    """Called inside torch.inference_mode() (the passes' own tensors would then keep no version
+    counter), with data made there; and on a model built there, whose buffers are inference tensors
+    that only that mode may write: exact against float64 truths (computed here, outside the mode),
+    in one call, through estimate + apply, and through fvcore's drop-in."""
+    if built_inside:
+        with torch.inference_mode():
+            model = conv_model()
+    else:
+        model = conv_model()
+    with torch.inference_mode():
+        batches = images()
+    truth = compute_truth(model, [b.clone() for b in batches])
+    twin, drop_in = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.inference_mode():
+        precisebn.recalibrate(model, batches)
+        precisebn.apply(twin, precisebn.estimate(twin, batches))
+        update_bn_stats(drop_in, batches, num_iters=len(batches))
+    for m in (model, twin, drop_in):
+        assert_exact(m, truth)
+    assert model[1].running_mean.is_inference() == built_inside  # the same buffer objects, written in place
+
+
+def test_a_failing_pass_inside_inference_mode_leaves_the_model_as_it_was() -> None:
+    with torch.inference_mode():
+        model = conv_model()
+    before = state_snapshot(model)
+    with torch.inference_mode(), pytest.raises(OSError, match="disk read error"):
+        precisebn.recalibrate(model, failing(images(4)))
+    assert_unchanged(model, before)

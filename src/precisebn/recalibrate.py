@@ -263,10 +263,14 @@ def _estimate(
     walk: list[tuple[str, nn.Module]] | None = None,
 ) -> PopulationStats:
     """:func:`estimate`, holding the model in ``guard`` (so that :func:`recalibrate` can
-    keep it until its statistics are written). Every check runs on every rank inside
-    the distributed failure protocol, so a mistake on one rank reaches all of them.
+    keep it until its statistics are written), and ``torch.inference_mode(False)`` with it:
+    called inside ``torch.inference_mode()``, the passes' own tensors would be inference
+    tensors, which keep no version counter (the passes run under ``torch.no_grad()`` anyway).
+    Every check runs on every rank inside the distributed failure protocol, so a mistake on
+    one rank reaches all of them.
     ``walk``, if given, receives the unwrapped model's ``named_modules()`` (for
     :func:`_apply`: the model is walked once per call)."""
+    guard.enter_context(torch.inference_mode(False))
     ctx = _dist.RankContext.resolve(distributed, process_group)
     try:
         check_options(
@@ -394,7 +398,7 @@ def apply(model: nn.Module, stats: PopulationStats, *, prior: float | None = Non
         raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     checked_prior = check_adapt(prior, adapt)
     model = unwrap(model)
-    with exclusive(model):
+    with exclusive(model), torch.inference_mode(False):
         return _apply(model, stats, checked_prior, adapt)
 
 

@@ -272,10 +272,14 @@ def restore_on_error(tensors: list[Tensor]) -> Iterator[None]:
 
 
 def copy_all(targets: list[Tensor], values: list[Tensor]) -> None:
-    """``target.copy_(value)`` for each pair, in one call where torch has one."""
-    foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None and targets:
-        foreach(targets, values)
-        return
-    for target, value in zip(targets, values):
-        target.copy_(value)
+    """``target.copy_(value)`` for each pair, in one call where torch has one (inside
+    ``torch.inference_mode()`` if a target is an inference tensor, e.g. of a model built in
+    that mode: such a tensor can be written only there)."""
+    inference = any(t.is_inference() for t in targets)
+    with torch.inference_mode() if inference else contextlib.nullcontext():
+        foreach = getattr(torch, "_foreach_copy_", None)
+        if foreach is not None and targets:
+            foreach(targets, values)
+            return
+        for target, value in zip(targets, values):
+            target.copy_(value)
