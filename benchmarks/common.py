@@ -262,11 +262,11 @@ def _forward_all(model: nn.Module, batches: Sequence[Tensor]) -> None:
             model(b)
 
 
-def _precisebn(mode: str) -> Callable[[nn.Module, Sequence[Tensor]], None]:
+def _precisebn(mode: str, capture: str = "auto") -> Callable[[nn.Module, Sequence[Tensor]], None]:
     def run(model: nn.Module, batches: Sequence[Tensor]) -> None:
         import precisebn
 
-        precisebn.recalibrate(model, batches, num_batches=len(batches), mode=mode)  # type: ignore[arg-type]
+        precisebn.recalibrate(model, batches, num_batches=len(batches), mode=mode, capture=capture)  # type: ignore[arg-type]
 
     return run
 
@@ -313,11 +313,20 @@ TOOLS: dict[str, Tool] = {
     "precisebn train": Tool(
         "precisebn train", _precisebn("train"), norm_mode, "precisebn.recalibrate(mode='train', num_batches=all)"
     ),
+    "precisebn float64": Tool(
+        "precisebn float64",
+        _precisebn("norm", "float64"),
+        norm_mode,
+        "precisebn.recalibrate(capture='float64', num_batches=all): every layer reduced in float64",
+    ),
     "fvcore": Tool("fvcore", _fvcore, _train_mode, "fvcore.nn.update_bn_stats(num_iters=all), model in train mode"),
     "torch update_bn": Tool(
         "torch update_bn", _torch_update_bn, norm_mode, "torch.optim.swa_utils.update_bn (whole loader)"
     ),
 }
+
+DEFAULT_TOOLS = tuple(t for t in TOOLS if t != "precisebn float64")
+"""What ``benchmarks.run`` times unless ``--tools`` says otherwise (the float64 option on request)."""
 
 
 def tool_available(name: str) -> str | None:

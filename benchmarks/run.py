@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from . import common
-from .common import FLOOR, TOOLS, Case, ModelState
+from .common import DEFAULT_TOOLS, FLOOR, TOOLS, Case, ModelState
 
 DEFAULT_ROUNDS = {"cpu": 5, "cuda": 7}
 
@@ -547,7 +547,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--models", default=",".join(common.MODELS), help=f"comma-separated subset of {', '.join(common.MODELS)}"
     )
-    p.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {', '.join(TOOLS)}")
+    p.add_argument(
+        "--tools",
+        default=",".join(DEFAULT_TOOLS),
+        help=f"comma-separated, of {', '.join(TOOLS)} (default: all but precisebn float64)",
+    )
     p.add_argument(
         "--rounds", type=int, default=None, help="timed rounds per case (default 5 on CPU, 7 on CUDA; 3 with --quick)"
     )
