@@ -62,7 +62,7 @@ from .errors import InvalidArgumentError, UnsupportedLayerError
 from .layers import RecalibrationState, ScratchGroup
 from .spotcheck import SpotChecks, checked_channels
 from .state import version_of
-from .stats import RunningMoments, chan_merge, fold_errors, fold_errors_from_sums
+from .stats import RunningMoments, fold_errors, fold_errors_from_sums
 from .watch import TOLERANCE, Watch, discrepancies, moments_of, normalises_its_input
 
 logger = logging.getLogger("precisebn")
@@ -118,6 +118,7 @@ class Collector:
         self._extras: list[tuple[int, int, int, Tensor, Tensor]] = []  # (layer, call index, n, mean, var)
         # per fold (FOLDS, C), by (layer, call index; 0 unless per_call): float64-path layers, stashed calls
         self._kept: dict[tuple[int, int], RunningMoments] = {}
+        self._kept_n: dict[tuple[int, int], list[int]] = {}  # their counts per fold, on the host
         self._batch = 0  # batches ended so far; the current one goes to fold _batch % FOLDS
         self._summed = [[0] * (n + 1) for _ in range(FOLDS)]  # per fold: values per channel in the sums
         self._trials: dict[int, _Trial] = {}  # layers being verified in this batch
@@ -317,11 +318,11 @@ class Collector:
             self.paths[i] = "float64"
             self.counts[i] += sum(values for _, m, values, _ in trial.calls if m is not None)
             if self.per_call:
-                for j, (_, call_moments, _, _) in enumerate(trial.calls):
+                for j, (_, call_moments, values, _) in enumerate(trial.calls):
                     if call_moments is not None:
-                        self._keep((i, j), call_moments)
+                        self._keep((i, j), call_moments, values)
             else:
-                self._keep((i, 0), moments)
+                self._keep((i, 0), moments, sum(values for _, m, values, _ in trial.calls if m is not None))
             logger.info(
                 "precisebn: layer %r measured in float64 (its own figures are %s)",
                 self.layers[i].name,
@@ -353,17 +354,33 @@ class Collector:
             count = _to_device(torch.tensor([n for n, _, _ in items], dtype=torch.float64), acc)[:, None]
             means = torch.stack([m for _, m, _ in items]).to(acc, torch.float64)
             m2 = torch.stack([v for _, _, v in items]).to(acc, torch.float64) * (count - 1)
-            self._keep(key, RunningMoments.from_batches(count.expand_as(means), means, m2))
+            self._keep(key, RunningMoments.from_batches(count.expand_as(means), means, m2), sum(n for n, _, _ in items))
 
-    def _keep(self, key: tuple[int, int], moments: RunningMoments) -> None:
-        """Merges float64 moments into the current batch's fold of ``key`` (layer, call index)."""
+    def _keep(self, key: tuple[int, int], moments: RunningMoments, n: int) -> None:
+        """Merges float64 moments of ``n`` values per channel (every channel's count, known on the
+        host) into the current batch's fold of ``key`` (layer, call index): Chan's merge with the
+        counts as host numbers, in place — four kernels, where the general
+        :func:`~precisebn.stats.chan_merge` (per-channel counts, either side possibly empty)
+        takes about twenty, for every call of a layer on the float64 path."""
+        if n <= 0:
+            return
         kept = self._kept.get(key)
         if kept is None:
             kept = self._kept[key] = RunningMoments.zeros((FOLDS, moments.mean.shape[0]), moments.mean.device)
+            self._kept_n[key] = [0] * FOLDS
         fold = self._batch % FOLDS
-        kept.count[fold], kept.mean[fold], kept.m2[fold] = chan_merge(
-            kept.count[fold], kept.mean[fold], kept.m2[fold], moments.count, moments.mean, moments.m2
-        )
+        had = self._kept_n[key][fold]
+        total = self._kept_n[key][fold] = had + n
+        kept.count[fold] = float(total)
+        mean, m2 = kept.mean[fold], kept.m2[fold]
+        if not had:
+            mean.copy_(moments.mean)
+            m2.copy_(moments.m2)
+            return
+        weight = n / total
+        delta = moments.mean - mean
+        mean.add_(delta, alpha=weight)
+        m2.add_(moments.m2).addcmul_(delta, delta, value=had * weight)
 
     # -- results -----------------------------------------------------------------------
 
@@ -560,7 +577,7 @@ class _LayerCall:
             c.counts[i] += n
             if c.per_call:
                 c._count_call(i, j, n)
-            c._keep((i, j if c.per_call else 0), moments_of(seen))  # type: ignore[arg-type]
+            c._keep((i, j if c.per_call else 0), moments_of(seen), n)  # type: ignore[arg-type]
         return out
 
 
