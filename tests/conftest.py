@@ -95,11 +95,26 @@ def pooled_with_prior(
     """The mean and population variance per channel of ``values`` (a float64 ``(channels, n)``
     matrix) pooled with ``prior_values`` pseudo-values per channel whose mean and population
     variance are ``prior_mean`` and ``prior_var`` (the union's moments, written out in float64)."""
-    n, p = values.shape[1], float(prior_values)
     mean, var = values.mean(1), values.var(1, unbiased=False)
+    return pooled_moments(prior_mean, prior_var, prior_values, mean, var, values.shape[1])
+
+
+def pooled_moments(
+    prior_mean: Tensor, prior_var: Tensor, prior_values: float, mean: Tensor, var: Tensor, n: int
+) -> tuple[Tensor, Tensor]:
+    """:func:`pooled_with_prior` of ``n`` values per channel of float64 ``mean`` and population ``var``."""
+    p = float(prior_values)
     mu0, v0 = prior_mean.detach().double(), prior_var.detach().double()
     total = p + n
     return (p * mu0 + n * mean) / total, (p * v0 + n * var + p * n / total * (mean - mu0) ** 2) / total
+
+
+def set_statistics(bn: nn.Module, mean: list[float], var: list[float]) -> tuple[Tensor, Tensor]:
+    """Gives ``bn`` these running statistics (the prior in the tests of ``prior=``); returns copies."""
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.tensor(mean))
+        bn.running_var.copy_(torch.tensor(var))
+    return bn.running_mean.clone(), bn.running_var.clone()
 
 
 def assert_adapted(

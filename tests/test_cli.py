@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import precisebn
+from conftest import compute_truth, max_rel_error, pooled_moments
 from precisebn.cli import main
 from precisebn.specs import IMAGENET_MEAN, IMAGENET_STD
 
@@ -833,9 +834,9 @@ def test_num_samples_auto_with_a_tolerance(tiny, work, capsys):
 
 @pytest.mark.parametrize(("prior", "adapt"), [(8.0, "both"), (8.0, "var"), (None, "mean")])
 def test_apply_with_a_prior_and_adapt_pools_with_the_checkpoint(tiny, work, capsys, prior, adapt):
-    """`apply --prior N --adapt A` writes what recalibrate(prior=N, adapt=A) writes into the model loaded
-    from that checkpoint (whose prior pooling test_adapt checks against float64 truths), bitwise; the
-    buffer adapt leaves out stays as the checkpoint had it, and the other tensors are untouched."""
+    """`apply --prior N --adapt A` writes the data's statistics (float64, from the layers' inputs) pooled with
+    the checkpoint's as N samples, and bitwise what recalibrate(prior=N, adapt=A) writes into the model loaded
+    from that checkpoint; the buffer adapt leaves out stays as the checkpoint had it, the other tensors too."""
     import cli_tiny
 
     model = cli_tiny.Tiny()
@@ -847,8 +848,17 @@ def test_apply_with_a_prior_and_adapt_pools_with_the_checkpoint(tiny, work, caps
     extra = (["--prior", str(prior)] if prior else []) + ["--adapt", adapt]
     assert main(["apply", str(work["ckpt"]), "s.safetensors", "--out", "adapted.pt", *extra]) == 0
     assert "adapted: " in capsys.readouterr().out
-    precisebn.recalibrate(model, batches, prior=prior, adapt=adapt)
     written = torch.load("adapted.pt", weights_only=True)
+    for name, t in compute_truth(model, batches).items():  # float64, from the layers' inputs, here
+        before = (original[f"{name}.running_mean"], original[f"{name}.running_var"])
+        mean, var = t.mean, t.var
+        if prior:  # the prior in values per channel: N samples at the layer's values per sample
+            mean, var = pooled_moments(*before, prior * t.count / sum(b.shape[0] for b in batches), mean, var, t.count)
+        if adapt != "var":
+            assert max_rel_error(written[f"{name}.running_mean"], mean, var.sqrt()) <= 1e-6
+        if adapt != "mean":
+            assert max_rel_error(written[f"{name}.running_var"], var) <= 1e-5
+    precisebn.recalibrate(model, batches, prior=prior, adapt=adapt)
     for key, value in model.state_dict().items():
         assert torch.equal(written[key], value), key
     changed = {k for k in original if not torch.equal(original[k], written[k])}

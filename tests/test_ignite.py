@@ -19,7 +19,7 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, DiskSaver
 
-from conftest import assert_adapted
+from conftest import assert_adapted, set_statistics
 from precisebn.errors import InvalidArgumentError, MissingDependencyError, PreciseBNWarning
 from precisebn.integrations.ignite import PreciseBN
 
@@ -204,10 +204,7 @@ def test_prior_and_adapt_reach_each_computation(adapt: str) -> None:
     x, y = make_data()
     model = torch.nn.Sequential(torch.nn.BatchNorm1d(4, momentum=0.0), torch.nn.Linear(4, 1))
     bn = model[0]
-    with torch.no_grad():
-        bn.running_mean.copy_(torch.tensor([-2.0, 4.0, 1.0, 0.0]))
-        bn.running_var.copy_(torch.tensor([0.5, 9.0, 2.0, 0.1]))
-    before = (bn.running_mean.clone(), bn.running_var.clone())
+    before = set_statistics(bn, [-2.0, 4.0, 1.0, 0.0], [0.5, 9.0, 2.0, 0.1])
     trainer, _, _, _ = engines(model)
     precise = PreciseBN(model, num_samples="all", prior=24, adapt=adapt)
     precise.attach(trainer, Events.COMPLETED)

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveragi
 from lightning.pytorch.loggers import CSVLogger
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
-from conftest import assert_adapted
+from conftest import assert_adapted, set_statistics
 from precisebn.errors import InvalidArgumentError, MissingDependencyError, PreciseBNWarning
 from precisebn.integrations.lightning import PreciseBN, PreciseWeightAveraging
 
@@ -613,10 +613,7 @@ class NormFirst(L.LightningModule):
 def test_prior_and_adapt_reach_each_computation(tmp_path: Path, adapt: str) -> None:
     x, y = make_data()
     model = NormFirst()
-    with torch.no_grad():
-        model.norm.running_mean.copy_(torch.tensor([-2.0, 4.0, 1.0, 0.0]))
-        model.norm.running_var.copy_(torch.tensor([0.5, 9.0, 2.0, 0.1]))
-    before = (model.norm.running_mean.clone(), model.norm.running_var.clone())
+    before = set_statistics(model.norm, [-2.0, 4.0, 1.0, 0.0], [0.5, 9.0, 2.0, 0.1])
     precise = PreciseBN(num_samples="all", prior=24, adapt=adapt)
     trainer = make_trainer(tmp_path, max_epochs=1, callbacks=[precise], num_sanity_val_steps=0)
     trainer.fit(model, loader(x, y), loader(x[:16], y[:16]))

@@ -23,7 +23,7 @@ from mmengine.model import BaseModel
 from mmengine.registry import HOOKS, Registry
 from mmengine.runner import Runner
 
-from conftest import assert_adapted
+from conftest import assert_adapted, set_statistics
 from precisebn.errors import InvalidArgumentError, MissingDependencyError, PreciseBNWarning
 from precisebn.integrations.mmengine import ExactPreciseBNHook, register_mmpretrain_name
 
@@ -317,10 +317,7 @@ class NormFirst(BaseModel):
 def test_prior_and_adapt_reach_each_computation(tmp_path: Path, adapt: str) -> None:
     x, y = make_data()
     model = NormFirst()
-    with torch.no_grad():
-        model.norm.running_mean.copy_(torch.tensor([-2.0, 4.0, 1.0, 0.0]))
-        model.norm.running_var.copy_(torch.tensor([0.5, 9.0, 2.0, 0.1]))
-    before = (model.norm.running_mean.clone(), model.norm.running_var.clone())
+    before = set_statistics(model.norm, [-2.0, 4.0, 1.0, 0.0], [0.5, 9.0, 2.0, 0.1])
     hook = ExactPreciseBNHook(num_samples="all", interval=1, prior=24, adapt=adapt, before_save=False)
     run(tmp_path, model, loader(x, y), hooks=[hook], train_cfg={"by_epoch": True, "max_epochs": 1})
     assert hook.computations == 1  # at the end of the epoch

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from precisebn.stats import RunningMoments, chan_merge, fold_errors, fold_errors_from_sums
+from precisebn.stats import RunningMoments, chan_merge, fold_errors, fold_errors_from_sums, merge_counted
 
 
 def reference(x: torch.Tensor, channel_dim: int = 1) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -67,6 +67,34 @@ def test_merge_is_invariant_to_split_and_order(sizes: list[int], offset: float, 
     # a mean near 0 is not known to 1e-12 of itself)
     torch.testing.assert_close(pooled.mean, acc.mean, rtol=1e-12, atol=1e-12 * (abs(offset) + 1))
     torch.testing.assert_close(pooled.var, acc.var, rtol=1e-9, atol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 9), min_size=1, max_size=8),
+    offset=st.sampled_from([0.0, 1.0, 1e4, -1e6]),
+    seed=st.integers(0, 2**16),
+)
+def test_merge_counted_equals_the_moments_of_everything_merged(sizes: list[int], offset: float, seed: int) -> None:
+    """Merging pieces one by one with host counts (empty pieces included, the first ones too, into
+    moments that hold garbage while empty) gives the float64 moments of their concatenation."""
+    g = torch.Generator().manual_seed(seed)
+    pieces = [torch.randn(n, 3, generator=g, dtype=torch.float64) * 2 + offset for n in sizes]
+    whole = torch.cat(pieces)
+    mean, m2 = torch.full((3,), float("nan"), dtype=torch.float64), torch.full((3,), float("nan"), dtype=torch.float64)
+    count = 0
+    for p in pieces:
+        part = RunningMoments.from_data(p, 1)
+        merge_counted(mean, m2, count, part.mean, part.m2, p.shape[0])
+        count += p.shape[0]
+    if count == 0:
+        assert mean.isnan().all() and m2.isnan().all()  # nothing merged: left as it was
+        return
+    n, truth_mean, truth_var = reference(whole)
+    assert n == count
+    torch.testing.assert_close(mean, truth_mean, rtol=1e-12, atol=1e-12 * (abs(offset) + 2))  # σ = 2
+    if count > 1:
+        assert float(((m2 / count - truth_var).abs() / truth_var).max()) < 1e-9
 
 
 def test_large_offset_does_not_cancel() -> None:

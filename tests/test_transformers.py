@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import ResNetConfig, ResNetForImageClassification, Trainer, TrainerCallback, TrainingArguments
 
-from conftest import assert_adapted
+from conftest import assert_adapted, set_statistics
 from precisebn.errors import MissingDependencyError, PreciseBNWarning
 from precisebn.integrations.transformers import PreciseBNCallback
 
@@ -281,10 +281,7 @@ class NormFirst(torch.nn.Module):
 def test_prior_and_adapt_reach_each_computation(tmp_path: Path, adapt: str) -> None:
     data = make_dataset()
     model = NormFirst()
-    with torch.no_grad():
-        model.norm.running_mean.copy_(torch.tensor([3.0, -1.0, 0.0]))
-        model.norm.running_var.copy_(torch.tensor([0.25, 16.0, 1.0]))
-    before = (model.norm.running_mean.clone(), model.norm.running_var.clone())
+    before = set_statistics(model.norm, [3.0, -1.0, 0.0], [0.25, 16.0, 1.0])
     precise = PreciseBNCallback(num_samples="all", prior=4, adapt=adapt, on_evaluate=False, on_save=False)
     train(
         Trainer,

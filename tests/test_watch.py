@@ -322,16 +322,23 @@ def test_watch_records_the_input_and_leaves_the_buffer_object_updated_in_place()
     assert max_rel_error(running_mean, mean, mean.abs().clamp_min(1)) <= 1e-6
 
 
-def test_watch_ignores_other_buffers_and_calls_outside_its_forward() -> None:
+@pytest.mark.parametrize("mechanism", ["alias", "mode"])
+def test_watch_records_only_its_layer_s_calls_while_active(mechanism: str) -> None:
+    """Through the alias, and through the mode (a running mean of another tensor subclass): another
+    layer's call and a call given other buffers are not recorded, the layer's own is, and nothing
+    after the watch."""
     from precisebn.watch import Watch
 
     bn, other = nn.BatchNorm2d(3), nn.BatchNorm2d(3)
-    x = images((4,))[0]
+    if mechanism == "mode":
+        bn.running_mean = bn.running_mean.as_subclass(Counted)
+    x, y, z = images((4, 4, 4))
     with torch.no_grad(), Watch(bn) as watch:
         other(x)  # another layer's buffers
-        torch.nn.functional.batch_norm(x, torch.zeros(3), torch.ones(3), training=True)
+        torch.nn.functional.batch_norm(y, torch.zeros(3), torch.ones(3), training=True)
+        bn(z)
     bn(x)  # after the watch
-    assert watch.seen == []
+    assert len(watch.seen) == 1 and watch.seen[0] is z
 
 
 class ReplacesItsBuffer(nn.BatchNorm2d):

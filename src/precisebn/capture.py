@@ -62,7 +62,7 @@ from .errors import InvalidArgumentError, UnsupportedLayerError
 from .layers import RecalibrationState, ScratchGroup
 from .spotcheck import SpotChecks, checked_channels
 from .state import version_of
-from .stats import RunningMoments, fold_errors, fold_errors_from_sums
+from .stats import RunningMoments, fold_errors, fold_errors_from_sums, merge_counted
 from .watch import TOLERANCE, Watch, discrepancies, moments_of, normalises_its_input
 
 logger = logging.getLogger("precisebn")
@@ -358,29 +358,16 @@ class Collector:
 
     def _keep(self, key: tuple[int, int], moments: RunningMoments, n: int) -> None:
         """Merges float64 moments of ``n`` values per channel (every channel's count, known on the
-        host) into the current batch's fold of ``key`` (layer, call index): Chan's merge with the
-        counts as host numbers, in place — four kernels, where the general
-        :func:`~precisebn.stats.chan_merge` (per-channel counts, either side possibly empty)
-        takes about twenty, for every call of a layer on the float64 path."""
-        if n <= 0:
-            return
+        host) into the current batch's fold of ``key`` (layer, call index); the fold's count is
+        kept on the host, and written into the moments by :meth:`finish`."""
         kept = self._kept.get(key)
         if kept is None:
             kept = self._kept[key] = RunningMoments.zeros((FOLDS, moments.mean.shape[0]), moments.mean.device)
             self._kept_n[key] = [0] * FOLDS
         fold = self._batch % FOLDS
-        had = self._kept_n[key][fold]
-        total = self._kept_n[key][fold] = had + n
-        kept.count[fold] = float(total)
-        mean, m2 = kept.mean[fold], kept.m2[fold]
-        if not had:
-            mean.copy_(moments.mean)
-            m2.copy_(moments.m2)
-            return
-        weight = n / total
-        delta = moments.mean - mean
-        mean.add_(delta, alpha=weight)
-        m2.add_(moments.m2).addcmul_(delta, delta, value=had * weight)
+        counts = self._kept_n[key]
+        merge_counted(kept.mean[fold], kept.m2[fold], counts[fold], moments.mean, moments.m2, n)
+        counts[fold] += n
 
     # -- results -----------------------------------------------------------------------
 
@@ -412,6 +399,9 @@ class Collector:
                     "BatchNorm forward at run time, so the figures precisebn reads were never written. Restore "
                     "the layer's forward, or exclude it with layers=. The model was left unchanged."
                 )
+        for key, kept in self._kept.items():  # their counts, on the host until now
+            counts = torch.tensor(self._kept_n[key], dtype=torch.float64)
+            kept.count.copy_(_to_device(counts, kept.count.device)[:, None])
         folds = max(1, min(self._batch, FOLDS))  # fold b holds batches b, b + FOLDS, ...: the rest are empty
         summed = torch.tensor(self._summed[:folds], dtype=torch.float64)  # (folds, layers + 1)
         self.pooled = {}

@@ -9,6 +9,7 @@ tensors replaced, in the same format and layout, atomically.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import warnings
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 from ._optional import require
 from .errors import InvalidArgumentError, StatsMismatchError
 from .files import atomic_path
+from .population import buffer_key
 
 __all__ = [
     "Checkpoint",
@@ -274,6 +276,9 @@ def buffer_names(model: nn.Module, modules: list[str], buffers: tuple[str, ...],
     return out
 
 
+_WRITTEN = ("running_mean", "running_var")  # the buffers statistics write
+
+
 def stats_replacement(
     ckpt: Checkpoint, stats: Mapping[str, Any], *, prior: float | None = None, adapt: str = "both"
 ) -> tuple[dict[str, Tensor], str]:
@@ -315,43 +320,34 @@ def stats_replacement(
             f"the statistics do not fit checkpoint {str(ckpt.path)!r}: {', '.join(parts)}. Apply statistics "
             "measured on the model this checkpoint belongs to."
         )
-    replace = {prefix + k: v for k, v in wanted.items()}
     if prior:
-        replace = _pooled_with_checkpoint(ckpt, stats, replace, prefix, prior)
+        wanted = _pooled_with_checkpoint(ckpt, stats, prefix, prior).state_dict()
     if adapt != "both":
-        kept = "running_mean" if adapt == "mean" else "running_var"
-        replace = {k: v for k, v in replace.items() if k.rpartition(".")[2] == kept}
-    return replace, prefix
+        kept = _WRITTEN[0] if adapt == "mean" else _WRITTEN[1]
+        wanted = {k: v for k, v in wanted.items() if k.rpartition(".")[2] == kept}
+    return {prefix + k: v for k, v in wanted.items()}, prefix
 
 
-def _pooled_with_checkpoint(
-    ckpt: Checkpoint, stats: Mapping[str, Any], replace: dict[str, Tensor], prefix: str, prior: float
-) -> dict[str, Tensor]:
-    """``replace`` with each layer's statistics pooled with the checkpoint's own as ``prior`` samples."""
+def _pooled_with_checkpoint(ckpt: Checkpoint, stats: Any, prefix: str, prior: float) -> Any:
+    """``stats`` with each reached layer's statistics pooled with the checkpoint's own, as ``prior``
+    samples (:func:`~precisebn.adapt.with_prior`, given the checkpoint's tensors for the layer's buffers)."""
     from types import SimpleNamespace
 
     from .adapt import with_prior
 
-    def key(name: str, buffer: str) -> str:
-        return f"{prefix}{name}.{buffer}" if name else f"{prefix}{buffer}"
-
     sd = ckpt.state_dict
-    entries = [
-        (name, SimpleNamespace(running_mean=sd[key(name, "running_mean")], running_var=sd[key(name, "running_var")]), s)
+    entries = [  # the layer as with_prior reads it: its two buffers (unreached layers are passed through)
+        (name, SimpleNamespace(**{b: sd[prefix + buffer_key(name, b)] for b in _WRITTEN}) if s.reached else None, s)
         for name, s in stats.items()
-        if s.reached
     ]
-    pooled, problems = with_prior(entries, prior, stats.samples)  # type: ignore[attr-defined]
+    pooled, problems = with_prior(entries, prior, stats.samples)
     if problems:
         more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
         raise StatsMismatchError(
             f"the statistics cannot be pooled with checkpoint {str(ckpt.path)!r}'s: {'; '.join(problems[:5])}{more}. "
             "Nothing was written."
         )
-    out = dict(replace)
-    for name, _, s in pooled:
-        out[key(name, "running_mean")], out[key(name, "running_var")] = s.mean, s.var
-    return out
+    return dataclasses.replace(stats, layers={name: s for name, _, s in pooled})
 
 
 def load_into(model: nn.Module, ckpt: Checkpoint) -> str:

@@ -16,7 +16,7 @@ from .errors import InvalidArgumentError, StatsMismatchError
 from .files import atomic_path
 from .stats import RunningMoments
 
-__all__ = ["FORMAT", "LayerStats", "PopulationStats"]
+__all__ = ["FORMAT", "LayerStats", "PopulationStats", "buffer_key"]
 
 FORMAT = "precisebn.population_stats/1"
 
@@ -62,6 +62,11 @@ class LayerStats:
     @property
     def channels(self) -> int:
         return int(self.mean.shape[0])
+
+
+def buffer_key(layer: str, buffer: str) -> str:
+    """The state_dict name of ``layer``'s ``buffer`` (``layer`` ``""``: the model itself)."""
+    return f"{layer}.{buffer}" if layer else buffer
 
 
 @dataclass
@@ -221,9 +226,8 @@ class PopulationStats(Mapping[str, LayerStats]):
         out = {}
         for name, s in self.layers.items():
             if s.reached:
-                head = f"{prefix}{name}." if name else prefix
-                out[head + "running_mean"] = s.mean
-                out[head + "running_var"] = s.var
+                out[prefix + buffer_key(name, "running_mean")] = s.mean
+                out[prefix + buffer_key(name, "running_var")] = s.var
         return out
 
     def save(self, path: str | os.PathLike[str], format: str | None = None) -> None:

@@ -94,14 +94,6 @@ def _picked(channels: int) -> tuple[int, tuple[int, ...]]:
     return idx.step, tuple(range(channels)[idx])
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, size = [], 1
-    for d in reversed(shape):
-        strides.append(size)
-        size *= d
-    return tuple(reversed(strides))
-
-
 def reference(sums: Tensor, squares: Tensor, shifts: Tensor, n: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """float64 ``(mean, unbiased variance, bound on the mean's error, bound on the variance's
     error)`` of ``n`` values each, elementwise, from float64 sums, in any order, of the values
@@ -200,7 +192,7 @@ class SpotChecks:
             self._workspace = _take_workspace(max(self.capacity, size))
         strides = t.stride()
         source = t.as_strided(shape, (strides[1] * step, strides[0], *strides[2:]), t.storage_offset())
-        self._workspace.as_strided(shape, _contiguous_strides(shape), self._used).copy_(source)
+        self._workspace[self._used : self._used + size].view(shape).copy_(source)
         self._waiting.append((owner, pair, eps, size // len(picked), picked))
         self._used += size
         self._held += nbytes
