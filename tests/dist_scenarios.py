@@ -12,6 +12,7 @@ import gc
 import itertools
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -231,6 +232,56 @@ def group_released(rank: int, world_size: int) -> Result:
     }
 
 
+HOLD_SECONDS = 0.4
+
+
+def collectives_let_go(rank: int, world_size: int) -> Result:
+    """Every collective's tensor is let go of by the backend before precisebn goes on.
+
+    Gloo's worker thread drops its references to a reduced tensor just after waking the
+    caller, and releasing the last one needs the GIL, which aborts the process when the
+    interpreter is shutting down by then. Here a stand-in for a slow worker keeps a
+    reference to each reduced tensor for HOLD_SECONDS after the collective returns; the
+    result records whether it had let go by the next collective and by the end of each
+    call (through a success and a failure)."""
+    real = torch.distributed.all_reduce
+    holds: list[dict[str, Any]] = []
+    late: list[str] = []
+
+    def check(when: str) -> None:
+        late.extend(f"{when}: collective {i} still held" for i, h in enumerate(holds) if h["held"])
+
+    def slow_backend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        check(f"collective {len(holds)} began")
+        out = real(tensor, *args, **kwargs)
+        before = tensor._use_count()
+        hold = {"ref": tensor[:], "held": True}  # a view keeps a reference to the tensor itself
+        hold["took_a_reference"] = tensor._use_count() > before  # the stand-in works
+
+        def let_go() -> None:
+            hold["ref"] = None
+            hold["held"] = False
+
+        holds.append(hold)
+        threading.Timer(HOLD_SECONDS, let_go).start()
+        return out
+
+    torch.distributed.all_reduce = slow_backend
+    try:
+        precisebn.recalibrate(make_model(), shard(rank, world_size), num_samples="all")
+        check("success returned")
+        failed = expect_failure(_stream(rank, fail_at=3 if rank == 1 else None), num_samples="auto", tolerance=1e-3)
+        check("failure raised")
+    finally:
+        torch.distributed.all_reduce = real
+    return {
+        "collectives": len(holds),
+        "stand_in_took_references": all(h["took_a_reference"] for h in holds),
+        "late": late,
+        "failed": failed.get("error"),
+    }
+
+
 SCENARIOS: dict[str, Callable[[int, int], Result]] = {
     f.__name__: f
     for f in (
@@ -248,6 +299,7 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         ctrl_c,
         failure_surfaces_fast,
         group_released,
+        collectives_let_go,
     )
 }
 

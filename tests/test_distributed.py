@@ -166,12 +166,24 @@ def test_auto_stops_at_the_same_batch_on_every_rank(tmp_path: Path) -> None:
 
 
 def test_no_reference_to_the_process_group_outlives_a_call(tmp_path: Path) -> None:
-    """CI once saw a rank abort at exit after a failed call ("terminate called without an
-    active exception"): the failure's traceback cycles kept the group until shutdown."""
+    """A failed call's traceback cycles must not keep the group alive until shutdown. (CI
+    saw this scenario abort at exit, "terminate called without an active exception"; the
+    cause was gloo's late release of a tensor: see the test below.)"""
     for res in run_ranks(2, ["group_released"], tmp_path):
         r = res["group_released"]
         assert r["failed"] == "DistributedError", r
         assert r["after_success"] == r["before"] and r["after_failure"] == r["before"], r
+
+
+def test_collectives_are_let_go_of_before_precisebn_goes_on(tmp_path: Path) -> None:
+    """CI saw a rank abort at exit: gloo's worker released the last collective's tensor
+    (which takes the GIL) while the interpreter was shutting down. Each CPU collective now
+    returns only once the backend has let go of its tensor."""
+    for res in run_ranks(2, ["collectives_let_go"], tmp_path):
+        r = res["collectives_let_go"]
+        assert r["failed"] == "DistributedError", r
+        assert r["collectives"] >= 4 and r["stand_in_took_references"], r  # status, 2 merges, a vote or failure
+        assert r["late"] == [], r
 
 
 def test_three_uneven_ranks(tmp_path: Path) -> None:

@@ -42,13 +42,17 @@ from .errors import DistributedError, InvalidArgumentError
 from .measure import Measurement
 from .stats import RunningMoments
 
-__all__ = ["COLLECTIVES", "POLL_SECONDS", "RankContext"]
+__all__ = ["COLLECTIVES", "LET_GO_SECONDS", "POLL_SECONDS", "RankContext"]
 
 COLLECTIVES = 3
 """Collective calls per distributed recalibration (1 status + 2 statistics)."""
 
 POLL_SECONDS = 0.5
 """How often, at most, a rank checks between batches whether another rank failed."""
+
+LET_GO_SECONDS = 1.0
+"""How long, at most, a rank waits after a CPU collective for the backend to let go of
+the tensor it reduced (see :meth:`RankContext.all_reduce`)."""
 
 _OK, _FAILED, _STOPPED, _VOTE = 0.0, 1.0, 2.0, 3.0
 _ROW = 7  # status, samples, batches, layer digest, seconds, weighted precision, has data
@@ -118,10 +122,8 @@ class RankContext:
         """Drops this context's references to the process group and its store.
 
         Called when the call ends, however it ends. A failed call's traceback holds this
-        context in reference cycles, which may outlive ``destroy_process_group()`` and be
-        collected only while the interpreter shuts down; torch's process group object,
-        destroyed then, sometimes aborts the process ("terminate called without an active
-        exception", seen with gloo). Without a reference here, it goes with the group.
+        context in reference cycles, which would otherwise keep the group alive until the
+        garbage collector runs, perhaps only while the interpreter shuts down.
         """
         self.group = self.store = None
 
@@ -194,8 +196,31 @@ class RankContext:
         table = torch.zeros(self.world_size, _ROW, dtype=torch.float64, device=self.device)
         row = [status, samples, batches, digest, seconds, precision, float(data)]
         table[self.rank] = torch.tensor(row, dtype=torch.float64)
-        torch.distributed.all_reduce(table, group=self.group)  # collective 1 (and each vote)
+        self.all_reduce(table)  # collective 1 (and each vote)
         return table.tolist()
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sums ``tensor`` over the ranks in place; on CPU, returns once the backend has let go of it.
+
+        Gloo finishes a collective on a worker thread, which drops its references to the
+        tensor just *after* the caller has been woken. A tensor's last reference from C++
+        releases its Python object, which needs the GIL; if the interpreter has begun to shut
+        down by then, that thread cannot take it and the process aborts ("terminate called
+        without an active exception", exit code -6: torch's bug, seen after a call that was
+        the program's last collective). Waiting here, with the GIL released, until the
+        reference count is back where it was before the call (microseconds; at most
+        :data:`LET_GO_SECONDS`) leaves no such release behind. NCCL's tensors are let go by
+        its watchdog only after the device finishes, so on CUDA there is no wait (it would
+        be a host synchronisation).
+        """
+        count = getattr(tensor, "_use_count", None)  # private API: without it, no wait
+        before = count() if count is not None and tensor.device.type == "cpu" else None
+        torch.distributed.all_reduce(tensor, group=self.group)
+        if before is None:
+            return
+        deadline = time.monotonic() + LET_GO_SECONDS
+        while count() > before and time.monotonic() < deadline:
+            time.sleep(1e-4)
 
     def vote(self, tolerance: float, min_samples: int, max_samples: int) -> Callable[[float, int, bool], bool]:
         """The ranks' common stopping decision for ``num_samples="auto"``.
@@ -243,7 +268,7 @@ class RankContext:
         m2 = torch.cat([m.m2.reshape(-1).to(self.device) for m in moments])
         per_layer = torch.tensor(local.calls + local.counts, dtype=torch.float64, device=self.device)
         first = torch.cat([count, count * mean, per_layer])
-        torch.distributed.all_reduce(first, group=self.group)  # collective 2
+        self.all_reduce(first)  # collective 2
         g, n = count.numel(), len(local.layers)
         total, weighted = first[:g], first[g : 2 * g]
         per_layer_all = [int(v) for v in first[2 * g :].tolist()]
@@ -251,7 +276,7 @@ class RankContext:
         global_mean = torch.where(total > 0, weighted / safe, torch.zeros_like(total))
         dev = torch.where(count > 0, mean - global_mean, torch.zeros_like(mean))
         second = m2 + count * dev * dev
-        torch.distributed.all_reduce(second, group=self.group)  # collective 3
+        self.all_reduce(second)  # collective 3
         merged = [
             RunningMoments(c.view(shape), mu.view(shape), s.view(shape)).to(d)
             for c, mu, s, shape, d in zip(
