@@ -254,13 +254,12 @@ def collectives_let_go(rank: int, world_size: int) -> Result:
     def slow_backend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         check(f"collective {len(holds)} began")
         out = real(tensor, *args, **kwargs)
-        before = tensor._use_count()
-        hold = {"ref": tensor[:], "held": True}  # a view keeps a reference to the tensor itself
-        hold["took_a_reference"] = tensor._use_count() > before  # the stand-in works
+        view = tensor[:]  # a view keeps a reference to the tensor itself, counted by _use_count
+        hold = {"ref": view, "held": True, "took_a_reference": view._base is tensor}
 
         def let_go() -> None:
+            hold["held"] = False  # first: precisebn may go on the moment the reference goes
             hold["ref"] = None
-            hold["held"] = False
 
         holds.append(hold)
         threading.Timer(HOLD_SECONDS, let_go).start()
