@@ -1,0 +1,113 @@
+"""The ``precisebn`` command line: ``demo``, ``recalibrate``, ``apply``, ``merge``, ``inspect``, ``diff``.
+
+A thin layer over the library: every command checks all its arguments first (the
+output paths included) before anything is loaded, calls :mod:`precisebn` and prints.
+Any error — a wrong argument, an unreadable or mismatched checkpoint, an empty image
+folder, a factory that raises — is printed as one paragraph on stderr (what went
+wrong, what to do) with a non-zero exit code and no output file written; ``--debug``
+shows the traceback instead.
+
+Example:
+    >>> main(["--version"])  # doctest: +ELLIPSIS
+    precisebn ...
+    0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import InvalidArgumentError, PreciseBNError
+from .arguments import build_parser
+from .commands import EXIT_FAILED, EXIT_FLAGGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+
+__all__ = ["EXIT_FAILED", "EXIT_FLAGGED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit code (0 done, 1 failed, 2 usage, 3 flagged, 130 interrupted)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors (already printed)
+        return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
+    debug, quiet = getattr(args, "debug", False), getattr(args, "quiet", False)
+    with _warnings_as_notes(), _quiet(quiet), _threads(getattr(args, "threads", None)):
+        try:
+            if args.check is not None:
+                args.plan = args.check(args)
+        except InvalidArgumentError as exc:  # found before anything was loaded: a usage error
+            if debug:
+                raise
+            args.parser.print_usage(sys.stderr)
+            print(_error_paragraph(args.command, exc), file=sys.stderr)
+            return EXIT_USAGE
+        except Exception as exc:
+            if debug:
+                raise
+            print(_error_paragraph(args.command, exc), file=sys.stderr)
+            return EXIT_FAILED
+        try:
+            return int(args.func(args))
+        except KeyboardInterrupt:
+            print("precisebn: interrupted; no output was written.", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except Exception as exc:
+            if debug:
+                raise
+            print(_error_paragraph(args.command, exc), file=sys.stderr)
+            return EXIT_FAILED
+
+
+def _error_paragraph(command: str, exc: Exception) -> str:
+    if isinstance(exc, PreciseBNError):
+        text = str(exc)
+    elif isinstance(exc, OSError):
+        what = f"{exc.strerror or exc}" + (f": {exc.filename!r}" if exc.filename else "")
+        text = f"{what}. Check the path and its permissions (and free disk space); nothing was written."
+    else:
+        text = (
+            f"unexpected {type(exc).__name__}: {exc}. Nothing was written; run again with "
+            "`precisebn --debug ...` for the traceback."
+        )
+    return f"precisebn {command}: error: " + " ".join(text.split())
+
+
+@contextlib.contextmanager
+def _warnings_as_notes() -> Iterator[None]:
+    def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+        print(f"precisebn: warning: {message}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        yield
+
+
+@contextlib.contextmanager
+def _quiet(on: bool) -> Iterator[None]:
+    if not on:
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    if n is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,490 @@
+"""The ``precisebn`` commands: for each, a check of its arguments and its run.
+
+``check_NAME(args)`` runs before anything is loaded: it rejects wrong or conflicting
+arguments (an :class:`~precisebn.errors.InvalidArgumentError`, exit code 2) and returns
+the command's output plan, so that every output path is checked up front.
+``run_NAME(args)`` does the work and returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from .._optional import require
+from ..errors import InvalidArgumentError, PreciseBNError
+
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_FLAGGED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "check_apply",
+    "check_demo",
+    "check_diff",
+    "check_merge",
+    "check_recalibrate",
+    "run_apply",
+    "run_demo",
+    "run_diff",
+    "run_inspect",
+    "run_merge",
+    "run_recalibrate",
+]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_FLAGGED = 3
+EXIT_INTERRUPTED = 130
+
+_PLOT_HINT = "pass --no-plot to skip the figure"
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+# --- demo --------------------------------------------------------------------------------------------------
+
+
+def check_demo(args: argparse.Namespace) -> Any:
+    from ..files import OutputPlan
+
+    if not args.no_plot:
+        require("matplotlib.figure", "plot", f"the demo's figure ({_PLOT_HINT})")
+    plan = OutputPlan()
+    plan.add("results.json", args.out / "results.json")
+    if not args.no_plot:
+        plan.add("demo.png", args.out / "demo.png")
+    return plan
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from ..demo import DemoConfig, format_results
+    from ..demo import run_demo as train_and_measure
+
+    start = time.perf_counter()
+    config = DemoConfig(epochs=args.epochs, seed=args.seed, quick=args.quick)
+    print(
+        f"precisebn demo: a small BatchNorm CNN on scikit-learn's digits, {config.epochs} epochs, "
+        f"seed {config.seed}, CPU ({config.threads} thread){', quick subset' if config.quick else ''}",
+        flush=True,
+    )
+    results = train_and_measure(config, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print()
+    print(format_results(results))
+    with args.plan.staged() as tmp:  # both files, or neither
+        tmp["results.json"].write_text(json.dumps(results, indent=1) + "\n")
+        if not args.no_plot:
+            from ..plotting import plot_demo
+
+            plot_demo(results, tmp["demo.png"])
+    print(f"\nwall time {time.perf_counter() - start:.1f} s (training and measuring {results['wall_seconds']:.1f} s)")
+    print(f"numbers: {(args.out / 'results.json').resolve()}")
+    if not args.no_plot:
+        print(f"figure:  {(args.out / 'demo.png').resolve()}")
+    return EXIT_OK
+
+
+# --- recalibrate and apply ---------------------------------------------------------------------------------
+
+
+def _plan_checkpoint_output(args: argparse.Namespace, inputs: dict[str, Path]) -> Any:
+    """The output plan of a command that writes a checkpoint: ``--out`` or ``--in-place``."""
+    from ..checkpoint import checkpoint_format
+    from ..files import OutputPlan
+
+    plan = OutputPlan(inputs)
+    if args.in_place:
+        plan.add("--in-place", args.checkpoint, replaces="CHECKPOINT")
+    else:
+        plan.add("--out", args.out)
+        out_format, in_format = checkpoint_format(args.out), checkpoint_format(args.checkpoint)
+        if out_format != in_format:
+            raise InvalidArgumentError(
+                f"--out {str(args.out)!r} would be {out_format} but the input is {in_format}; the output keeps "
+                "the input's format, so give it the same kind of extension (.safetensors or .pt/.pth)."
+            )
+    return plan
+
+
+def _check_device(text: str | None) -> None:
+    if text is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise InvalidArgumentError(f"--device {text!r} is not a device; use cpu, cuda, cuda:1, mps...") from None
+    if device.type not in ("cpu", "cuda", "mps", "xpu"):
+        raise InvalidArgumentError(
+            f"--device {text!r}: a {device.type} device cannot hold the images and statistics; use cpu, cuda, "
+            "cuda:1, mps..."
+        )
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError(f"--device {text!r}: CUDA is not available on this machine; use --device cpu.")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise InvalidArgumentError(
+                f"--device {text!r}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0."
+            )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise InvalidArgumentError(f"--device {text!r}: MPS is not available on this machine; use --device cpu.")
+    if device.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        raise InvalidArgumentError(f"--device {text!r}: XPU is not available on this machine; use --device cpu.")
+
+
+def check_recalibrate(args: argparse.Namespace) -> Any:
+    from ..specs import parse_kwargs
+
+    plan = _plan_checkpoint_output(args, {"CHECKPOINT": args.checkpoint})
+    if args.report is not None:
+        if args.report.suffix.lower() == ".png":
+            raise InvalidArgumentError(
+                "--report takes the JSON file's path (e.g. report.json); the PNG goes next to it."
+            )
+        plan.add("--report", args.report)
+        plan.add("--report's PNG", args.report.with_suffix(".png"))
+        require("matplotlib.figure", "plot", "--report's PNG")
+    _check_device(args.device)
+    if args.tolerance is not None and args.num_samples != "auto":
+        raise InvalidArgumentError("--tolerance goes with --num-samples auto; pass both.")
+    args.model_kwargs_parsed = parse_kwargs(args.model_kwargs)
+    args.data_kwargs_parsed = parse_kwargs(args.data_kwargs, "--data-kwargs")
+    model_source = args.model.partition(":")[0]
+    if args.weights and model_source != "torchvision":
+        raise InvalidArgumentError(
+            f"--weights names torchvision weights, for a torchvision:NAME model (not {args.model!r}); a timm: "
+            "model uses its own data config, and explicit options (--resize, --crop, --mean...) set the rest."
+        )
+    if args.weights:  # the name is checked now, without loading anything
+        from ..images import torchvision_weights
+
+        torchvision_weights(args.model.partition(":")[2], args.weights)
+    explicit = [
+        f"--{name.replace('_', '-')}"
+        for name in ("image_size", "resize", "crop", "interpolation", "mean", "std")
+        if getattr(args, name) is not None
+    ]
+    if args.transform:
+        if ":" not in args.transform or args.transform.startswith(":") or args.transform.endswith(":"):
+            raise InvalidArgumentError(f"--transform {args.transform!r} is not of the form package.module:function")
+        ignored = explicit + ["--weights"] * bool(args.weights)
+        if ignored:
+            raise InvalidArgumentError(
+                f"--transform replaces the whole preprocessing, so {', '.join(ignored)} would be ignored; put "
+                "those steps in the transform, or drop --transform."
+            )
+    if args.image_size is not None and args.crop is not None:
+        raise InvalidArgumentError("--image-size S is the crop size; pass either it or --crop, not both.")
+    is_function = ":" in args.data and not Path(args.data).exists()  # a missing folder is reported when read
+    if is_function and (explicit or args.transform or args.weights or args.skip_bad_images):
+        options = explicit + ["--transform"] * bool(args.transform) + ["--weights"] * bool(args.weights)
+        options += ["--skip-bad-images"] * bool(args.skip_bad_images)
+        raise InvalidArgumentError(
+            f"{', '.join(options)} apply only to an image folder, but --data {args.data!r} names a data "
+            "function, which prepares its own batches."
+        )
+    return plan
+
+
+def _layer_selection(patterns: list[str] | None) -> Any:
+    if not patterns:
+        return None
+    if not any(ch in p for p in patterns for ch in "*?["):
+        return patterns  # exact names: the library suggests close matches for typos
+    import fnmatch
+
+    return lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def run_recalibrate(args: argparse.Namespace) -> int:
+    from .. import recalibrate
+    from ..checkpoint import buffer_names, load_checkpoint, load_into
+    from ..images import resolve_preprocessing
+    from ..specs import resolve_data, resolve_model
+
+    device = _device(args.device)
+    if args.trust_checkpoint:
+        print("precisebn: warning: --trust-checkpoint unpickles the file; that can run any code.", file=sys.stderr)
+    ckpt = load_checkpoint(args.checkpoint, trust=args.trust_checkpoint)
+    model = resolve_model(args.model, args.model_kwargs_parsed)
+    prefix = load_into(model, ckpt)
+    model.to(device)
+
+    preprocessing = None
+    skipped: list[str] | None = [] if args.skip_bad_images else None
+    if Path(args.data).is_dir():
+        preprocessing = resolve_preprocessing(
+            args.model,
+            model,
+            weights=args.weights,
+            image_size=args.image_size,
+            resize="base" if args.resize is None else (None if args.resize == 0 else args.resize),
+            crop="base" if args.crop is None else (None if args.crop == 0 else args.crop),
+            interpolation=args.interpolation,
+            mean=args.mean,
+            std=args.std,
+            transform=args.transform,
+        )
+        if not preprocessing.asked:
+            warnings.warn(
+                f"--data {args.data!r} is preprocessed with the ImageNet default ({preprocessing.describe()}), "
+                "which nothing asked for: the model is not timm: and no --weights or preprocessing option was "
+                "given. If the model was trained on other image sizes or normalisation, pass --image-size/--resize/"
+                "--crop/--mean/--std or --transform, or the statistics will be those of the wrong inputs.",
+                stacklevel=1,
+            )
+    data, available = resolve_data(
+        args.data,
+        batch_size=args.batch_size,
+        preprocessing=preprocessing,
+        workers=args.workers,
+        seed=args.seed,
+        kwargs=args.data_kwargs_parsed,
+        skipped=skipped,
+    )
+    num_samples = args.num_samples
+    if available is not None and isinstance(num_samples, int) and available < num_samples:
+        _say(f"precisebn: using every image of {args.data} ({_plural(available, 'image')}, fewer than "
+             f"--num-samples {num_samples})")  # fmt: skip
+        num_samples = "all"
+    progress = not args.no_progress and not getattr(args, "quiet", False)
+    progress = progress and importlib.util.find_spec("tqdm") is not None
+    report = recalibrate(
+        model,
+        data,
+        num_samples=num_samples,
+        num_batches=args.num_batches,
+        tolerance=args.tolerance,
+        mode=args.mode,
+        capture=args.capture,
+        prior=args.prior,
+        adapt=args.adapt,
+        layers=_layer_selection(args.layers),
+        device=device,
+        progress=progress,
+        forward=_forward,
+    )
+    print(report)
+    extra: dict[str, Any] = {}
+    if args.prior or args.adapt != "both":
+        _say_adapted(args)
+        extra["adaptation"] = {"prior_samples": args.prior or 0, "adapt": args.adapt}
+    if preprocessing is not None:
+        _say(f"preprocessing: {preprocessing.describe()}")
+        extra["preprocessing"] = preprocessing.to_dict()
+    if skipped is not None:
+        extra["skipped_images"] = list(skipped)
+        if skipped:
+            more = f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""
+            print(
+                f"precisebn: warning: skipped {_plural(len(skipped), 'unreadable image')}: "
+                f"{'; '.join(skipped[:10])}{more}",
+                file=sys.stderr,
+            )
+
+    state = model.state_dict()
+    names = buffer_names(model, report.updated, ("running_mean", "running_var"), prefix)
+    replace = {ckpt_name: state[name].detach().cpu() for ckpt_name, name in names.items()}
+    _write_outputs(args, ckpt, replace, report=report, extra=extra)
+    return EXIT_OK
+
+
+def _say_adapted(args: argparse.Namespace) -> None:
+    what = {"both": "mean and variance", "mean": "the mean only", "var": "the variance only"}[args.adapt]
+    prior = f"pooled with the checkpoint's statistics counted as {args.prior:g} samples" if args.prior else ""
+    _say(f"adapted: {what}{', ' if prior else ''}{prior}")
+
+
+def _write_outputs(
+    args: argparse.Namespace, ckpt: Any, replace: dict[str, Any], *, report: Any = None, extra: Any = None
+) -> None:
+    """Stages the checkpoint (checked by reloading it) and the report's files, then commits them together."""
+    from ..checkpoint import verify_written, write_checkpoint
+
+    label = "--in-place" if args.in_place else "--out"
+    with args.plan.staged() as tmp:
+        write_checkpoint(ckpt, replace, tmp[label])
+        verify_written(ckpt, replace, tmp[label], trust=args.trust_checkpoint)
+        if getattr(args, "report", None) is not None:
+            from ..plotting import plot_report
+
+            tmp["--report"].write_text(json.dumps({**report.to_dict(), **(extra or {})}, indent=1) + "\n")
+            plot_report(report, tmp["--report's PNG"], title=f"precisebn: {args.checkpoint.name}")
+    written = [text for text, _ in args.plan.outputs.values()]
+    _say(f"wrote {', '.join(written[:-1])}{' and ' if len(written) > 1 else ''}{written[-1]}")
+
+
+def check_apply(args: argparse.Namespace) -> Any:
+    return _plan_checkpoint_output(args, {"CHECKPOINT": args.checkpoint, "STATS": args.stats})
+
+
+def run_apply(args: argparse.Namespace) -> int:
+    from ..checkpoint import load_checkpoint, stats_replacement
+    from ..population import PopulationStats
+
+    if args.trust_checkpoint:
+        print("precisebn: warning: --trust-checkpoint unpickles the file; that can run any code.", file=sys.stderr)
+    ckpt = load_checkpoint(args.checkpoint, trust=args.trust_checkpoint)
+    if not args.stats.is_file():
+        raise InvalidArgumentError(f"statistics file {str(args.stats)!r} does not exist; check the path.")
+    stats = PopulationStats.load(args.stats)
+    replace, prefix = stats_replacement(ckpt, stats, prior=args.prior, adapt=args.adapt)
+    unreached = [name for name, s in stats.items() if not s.reached]
+    layers = sum(s.reached for s in stats.values())
+    note = f"; {_plural(len(unreached), 'layer')} never reached, left as they are" if unreached else ""
+    _say(f"applying {_plural(layers, 'layer')} of {args.stats} ({stats.samples} samples){note}"
+         + (f" (checkpoint prefix {prefix!r})" if prefix else ""))  # fmt: skip
+    if args.prior or args.adapt != "both":
+        _say_adapted(args)
+    _write_outputs(args, ckpt, replace)
+    return EXIT_OK
+
+
+def check_merge(args: argparse.Namespace) -> Any:
+    from ..files import OutputPlan, real_path
+
+    if len(args.stats) < 2:
+        raise InvalidArgumentError(f"merge needs two or more statistics files, got {len(args.stats)}.")
+    seen: dict[Path, Path] = {}
+    for path in args.stats:
+        real = real_path(path)
+        if real in seen:
+            raise InvalidArgumentError(
+                f"{str(path)!r} is given twice (as {str(seen[real])!r} too); its data would count twice. Give each "
+                "file once."
+            )
+        seen[real] = path
+    if not args.out.name.lower().endswith(".safetensors"):
+        raise InvalidArgumentError(
+            f"--out {str(args.out)!r}: statistics are written as safetensors; name the file *.safetensors."
+        )
+    plan = OutputPlan({f"STATS {i}": p for i, p in enumerate(args.stats, start=1)})
+    plan.add("--out", args.out)
+    return plan
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    from .._table import format_table
+    from ..population import PopulationStats
+
+    loaded = []
+    for path in args.stats:
+        if not path.is_file():
+            raise InvalidArgumentError(f"statistics file {str(path)!r} does not exist; check the path.")
+        loaded.append(PopulationStats.load(path))
+    merged = loaded[0].merge(*loaded[1:])
+    rows = [
+        [
+            name,
+            s.layer_type,
+            str(s.channels),
+            " + ".join(str(p[name].count) if name in p else "–" for p in loaded),
+            str(s.count),
+        ]
+        for name, s in merged.items()
+    ]
+    print(format_table(["layer", "type", "ch", "values/ch per file", "merged"], rows, right={2, 4}))
+    _say(
+        f"merged {_plural(len(loaded), 'file')}: {merged.samples} samples, {merged.batches} batches, "
+        f"{_plural(len(merged), 'layer')}"
+    )
+    with args.plan.staged() as tmp:
+        merged.save(tmp["--out"], format="safetensors")
+    _say(f"wrote {args.out}")
+    return EXIT_OK
+
+
+def _forward(model: Any, batch: Any) -> Any:
+    """The library's default forward, with the model's own failures explained."""
+    from ..data import default_forward
+
+    try:
+        return default_forward(model, batch)
+    except PreciseBNError:
+        raise
+    except Exception as exc:
+        shape = tuple(batch.shape) if hasattr(batch, "shape") else type(batch).__name__
+        raise InvalidArgumentError(
+            f"the model failed on a batch of {shape} ({type(exc).__name__}: {exc}); check that --data "
+            "(and the preprocessing: --image-size, --resize, --crop, --transform) give the inputs this model "
+            "expects. The checkpoint was not written."
+        ) from exc
+
+
+def _device(text: str | None) -> Any:
+    import torch
+
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(text)
+
+
+# --- inspect and diff --------------------------------------------------------------------------------------
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from ..checkpoint import CheckpointError, load_checkpoint
+    from ..health import format_health, norm_entries
+
+    ckpt = load_checkpoint(args.checkpoint, trust=args.trust_checkpoint)
+    entries = norm_entries(ckpt.state_dict)
+    if not entries:
+        raise CheckpointError(
+            f"checkpoint {str(args.checkpoint)!r} holds no normalization statistics (no '*.running_mean' with "
+            "'*.running_var'); is it a model with BatchNorm layers tracking running statistics?"
+        )
+    table, flagged = format_health(entries, args.collapse_ratio)
+    print(table)
+    return EXIT_FLAGGED if args.strict and flagged else EXIT_OK
+
+
+def check_diff(args: argparse.Namespace) -> Any:
+    from ..files import OutputPlan
+
+    if args.plot is None:
+        return None
+    require("matplotlib.figure", "plot", "--plot")
+    plan = OutputPlan({"A": args.a, "B": args.b})
+    plan.add("--plot", args.plot)
+    return plan
+
+
+def run_diff(args: argparse.Namespace) -> int:
+    from ..checkpoint import CheckpointMismatchError, load_checkpoint
+    from ..health import diff_stats, format_diff, norm_entries
+
+    a = load_checkpoint(args.a, trust=args.trust_checkpoint)
+    b = load_checkpoint(args.b, trust=args.trust_checkpoint)
+    diff = diff_stats(a.state_dict, b.state_dict)
+    if not diff.report.layers:
+        na, nb = len(norm_entries(a.state_dict)), len(norm_entries(b.state_dict))
+        why = f" ({_plural(len(diff.mismatched), 'layer')} share a name but not their channels)"
+        raise CheckpointMismatchError(
+            f"{str(args.a)!r} ({_plural(na, 'normalization layer')}) and {str(args.b)!r} "
+            f"({_plural(nb, 'normalization layer')}) have no layer in common"
+            f"{why if diff.mismatched else ''}; diff compares two checkpoints of one model. Check the paths "
+            "(a wrapper prefix such as module. makes the names differ: strip it first)."
+        )
+    print(format_diff(diff, str(args.a), str(args.b)))
+    if args.plot:
+        from ..plotting import plot_report
+
+        with args.plan.staged() as tmp:
+            plot_report(diff.report, tmp["--plot"], title=f"{args.a.name} → {args.b.name}")
+        print(f"wrote {args.plot}")
+    return EXIT_OK
