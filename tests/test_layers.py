@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import copy
+import subprocess
+import sys
+from typing import Any
+
 import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
 from torch import nn
 
-from conftest import assert_unchanged, state_snapshot
+import precisebn
+from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
 from precisebn.layers import ScratchGroup, find_norm_layers, has_running_stats, recalibration_state, unwrap
 
 
@@ -88,6 +94,71 @@ def test_unwrap_compiled_module() -> None:
     inner = nn.Sequential(nn.BatchNorm1d(2))
     compiled = torch.compile(inner)
     assert unwrap(compiled) is inner
+
+
+class _Shared(nn.Module):
+    """A BatchNorm called twice per forward, and one fed inputs with a large mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3, padding=1)
+        self.bn, self.bn2 = nn.BatchNorm2d(8), nn.BatchNorm2d(8, affine=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.c1(x)).relu()
+        return self.bn2(self.bn(self.c2(y)) * 2 + 50)
+
+
+@pytest.mark.parametrize("how", ["submodule", "module.compile"])
+@pytest.mark.parametrize("batches", [3, 12])
+def test_compiled_forward_is_exact_and_compiles_once_whatever_the_batches(how: str, batches: int) -> None:
+    """Under torch.compile the per-layer bookkeeping runs eagerly (a graph break around each
+    layer) instead of being traced: traced, its host-side counters became guards and every
+    batch compiled anew until dynamo's limit (~7 s for 12 batches here, with warnings)."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    plain = _Shared()
+    data = [torch.randn(4, 3, 10, 10) * 3 + 1 for _ in range(batches)]
+    truth = compute_truth(plain, data)
+    graphs = 0
+
+    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        nonlocal graphs
+        graphs += 1
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = copy.deepcopy(plain)
+    if how == "submodule":
+        model = nn.Sequential(torch.compile(model, backend=counting_backend))
+        inner = model[0]._orig_mod
+    else:
+        model.compile(backend=counting_backend)
+        inner = model
+    model(data[0])  # compiled once, as in training
+    before = graphs
+    try:
+        precisebn.recalibrate(model, data, num_samples="all")
+    finally:
+        torch._dynamo.reset()
+    assert 0 < graphs - before <= 4, graphs - before  # the 3 graphs between the layers, once: not per batch (was 23)
+    for name, t in truth.items():
+        bn = inner.get_submodule(name)
+        assert max_rel_error(bn.running_mean, t.mean, t.var.sqrt()) < 1e-5, name
+        assert max_rel_error(bn.running_var, t.var) < 1e-5, name
+
+
+def test_an_uncompiled_model_does_not_import_dynamo() -> None:
+    """torch._dynamo takes ~2 s to import; a program that compiles nothing should not pay it."""
+    code = (
+        "import sys, torch, precisebn\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))\n"
+        "precisebn.recalibrate(model, [torch.randn(8, 3) for _ in range(3)], num_samples='all')\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out
 
 
 def test_instance_level_forward_is_put_back() -> None:
