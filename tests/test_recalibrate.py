@@ -314,6 +314,31 @@ def test_empty_data_leaves_model_untouched() -> None:
     assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+@pytest.mark.parametrize("empty_at", [0, 1, 3])
+def test_empty_batches_count_for_nothing(empty_at: int, capture: str) -> None:
+    """An empty batch (N = 0) anywhere, the first included (where the fast path is
+    verified), adds nothing: the statistics are those of the other batches' values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    data = [torch.randn(n, 3, 4, 4) * 2 + 3 for n in (2, 3, 4)]
+    data.insert(empty_at, torch.randn(0, 3, 4, 4))
+    truth = compute_truth(model, [b for b in data if len(b)])["1"]
+    report = precisebn.recalibrate(model, data, num_samples="all", capture=capture)
+    assert report.updated == ["1"] and report["1"].count == truth.count
+    assert max_rel_error(model[1].running_mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(model[1].running_var, truth.var) < 1e-6
+
+
+def test_only_empty_batches_keep_the_statistics_and_say_why(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    before = state_snapshot(model)
+    report = precisebn.recalibrate(model, [torch.randn(0, 3, 4, 4)] * 2, num_samples="all")
+    assert report.updated == [] and report["1"].count == 0
+    assert_unchanged(model, before)
+    assert "'1' was called twice but never normalised with its running buffers (or only empty inputs)" in caplog.text
+
+
 @pytest.mark.parametrize("exc", [Boom("loader broke"), KeyboardInterrupt()], ids=["exception", "ctrl-c"])
 def test_loader_failure_leaves_model_untouched(exc: BaseException) -> None:
     model = small_net().train()

@@ -67,7 +67,7 @@ from .watch import TOLERANCE, Watch, discrepancies, moments_of, normalises_its_i
 
 logger = logging.getLogger("precisebn")
 
-__all__ = ["Collector"]
+__all__ = ["Collector", "times"]
 
 _COUNT_CACHE = 16  # distinct per-layer count combinations kept on the device
 
@@ -275,8 +275,8 @@ class Collector:
                 continue
             layer = self.layers[i]
             raise InvalidArgumentError(
-                f"per_call=True: layer {layer.name!r} ({layer.type_name}) was called {_times(self.per_batch[i])} in "
-                f"batch {self._first_batch[i] + 1} (the first to call it) but {_times(k)} in batch {self._batch + 1}; "
+                f"per_call=True: layer {layer.name!r} ({layer.type_name}) was called {times(self.per_batch[i])} in "
+                f"batch {self._first_batch[i] + 1} (the first to call it) but {times(k)} in batch {self._batch + 1}; "
                 "per-call statistics need the same number of calls in every forward (statistics i are those of "
                 "call i). Feed every batch the same way (e.g. the same number of feature levels), or estimate "
                 "without per_call to pool all calls. The model was left unchanged."
@@ -571,7 +571,8 @@ class _LayerCall:
         return out
 
 
-def _times(k: int) -> str:
+def times(k: int) -> str:
+    """``once``, ``twice``, ``3 times``..."""
     return {1: "once", 2: "twice"}.get(k, f"{k} times")
 
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from . import distributed as _dist
 from .adapt import Adapt, check_adapt, with_prior
+from .capture import times as _times
 from .data import Forward, default_forward, model_device
 from .errors import InvalidArgumentError, StatsMismatchError
 from .layers import Capture, LayerSelection, Mode, find_norm_layers, has_running_stats, unwrap
@@ -494,7 +495,7 @@ def _apply(
             logger.warning(
                 "precisebn: layer %r %s; its statistics were kept",
                 name,
-                f"was called {s.calls} times but never normalised with its running buffers"
+                f"was called {_times(s.calls)} but never normalised with its running buffers (or only empty inputs)"
                 if s.calls
                 else "was not reached by any forward pass",
             )
