@@ -15,6 +15,7 @@ from torch import nn
 
 import precisebn
 from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
+from precisebn.errors import LayerNotFoundError, PreciseBNWarning
 from precisebn.layers import ScratchGroup, find_norm_layers, has_running_stats, recalibration_state, unwrap
 
 
@@ -147,6 +148,37 @@ def test_compiled_forward_is_exact_and_compiles_once_whatever_the_batches(how: s
         bn = inner.get_submodule(name)
         assert max_rel_error(bn.running_mean, t.mean, t.var.sqrt()) < 1e-5, name
         assert max_rel_error(bn.running_var, t.var) < 1e-5, name
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_torchscript_model_is_refused_with_the_reason(how: str) -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    x = torch.randn(2, 3, 4, 4)
+    scripted = torch.jit.script(model) if how == "script" else torch.jit.trace(model, x)
+    with pytest.raises(
+        LayerNotFoundError, match=r"layer '1' of \w+ is TorchScript .* recalibrate the nn.Module before"
+    ):
+        precisebn.recalibrate(scripted, [x])
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
+def test_torchscript_submodule_is_named_in_a_warning_and_kept() -> None:
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.eager = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+            self.frozen = torch.jit.script(nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.frozen(self.eager(x))
+
+    model = Mixed()
+    kept = model.frozen.state_dict()
+    with pytest.warns(PreciseBNWarning, match=r"layer 'frozen.1' of Mixed is TorchScript .* Its statistics are kept"):
+        report = precisebn.recalibrate(model, [torch.randn(2, 3, 4, 4) * 3 for _ in range(3)])
+    assert report.updated == ["eager.1"]
+    assert all(torch.equal(v, kept[k]) for k, v in model.frozen.state_dict().items())
 
 
 def test_an_uncompiled_model_does_not_import_dynamo() -> None:

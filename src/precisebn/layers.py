@@ -21,7 +21,13 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from .errors import InvalidArgumentError, LayerNotFoundError, ModelChangedWarning, UninitializedLayerError
+from .errors import (
+    InvalidArgumentError,
+    LayerNotFoundError,
+    ModelChangedWarning,
+    PreciseBNWarning,
+    UninitializedLayerError,
+)
 from .state import StateSnapshot, refuse_uninitialized
 
 __all__ = [
@@ -187,7 +193,10 @@ def find_norm_layers(
     all_modules = dict(modules if modules is not None else model.named_modules(remove_duplicate=True))
     match = _matcher(layers, all_modules)
     found: list[NormLayer] = []
+    scripted: list[str] = []  # TorchScript norm layers: compiled code, out of reach
     for name, module in all_modules.items():
+        if isinstance(module, torch.jit.ScriptModule) and hasattr(module, "running_var"):
+            scripted.append(name)
         if not isinstance(module, _NormBase) or not module.track_running_stats:
             continue
         if not match(name, module):
@@ -200,12 +209,23 @@ def find_norm_layers(
             )
         if has_running_stats(module):
             found.append(NormLayer(name, module, _path(module, capture)))
+    where = ", ".join(repr(n) for n in scripted[:5]) + (f" and {len(scripted) - 5} more" if len(scripted) > 5 else "")
+    script = (
+        f"{'layer' if len(scripted) == 1 else 'layers'} {where} of {type(model).__name__} "
+        f"{'is' if len(scripted) == 1 else 'are'} TorchScript (torch.jit.script/trace), which runs as compiled "
+        "code that no hook sees: recalibrate the nn.Module before scripting or tracing it, then script or "
+        "trace it again."
+    )
     if require and not found:
         raise LayerNotFoundError(
             "no normalization layer with running statistics was selected "
             f"(model {type(model).__name__}, layers={layers!r}); precisebn recalibrates "
             "BatchNorm*/SyncBatchNorm/InstanceNorm* layers with track_running_stats=True."
+            + (f" The {script}" if scripted else "")
         )
+    if scripted and layers is None:
+        kept = "Its statistics are" if len(scripted) == 1 else "Their statistics are"
+        warnings.warn(f"The {script} {kept} kept.", PreciseBNWarning, stacklevel=4)  # recalibrate's caller
     return found
 
 
