@@ -110,12 +110,13 @@ class _Shared(nn.Module):
         return self.bn2(self.bn(self.c2(y)) * 2 + 50)
 
 
-@pytest.mark.parametrize("how", ["submodule", "module.compile"])
+@pytest.mark.parametrize("how", ["submodule", "fullgraph submodule", "module.compile"])
 @pytest.mark.parametrize("batches", [3, 12])
-def test_compiled_forward_is_exact_and_compiles_once_whatever_the_batches(how: str, batches: int) -> None:
-    """Under torch.compile the per-layer bookkeeping runs eagerly (a graph break around each
-    layer) instead of being traced: traced, its host-side counters became guards and every
-    batch compiled anew until dynamo's limit (~7 s for 12 batches here, with warnings)."""
+def test_compiled_code_runs_eagerly_during_the_passes(how: str, batches: int) -> None:
+    """Compiled code runs as plain PyTorch during the passes (set_stance("force_eager")):
+    nothing is compiled for them, fullgraph=True is no obstacle, the statistics are exact,
+    and the stance is put back. (Traced, the bookkeeping's counters became guards: 23
+    graphs per call, ~7 s with inductor for 12 batches; fullgraph=True failed.)"""
     import torch._dynamo
 
     torch.manual_seed(0)
@@ -131,23 +132,77 @@ def test_compiled_forward_is_exact_and_compiles_once_whatever_the_batches(how: s
 
     torch._dynamo.reset()
     model = copy.deepcopy(plain)
-    if how == "submodule":
-        model = nn.Sequential(torch.compile(model, backend=counting_backend))
-        inner = model[0]._orig_mod
-    else:
+    if how == "module.compile":
         model.compile(backend=counting_backend)
         inner = model
-    model(data[0])  # compiled once, as in training
-    before = graphs
+    else:
+        model = nn.Sequential(torch.compile(model, backend=counting_backend, fullgraph=how.startswith("fullgraph")))
+        inner = model[0]._orig_mod
     try:
+        model(data[0])  # compiled, as in training
+        before = graphs
+        assert before > 0
         precisebn.recalibrate(model, data, num_samples="all")
+        assert graphs == before  # nothing compiled for the passes
+        torch.compile(lambda x: x + 1, backend=counting_backend)(data[0])
+        assert graphs == before + 1  # the stance is back: compiled code compiles again
     finally:
         torch._dynamo.reset()
-    assert 0 < graphs - before <= 4, graphs - before  # the 3 graphs between the layers, once: not per batch (was 23)
     for name, t in truth.items():
         bn = inner.get_submodule(name)
         assert max_rel_error(bn.running_mean, t.mean, t.var.sqrt()) < 1e-5, name
         assert max_rel_error(bn.running_var, t.var) < 1e-5, name
+
+
+def test_the_eager_stance_is_put_back_by_the_last_of_concurrent_passes() -> None:
+    """Two threads recalibrating two models at once: the global stance is set once and put
+    back when the last pass ends, not when the first does."""
+    import threading
+
+    import torch._dynamo
+
+    from precisebn import layers as layers_module
+
+    started, release = threading.Barrier(3), threading.Event()
+
+    class Waits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            started.wait(timeout=30)
+            release.wait(timeout=30)
+            return self.bn(x)
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            precisebn.recalibrate(Waits(), [torch.randn(4, 2)], num_samples="all")
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=30)
+    assert layers_module._eager_calls == 2
+    release.set()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+    assert layers_module._eager_calls == 0 and layers_module._eager_stance is None
+    graphs = 0
+
+    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        nonlocal graphs
+        graphs += 1
+        return gm.forward
+
+    torch.compile(lambda x: x * 2, backend=counting_backend)(torch.ones(2))
+    torch._dynamo.reset()
+    assert graphs == 1  # compiling again: no pass left the eager stance behind
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")

@@ -12,6 +12,7 @@ import contextlib
 import difflib
 import functools
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -289,13 +290,6 @@ class RecalibrationState:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             return call(forward, args, kwargs)
 
-        if "torch._dynamo" in sys.modules:
-            # Under torch.compile (a compiled submodule, or a model.compile()d model) the
-            # bookkeeping must run as written, not be traced: its host-side counters would
-            # become guards, compiling anew at every batch up to dynamo's limit. The layer
-            # then runs eagerly, a graph break on either side (0.4 µs a call uncompiled).
-            # Without dynamo imported (1.9 s to import), nothing can be compiled.
-            wrapped = torch.compiler.disable(wrapped, recursive=True)
         self._wrapped.append((module, previous))
         module.forward = wrapped  # type: ignore[method-assign]
 
@@ -386,6 +380,7 @@ def recalibration_state(
         counters: list[Tensor | None] = []
         state = RecalibrationState(list(layers), groups, views, counters)
         stack.callback(_unwrap_forwards, state._wrapped)
+        stack.enter_context(_compiled_code_runs_eagerly())
 
         for layer, (mean_view, var_view) in zip(layers, views):
             m = layer.module
@@ -399,6 +394,41 @@ def recalibration_state(
             _set_attribute(m, "momentum", 1.0)
         _set_modes(mods, {id(m) for m in norms}, mode)
         yield state
+
+
+_eager_lock = threading.Lock()
+_eager_calls = 0
+_eager_stance: Any = None
+
+
+@contextlib.contextmanager
+def _compiled_code_runs_eagerly() -> Iterator[None]:
+    """``torch.compiler.set_stance("force_eager")`` while any statistics pass runs.
+
+    A ``torch.compile``d submodule or a ``model.compile()``d model then runs as plain
+    PyTorch: nothing is compiled for the passes' configuration (layers in training mode,
+    scratch buffers), ``fullgraph=True`` is no obstacle, no recompilation counts against
+    the model's limit, and the forward wrappers' host-side bookkeeping is never traced
+    (traced, its counters became guards: 23 graphs for one call). The stance is global,
+    so it is set by the first pass to start and put back by the last to end, across
+    threads. Without ``torch._dynamo`` loaded (1.9 s to import) nothing can be compiled.
+    """
+    global _eager_calls, _eager_stance
+    if "torch._dynamo" not in sys.modules:
+        yield
+        return
+    with _eager_lock:
+        if _eager_calls == 0:
+            _eager_stance = torch.compiler.set_stance("force_eager")  # sets it now; exiting puts back the old
+        _eager_calls += 1
+    try:
+        yield
+    finally:
+        with _eager_lock:
+            _eager_calls -= 1
+            if _eager_calls == 0:
+                _eager_stance.__exit__(None, None, None)
+                _eager_stance = None
 
 
 def _set_modes(modules: list[nn.Module], selected: set[int], mode: Mode) -> None:
