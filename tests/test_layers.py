@@ -154,6 +154,28 @@ def test_compiled_code_runs_eagerly_during_the_passes(how: str, batches: int) ->
         assert max_rel_error(bn.running_var, t.var) < 1e-5, name
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning:torch._dynamo")  # dynamo on tracing the bookkeeping: expected here
+def test_compiled_submodule_before_torch_2_6_is_still_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch < 2.6 has no set_stance (precisebn needs torch >= 2.1): the passes then run
+    compiled, tracing the bookkeeping (slow), and the statistics are still exact."""
+    import torch._dynamo
+
+    monkeypatch.delattr(torch.compiler, "set_stance")
+    torch.manual_seed(0)
+    plain = _Shared()
+    data = [torch.randn(4, 3, 10, 10) * 3 + 1 for _ in range(3)]
+    truth = compute_truth(plain, data)
+    model = nn.Sequential(torch.compile(copy.deepcopy(plain), backend="eager"))
+    try:
+        precisebn.recalibrate(model, data, num_samples="all")
+    finally:
+        torch._dynamo.reset()
+    for name, t in truth.items():
+        bn = model[0]._orig_mod.get_submodule(name)
+        assert max_rel_error(bn.running_mean, t.mean, t.var.sqrt()) < 1e-5, name
+        assert max_rel_error(bn.running_var, t.var) < 1e-5, name
+
+
 def test_the_eager_stance_is_put_back_by_the_last_of_concurrent_passes() -> None:
     """Two threads recalibrating two models at once: the global stance is set once and put
     back when the last pass ends, not when the first does."""

@@ -414,7 +414,7 @@ def _compiled_code_runs_eagerly() -> Iterator[None]:
     threads. Without ``torch._dynamo`` loaded (1.9 s to import) nothing can be compiled.
     """
     global _eager_calls, _eager_stance
-    if "torch._dynamo" not in sys.modules:
+    if "torch._dynamo" not in sys.modules or not hasattr(torch.compiler, "set_stance"):  # set_stance: torch >= 2.6
         yield
         return
     with _eager_lock:
