@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ._table import format_table
+from .population import buffer_key
 from .report import LayerReport, Report
 
 __all__ = [
@@ -179,7 +180,7 @@ def diff_stats(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> StatsDiff:
             mismatched.append(name)
             continue
         rows.append(LayerReport(name, "", x.channels, 0, 0, x.mean, x.var, y.mean, y.var, DEFAULT_EPS, True, ""))
-    stat_keys = {f"{n}.{s}" if n else s for n in {*ea, *eb} for s in ("running_mean", "running_var")}
+    stat_keys = {buffer_key(n, s) for n in {*ea, *eb} for s in ("running_mean", "running_var")}
     others = [k for k in a if k in b and k not in stat_keys and not k.endswith("num_batches_tracked")]
     same = sum(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in others)
     dtypes = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,34 +22,27 @@ exit codes:
 """
 
 
-def _positive_int(text: str) -> int:
+def _number(text: str, convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Any:
+    """``convert(text)`` if it parses and passes ``ok``, else the argparse error "expected ..."."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return int(_number(text, int, lambda v: v >= 1, "a positive integer"))
 
 
 def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, got {text!r}")
-    return value
+    return int(_number(text, int, lambda v: v >= 0, "0 or a positive integer"))
 
 
 def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not (0 <= value < float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0 (e.g. 16), got {text!r}")
-    return value
+    return float(_number(text, float, lambda v: 0 <= v < float("inf"), "a number >= 0 (e.g. 16)"))
 
 
 def _num_samples(text: str) -> int | str:
@@ -56,13 +50,10 @@ def _num_samples(text: str) -> int | str:
 
 
 def _tolerance(text: str) -> float:
-    try:
-        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1 such as 0.02 (or 2%), got {text!r}")
-    return value
+    def fraction(t: str) -> float:
+        return float(t.rstrip("%")) / (100 if t.endswith("%") else 1)
+
+    return float(_number(text, fraction, lambda v: 0 < v < 1, "a number between 0 and 1 such as 0.02 (or 2%)"))
 
 
 def _size_or_none(text: str) -> int:
