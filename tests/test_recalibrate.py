@@ -13,6 +13,7 @@ import torchvision
 from torch import nn
 
 import precisebn
+import precisebn.compat
 from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
 from precisebn.errors import (
     BatchTypeError,
@@ -23,6 +24,7 @@ from precisebn.errors import (
     ShortDataWarning,
     StatsMismatchError,
     UninitializedLayerError,
+    UnsupportedLayerError,
 )
 
 
@@ -422,6 +424,104 @@ def test_apply_rejects_statistics_of_another_model() -> None:
     with pytest.raises(StatsMismatchError, match="channels"):
         precisebn.apply(other, stats)
     assert_unchanged(other, before)
+
+
+# -- running statistics that share memory ------------------------------------------------------
+
+
+class TiedNet(nn.Module):
+    """Two BatchNorm layers whose running buffers are tied as ``tie`` says: ``"both"`` (the
+    second layer holds the first's tensors), ``"var"`` (only running_var), or disjoint views
+    of one flat tensor, ``"blocks"`` (consecutive) or ``"interleaved"`` (strided)."""
+
+    def __init__(self, tie: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.a, self.b = nn.BatchNorm2d(4), nn.BatchNorm2d(4)
+        if tie in ("both", "var"):
+            self.b.running_var = self.a.running_var
+        if tie == "both":
+            self.b.running_mean = self.a.running_mean
+        if tie in ("blocks", "interleaved"):
+            flat = torch.zeros(16)
+            for i, bn in enumerate((self.a, self.b)):
+                mean, var = (
+                    (flat[2 * i :: 4], flat[2 * i + 1 :: 4])
+                    if tie == "interleaved"
+                    else flat[8 * i : 8 * i + 8].split(4)
+                )
+                bn.running_mean, bn.running_var = mean, var.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(self.conv(x)) * 3 + 2)
+
+
+def counted(batches: list[torch.Tensor], drawn: list[int]) -> Iterator[torch.Tensor]:
+    for b in batches:
+        drawn.append(1)
+        yield b
+
+
+@pytest.mark.parametrize("call", ["recalibrate", "update_bn", "update_bn_stats"])
+def test_layers_that_share_running_buffers_are_refused_before_any_pass(call: str) -> None:
+    """Writing two layers' statistics into one tensor would keep only the last while the
+    report listed both: refused, naming both layers, before a batch is drawn."""
+    model = TiedNet("both").train()
+    before = state_snapshot(model)
+    drawn: list[int] = []
+    run = {
+        "recalibrate": lambda: precisebn.recalibrate(model, counted(images(), drawn)),
+        "update_bn": lambda: precisebn.compat.update_bn(counted(images(), drawn), model),
+        "update_bn_stats": lambda: precisebn.compat.update_bn_stats(model, counted(images(), drawn), num_iters=6),
+    }[call]
+    with pytest.raises(UnsupportedLayerError, match="layer 'a' running_mean and layer 'b' running_mean") as info:
+        run()
+    assert isinstance(info.value, TypeError)
+    assert "layer 'a' running_var and layer 'b' running_var" in str(info.value)
+    assert drawn == []
+    assert_unchanged(model, before)
+
+
+def test_apply_refuses_statistics_for_layers_that_share_running_buffers() -> None:
+    """estimate() writes nothing, so it measures both layers (each against its float64
+    truth); apply() then refuses and leaves the model as it was."""
+    model = TiedNet("both")
+    batches = images()
+    truth = compute_truth(model, batches)
+    stats = precisebn.estimate(model, batches)
+    for name in ("a", "b"):
+        assert max_rel_error(stats[name].mean, truth[name].mean, truth[name].var.sqrt()) <= 1e-6
+        assert max_rel_error(stats[name].var, truth[name].var) <= 1e-5
+    before = state_snapshot(model)
+    with pytest.raises(UnsupportedLayerError, match="share memory"):
+        precisebn.apply(model, stats)
+    assert_unchanged(model, before)
+
+
+def test_buffers_shared_where_nothing_is_written_are_allowed() -> None:
+    """Only the buffers that a call writes must be apart: adapt="mean" with tied variances,
+    or one of the two layers selected."""
+    model, batches = TiedNet("var"), images()
+    truth = compute_truth(model, batches)
+    shared_var = model.a.running_var.clone()
+    precisebn.recalibrate(model, batches, adapt="mean")
+    for name in ("a", "b"):
+        layer = model.get_submodule(name)
+        assert max_rel_error(layer.running_mean, truth[name].mean, truth[name].var.sqrt()) <= 1e-6
+        assert torch.equal(layer.running_var, shared_var)
+    model = TiedNet("both")
+    precisebn.recalibrate(model, batches, layers=["a"])
+    assert_matches_truth(model, {"a": truth["a"]})
+
+
+@pytest.mark.parametrize("tie", ["blocks", "interleaved"])
+def test_disjoint_views_of_one_tensor_are_not_shared(tie: str) -> None:
+    model, batches = TiedNet(tie), images()
+    assert model.a.running_mean.untyped_storage().data_ptr() == model.b.running_var.untyped_storage().data_ptr()
+    truth = compute_truth(model, batches)
+    precisebn.recalibrate(model, batches)
+    assert_matches_truth(model, truth)
 
 
 def test_data_parallel_wrapper_is_looked_through() -> None:

@@ -11,6 +11,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import precisebn
@@ -25,6 +27,7 @@ from precisebn.errors import (
     UnsupportedLayerError,
 )
 from precisebn.population import LayerStats, PopulationStats
+from precisebn.state import overlapping
 
 
 def mlp() -> nn.Sequential:
@@ -512,3 +515,28 @@ def test_a_failing_pass_inside_inference_mode_leaves_the_model_as_it_was() -> No
     with torch.inference_mode(), pytest.raises(OSError, match="disk read error"):
         precisebn.recalibrate(model, failing(images(4)))
     assert_unchanged(model, before)
+
+
+# -- memory shared between tensors -------------------------------------------------------------
+
+_views = st.tuples(st.integers(0, 11), st.integers(1, 12), st.integers(1, 4), st.booleans())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_views, min_size=2, max_size=6), st.booleans())
+def test_overlapping_lists_exactly_the_pairs_that_share_a_byte(specs: list, as_bytes: bool) -> None:
+    """Against a brute force: views (slices, strided, some viewed as bytes) of one base, plus a
+    separate tensor; a pair shares memory iff some element of one has a byte of the other."""
+    base, other = torch.zeros(12, dtype=torch.float32), torch.zeros(3)
+    tensors, owned = [], []
+    for start, length, step, raw in specs:
+        view = base[start : start + length : step]
+        if raw and as_bytes and view.stride(-1) == 1:
+            view = view.view(torch.uint8)
+        tensors.append(view)
+        index = torch.arange(12 * 4).view(12, 4)[start : start + length : step].reshape(-1)  # bytes of base
+        owned.append(set(index.tolist()) if view.numel() else set())
+    tensors.append(other)
+    owned.append({-1 - i for i in range(12)})  # bytes of nothing in base
+    expected = [(i, j) for i in range(len(tensors)) for j in range(i + 1, len(tensors)) if owned[i] & owned[j]]
+    assert overlapping(tensors) == expected

@@ -92,6 +92,7 @@ def update_bn_stats(
                     tolerance=None,
                     _mode="keep",
                     walk=walk,
+                    writes=("running_mean", "running_var"),
                 )
         except EmptyDataError as exc:
             raise ShortLoaderError(
@@ -102,7 +103,7 @@ def update_bn_stats(
                 f"update_bn_stats is meant to run for {num_iters} iterations, but the data loader stops at "
                 f"{stats.batches} iterations; the model was left unchanged."
             )
-        _apply(unwrap(model), stats, modules=walk)
+        _apply(unwrap(model), stats, modules=walk, shared_checked=True)
 
 
 def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | str | None = None) -> None:

@@ -28,8 +28,9 @@ from .errors import (
     ModelChangedWarning,
     PreciseBNWarning,
     UninitializedLayerError,
+    UnsupportedLayerError,
 )
-from .state import StateSnapshot, refuse_uninitialized
+from .state import StateSnapshot, overlapping, refuse_uninitialized
 
 __all__ = [
     "LayerSelection",
@@ -38,6 +39,7 @@ __all__ = [
     "find_norm_layers",
     "has_running_stats",
     "recalibration_state",
+    "refuse_shared_buffers",
     "unwrap",
 ]
 
@@ -228,6 +230,34 @@ def find_norm_layers(
         kept = "Its statistics are" if len(scripted) == 1 else "Their statistics are"
         warnings.warn(f"The {script} {kept} kept.", PreciseBNWarning, stacklevel=4)  # recalibrate's caller
     return found
+
+
+def refuse_shared_buffers(buffers: list[tuple[str, str, Tensor]]) -> None:
+    """Raises :class:`UnsupportedLayerError` if two of the running-statistics buffers about
+    to be written, ``(layer name, buffer name, tensor)``, share memory (two layers given the
+    same tensor, or views of one): each layer's statistics would be written over the other's,
+    the last one winning, while the report listed both as updated.
+
+    >>> import torch
+    >>> a, b = torch.nn.BatchNorm1d(2), torch.nn.BatchNorm1d(2)
+    >>> b.running_var = a.running_var
+    >>> refuse_shared_buffers([("a", "running_var", a.running_var), ("b", "running_var", b.running_var)])
+    Traceback (most recent call last):
+    ...
+    precisebn.errors.UnsupportedLayerError: running statistics that share memory: layer 'a' running_var and ...
+    """
+    pairs = overlapping([t for _, _, t in buffers])
+    if not pairs:
+        return
+    shown = "; ".join(
+        f"layer {buffers[i][0]!r} {buffers[i][1]} and layer {buffers[j][0]!r} {buffers[j][1]}" for i, j in pairs[:3]
+    ) + (f"; and {len(pairs) - 3} more" if len(pairs) > 3 else "")
+    raise UnsupportedLayerError(
+        f"running statistics that share memory: {shown} are one tensor (or overlapping views of one), so "
+        "writing each layer's statistics would overwrite the other's, and only the last would remain. Give each "
+        "layer buffers of its own (e.g. layer.running_var = layer.running_var.clone()), or recalibrate one of "
+        "them (layers=[...]). The model was left unchanged."
+    )
 
 
 @dataclass

@@ -33,7 +33,7 @@ from .adapt import Adapt, check_adapt, with_prior
 from .capture import times as _times
 from .data import Forward, default_forward, model_device
 from .errors import InvalidArgumentError, StatsMismatchError
-from .layers import Capture, LayerSelection, Mode, find_norm_layers, has_running_stats, unwrap
+from .layers import Capture, LayerSelection, Mode, find_norm_layers, has_running_stats, refuse_shared_buffers, unwrap
 from .measure import AUTO_MAX_SAMPLES, AUTO_MIN_SAMPLES, Pass
 from .population import PopulationStats
 from .report import LayerReport, Report
@@ -54,6 +54,7 @@ mmcls' default; Wu & Johnson 2021 find 10³–10⁴ samples enough)."""
 
 _MODES = ("norm", "train")
 _CAPTURES = ("auto", "float64")
+_WRITES = {"both": ("running_mean", "running_var"), "mean": ("running_mean",), "var": ("running_var",)}  # by adapt
 
 
 def check_options(
@@ -262,6 +263,7 @@ def _estimate(
     _mode: Mode | None,
     per_call: Any = False,
     walk: list[tuple[str, nn.Module]] | None = None,
+    writes: tuple[str, ...] = (),
 ) -> PopulationStats:
     """:func:`estimate`, holding the model in ``guard`` (so that :func:`recalibrate` can
     keep it until its statistics are written), and ``torch.inference_mode(False)`` with it:
@@ -270,7 +272,9 @@ def _estimate(
     Every check runs on every rank inside the distributed failure protocol, so a mistake on
     one rank reaches all of them.
     ``walk``, if given, receives the unwrapped model's ``named_modules()`` (for
-    :func:`_apply`: the model is walked once per call)."""
+    :func:`_apply`: the model is walked once per call). ``writes``: the buffers that the
+    caller will write (``running_mean``, ``running_var``), refused before any pass if they
+    share memory across the selected layers (see :func:`_apply`)."""
     guard.enter_context(torch.inference_mode(False))
     ctx = _dist.RankContext.resolve(distributed, process_group)
     try:
@@ -327,6 +331,8 @@ def _estimate(
             walk[:] = modules
         guard.enter_context(exclusive(model, modules))
         selected = find_norm_layers(model, layers, capture=capture, modules=modules)
+        if writes:
+            refuse_shared_buffers([(layer.name, b, getattr(layer.module, b)) for layer in selected for b in writes])
         abort = ctx.poll if ctx is not None else None
         local = run.measure(selected, abort=abort, modules=modules, keep_folds=ctx is not None)
     except BaseException as exc:
@@ -409,11 +415,14 @@ def _apply(
     prior: float | None = None,
     adapt: Adapt = "both",
     modules: list[tuple[str, nn.Module]] | None = None,
+    shared_checked: bool = False,
 ) -> Report:
     """:func:`apply` on an unwrapped model that the caller holds: checks everything and
     builds the report first, then writes, restoring the old values if the writes are
     interrupted. ``prior`` is checked (:func:`~precisebn.adapt.check_adapt`). ``modules``:
-    the model's ``named_modules()``, if the caller has walked it already."""
+    the model's ``named_modules()``, if the caller has walked it already. ``shared_checked``:
+    the caller has refused buffers that share memory already (``_estimate(writes=...)``; the
+    passes put every buffer object back)."""
     problems = []
     entries = []
     found = dict(modules or model.named_modules())  # a name the walk does not give (an alias) is looked up
@@ -488,6 +497,16 @@ def _apply(
     ]
     report = Report(rows, stats.samples, stats.batches, stats.seconds, stats.mode, stats.world_size)
     targets = [t for pair, _ in updated for t, w in zip(pair, write) if w]
+    if not shared_checked:
+        refuse_shared_buffers(
+            [
+                (name, what, t)
+                for (name, _, s), pair in zip(entries, buffers)
+                if s.reached
+                for what, t, w in zip(("running_mean", "running_var"), pair, write)
+                if w
+            ]
+        )
     with torch.no_grad(), restore_on_error(targets):
         copy_all(targets, new)
     for name, _, s in entries:
@@ -632,5 +651,6 @@ def recalibrate(
             tolerance=tolerance,
             _mode=None,
             walk=walk,
+            writes=_WRITES[adapt],
         )
-        return _apply(unwrap(model), stats, checked_prior, adapt, walk)
+        return _apply(unwrap(model), stats, checked_prior, adapt, walk, shared_checked=True)

@@ -32,7 +32,15 @@ from torch import Tensor, nn
 
 from .errors import ConcurrentUseError, UninitializedLayerError
 
-__all__ = ["StateSnapshot", "copy_all", "exclusive", "refuse_uninitialized", "restore_on_error", "version_of"]
+__all__ = [
+    "StateSnapshot",
+    "copy_all",
+    "exclusive",
+    "overlapping",
+    "refuse_uninitialized",
+    "restore_on_error",
+    "version_of",
+]
 
 _UNINITIALIZED = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)  # lazy modules' tensors
 _RENORMALISED = (nn.Embedding, nn.EmbeddingBag)  # modules whose forward writes their weight (max_norm)
@@ -53,6 +61,57 @@ def _span(t: Tensor) -> Tensor | None:
         return None
     extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return t.as_strided((extent,), (1,), t.storage_offset())
+
+
+def overlapping(tensors: list[Tensor]) -> list[tuple[int, int]]:
+    """Pairs ``(i, j)``, ``i < j``, of ``tensors`` that share memory (the same tensor twice,
+    a view and its base, two views with an element's bytes in common): writing one of a pair
+    changes the other.
+
+    >>> import torch
+    >>> a = torch.zeros(6)
+    >>> overlapping([a[:3], a[3:], torch.zeros(2), a[::2], a[1::2], a])  # a[::2], a[1::2] share no byte
+    [(0, 3), (0, 4), (0, 5), (1, 3), (1, 4), (1, 5), (3, 5), (4, 5)]
+    """
+    by_device: dict[int, list[tuple[int, int, int]]] = {}  # addresses are unique on a device (-1: the CPU)
+    for k, t in enumerate(tensors):
+        start = t.data_ptr() if t.layout == torch.strided else 0
+        if not start:  # no memory (meta, empty) or no strides (sparse...)
+            continue
+        shape = t.shape
+        if len(shape) == 1:
+            extent = 1 + (shape[0] - 1) * t.stride(0)
+        else:
+            extent = 1 + sum((n - 1) * s for n, s in zip(shape, t.stride()))
+        by_device.setdefault(t.get_device(), []).append((start, start + extent * t.element_size(), k))
+    pairs = []
+    for ranges in by_device.values():
+        ranges.sort()
+        active: list[tuple[int, int]] = []  # (end, index) of the tensors whose span reaches this far
+        for start, end, k in ranges:
+            active = [(e, i) for e, i in active if e > start]
+            for _, i in active:
+                if _share_bytes(tensors[i], tensors[k]):
+                    pairs.append((min(i, k), max(i, k)))
+            active.append((end, k))
+    return sorted(pairs)
+
+
+_EXACT = 1 << 16  # elements: tensors this large or smaller whose spans overlap are compared byte by byte
+
+
+def _share_bytes(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors whose spans overlap have a byte in common (assumed for large ones)."""
+    if a.numel() > _EXACT or b.numel() > _EXACT:
+        return True
+    return not _byte_addresses(a).isdisjoint(_byte_addresses(b))
+
+
+def _byte_addresses(t: Tensor) -> set[int]:
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    positions = torch.arange(extent, dtype=torch.int64).as_strided(t.shape, t.stride(), 0).reshape(-1).tolist()
+    size, base = t.element_size(), t.data_ptr()
+    return {base + p * size + byte for p in positions for byte in range(size)}
 
 
 def _bytes(t: Tensor) -> Tensor | None:
