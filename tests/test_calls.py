@@ -149,7 +149,8 @@ def test_pooled_statistics_are_flagged_with_their_calls_per_forward(tmp_path: An
 
 class BiasedVariance1d(nn.BatchNorm1d):
     """Stores the biased batch variance (detectron2's NaiveSyncBatchNorm does): its own
-    figures fail verification, so it is measured on the float64 path."""
+    figures fail verification, so it is measured on the float64 path. (In training it
+    normalises with the batch's figures; momentum 0.0 leaves its buffers as written.)"""
 
     def forward(self, x: Tensor) -> Tensor:
         if self.training:
@@ -157,7 +158,9 @@ class BiasedVariance1d(nn.BatchNorm1d):
             with torch.no_grad():
                 self.running_mean.mul_(1 - self.momentum).add_(mean, alpha=self.momentum)
                 self.running_var.mul_(1 - self.momentum).add_(var, alpha=self.momentum)
-        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        return F.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, 0.0, self.eps
+        )
 
 
 def each(model: nn.Module, batch: list[Tensor]) -> list[Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import hypothesis.strategies as st
@@ -251,20 +252,22 @@ def test_invariant_to_batch_split_and_order(cuts: list[int], seed: int, reverse:
     assert max_rel_error(split.var, truth.var) <= TOL
 
 
+class Late(nn.Module):
+    """Calls ``early`` in the first forward, ``late`` in the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.early, self.late = nn.BatchNorm1d(4), nn.BatchNorm1d(4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.early(x) if self.calls == 1 else self.late(x)
+
+
 def test_layer_first_reached_late_with_a_large_mean() -> None:
     """The float64 shift of a channel is the first batch's figure; a layer not reached then
     keeps shift 0, which must still meet the |mean|/std = 1e4 target."""
-
-    class Late(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.early, self.late = nn.BatchNorm1d(4), nn.BatchNorm1d(4)
-            self.calls = 0
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            self.calls += 1
-            return self.early(x) if self.calls == 1 else self.late(x)
-
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(32, 4, generator=g, dtype=torch.float64) + 1e4).float() for _ in range(20)]
     late = precisebn.estimate(Late(), batches)["late"]
@@ -272,6 +275,25 @@ def test_layer_first_reached_late_with_a_large_mean() -> None:
     assert late.count == 19 * 32
     assert max_rel_error(late.mean, truth.mean) <= 1e-5
     assert max_rel_error(late.var, truth.var) <= 1e-3
+
+
+@pytest.mark.parametrize("stale", [-1e8, float("nan"), float("inf")])
+def test_layer_first_reached_late_with_stale_statistics_of_its_own(stale: float) -> None:
+    """The passes start each layer's scratch from its own statistics (what code reading them
+    before the layer's call must see); a layer not reached in the first batch still gets
+    shift 0 — a stale mean of -1e8 as its shift would leave nothing of the variance, and NaN
+    or Inf, times a count of 0, would poison its sums."""
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(32, 4, generator=g) * 2 + 3 for _ in range(6)]
+    model = Late()
+    model.late.running_mean.fill_(stale)
+    model.late.running_var.fill_(abs(stale))
+    stats = precisebn.estimate(model, batches)
+    truth = {"early": compute_truth(nn.BatchNorm1d(4), batches[:1])[""]}
+    truth["late"] = compute_truth(nn.BatchNorm1d(4), batches[1:])[""]
+    truth["late"].calls = 5
+    check_against_truth(stats, truth)
+    assert stats["late"].path == "fast"
 
 
 class SwitchesToEval(nn.Module):
@@ -330,3 +352,69 @@ def test_keyword_calls_are_measured_on_both_paths() -> None:
     assert stats.path == "fast" and stats.count == 40
     assert max_rel_error(stats.mean, values.mean(0), values.var(0).sqrt()) <= 1e-6
     assert max_rel_error(stats.var, values.var(0, correction=0)) <= TOL
+
+
+# -- code that reads a layer's running buffers during the passes -------------------------------
+
+
+class ReadsRunningStd(nn.Module):
+    """Scales the conv's output by the BatchNorm's running std before calling it, like the
+    weight folding of torch.ao's QAT ConvBn2d: what the layer receives depends on its own
+    running statistics, which must be the model's while it is measured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        with torch.no_grad():
+            self.bn.running_mean.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+            self.bn.running_var.copy_(torch.tensor([4.0, 0.25, 9.0, 1.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        std = (self.bn.running_var + self.bn.eps).sqrt() + self.bn.running_mean.abs()
+        return self.bn(self.conv(x) * std[None, :, None, None])
+
+
+def frozen_truth(model: nn.Module, batches: list, **kw) -> dict:
+    """The float64 truth with every BatchNorm's statistics held where the model has them
+    (momentum 0 in the copy the truth runs on): what the model's own forward computes."""
+    frozen = copy.deepcopy(model)
+    for m in frozen.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase):
+            m.momentum = 0.0
+    return compute_truth(frozen, batches, **kw)
+
+
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+@pytest.mark.parametrize("mode", ["norm", "train"])
+def test_reads_of_running_buffers_during_the_passes_see_the_models_statistics(capture: str, mode: str) -> None:
+    """Before, such a read saw precisebn's scratch: zeros and ones in the first batch, then
+    the previous batch's figures, and the layer's statistics were those of inputs the model
+    never produces (off by up to 8x in the variance here)."""
+    model = ReadsRunningStd()
+    batches = [torch.randn(4, 3, 8, 8) * 2 + 1 for _ in range(5)]
+    truth = frozen_truth(model, batches, mode=mode)
+    before = model.bn.running_var.clone()
+    stats = precisebn.estimate(model, batches, capture=capture, mode=mode)
+    check_against_truth(stats, truth)
+    assert torch.equal(model.bn.running_var, before)
+    precisebn.recalibrate(model, batches, capture=capture, mode=mode)
+    t = truth["bn"]
+    assert max_rel_error(model.bn.running_mean, t.mean, t.var.sqrt()) <= TOL
+    assert max_rel_error(model.bn.running_var, t.var) <= TOL
+
+
+def test_qat_conv_bn_is_measured_with_its_own_statistics_folded_in() -> None:
+    """torch.ao's QAT ConvBn2d (weight fake-quantised after scaling by the running std)."""
+    from torch.ao.nn.intrinsic.qat import ConvBn2d
+    from torch.ao.quantization import get_default_qat_qconfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(ConvBn2d(3, 8, 3, qconfig=get_default_qat_qconfig("fbgemm")))
+    with torch.no_grad():
+        model[0].bn.running_var.uniform_(0.2, 5.0)
+        model[0].bn.running_mean.uniform_(-1.0, 1.0)
+    batches = [torch.randn(4, 3, 10, 10) for _ in range(4)]
+    truth = frozen_truth(model, batches)
+    check_against_truth(precisebn.estimate(model, batches), truth)

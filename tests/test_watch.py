@@ -68,7 +68,10 @@ class BiasedVariance(nn.BatchNorm2d):
                 m = self.momentum
                 self.running_mean.mul_(1 - m).add_(mean, alpha=m)
                 self.running_var.mul_(1 - m).add_(var, alpha=m)
-        return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0)
+        # normalised with the batch's figures in training (momentum 0.0: torch leaves the buffers as written)
+        return nn.functional.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, 0.0, self.eps
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -84,6 +87,34 @@ def test_subclass_storing_a_biased_variance_falls_back_exactly(dtype: torch.dtyp
     with torch.no_grad():
         mean, var = stats_of([model[0](x) for x in data])
     assert_close(model[1], mean, var, 1e-6 if dtype == torch.float32 else 1e-12)
+
+
+class NormalisesWithItsStatistics(nn.BatchNorm2d):
+    """Normalises its input with its running buffers in training mode too (``training=False``):
+    its buffers never hold figures of a batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False)
+
+
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+def test_a_layer_that_normalises_with_its_statistics_is_measured_in_float64_even_when_they_fit(capture: str) -> None:
+    """The passes start the layer's scratch from its own statistics (see test_capture's
+    ReadsRunningStd). Here they are the first batch's own figures, so comparing the buffers
+    with the float64 statistics of the first batch would pass, and every later batch would
+    count those stale figures: the call itself says that it computes none."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), NormalisesWithItsStatistics(4))
+    data = images((4, 6, 3))
+    with torch.no_grad():
+        first = model[0](data[0]).transpose(0, 1).reshape(4, -1).double()
+        model[1].running_mean.copy_(first.mean(1))
+        model[1].running_var.copy_(first.var(1))  # unbiased: what a BatchNorm leaves with momentum 1
+        mean, var = stats_of([model[0](x) for x in data])
+    stats = precisebn.estimate(model, data, capture=capture)
+    assert stats["1"].path == "float64"
+    precisebn.apply(model, stats)
+    assert_close(model[1], mean, var, 1e-6)
 
 
 class TransformsItsInput(nn.BatchNorm2d):

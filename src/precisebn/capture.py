@@ -125,6 +125,7 @@ class Collector:
         self._spots: SpotChecks | None = None  # CPU: the checks of this batch's calls waiting to be made together
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
+        self._scratch = state.groups
         # after finish(): the pooled (moments, variance, se_mean, se_var) of fast-path layers pooled there
         self.pooled: dict[int, tuple[RunningMoments, Tensor, Tensor, Tensor]] = {}
         for scratch in state.groups:
@@ -191,6 +192,8 @@ class Collector:
             self._sum_figures(fold)
         if self._extras:
             self._merge_extras()  # into this batch's fold, like everything else of it
+        for scratch in self._scratch:  # what the next batch reads before a layer's first call
+            scratch.reset()
         self._batch += 1
 
     def _sum_figures(self, fold: int) -> None:
@@ -204,8 +207,8 @@ class Collector:
             mean, var = g.scratch.buffer[0], g.scratch.buffer[1]
             if g.device != mean.device:
                 mean, var = mean.to(g.device), var.to(g.device)
-            if g.shift is None:  # a copy: a float64 buffer would otherwise be its own shift
-                g.shift = mean.to(torch.float64, copy=True)
+            if g.shift is None:  # the first batch's figures; 0 for a layer it did not call (its scratch
+                g.shift = torch.where(count > 0, mean.to(torch.float64), 0.0)  # holds the model's statistics)
             d = torch.sub(mean, g.shift, out=g.d)  # float64; garbage only where count is 0
             s1, s2 = g.s1[fold], g.s2[fold]
             if self._batch < FOLDS:  # this fold's first batch: its rows are written, not added to
@@ -488,11 +491,15 @@ class _LayerCall:
         self.module = collector.layers[i].module
         self.own_forward = normalises_its_input(self.module)  # torch's own forward: what it normalises is its input
 
-    def watched(self, forward: Callable[..., Any], x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Runs the layer; returns its output and what it normalised with its running buffers."""
+    def watched(
+        self, forward: Callable[..., Any], x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, list[Tensor], bool]:
+        """Runs the layer; returns its output, what it normalised with its running buffers, and
+        whether every such normalization computed batch figures (``F.batch_norm(...,
+        training=False)`` normalises with the buffers and leaves them as they were)."""
         module = self.module
         if self.own_forward and module.track_running_stats and module._buffers.get("running_mean") is self.mean_view:
-            return forward(*args, **kwargs), [x]  # torch's own forward, normalising with the scratch buffers
+            return forward(*args, **kwargs), [x], True  # torch's own forward, in training mode (checked)
         with Watch(module, x) as watch:
             out = forward(*args, **kwargs)
         if watch.changed():
@@ -504,7 +511,7 @@ class _LayerCall:
                 "is (e.g. use an out-of-place operation), or exclude the layer with layers=. The model was left "
                 "unchanged."
             )
-        return out, watch.seen
+        return out, watch.seen, not watch.frozen
 
     def fast(self, x: Tensor, j: int) -> int:
         c, i = self.c, self.i
@@ -550,8 +557,11 @@ class _LayerCall:
             counter = c._counters[i]
             before = counter._version if counter is not None else -1
             n = self.fast(x, j)
-            out, seen = self.watched(forward, x, args, kwargs)
-            if x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads cost nothing here
+            out, seen, figures = self.watched(forward, x, args, kwargs)
+            if not figures:  # its buffers hold no figures of this call, whatever they hold: float64
+                trial.add(seen, x, self.channels, n)
+                trial.fits = False
+            elif x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads cost nothing here
                 c._check_on_cpu(i, trial, seen, x, n, self.pair)
             else:
                 trial.add(seen, x, self.channels, n)
@@ -561,7 +571,7 @@ class _LayerCall:
         c.calls[i] += 1
         if path == "none":  # verified never to normalise with its running buffers: nothing to watch
             return forward(*args, **kwargs)
-        out, seen = self.watched(forward, x, args, kwargs)
+        out, seen, _ = self.watched(forward, x, args, kwargs)
         if seen:
             n = sum(t.numel() // self.channels for t in seen)
             c.counts[i] += n

@@ -30,7 +30,7 @@ from .errors import (
     UninitializedLayerError,
     UnsupportedLayerError,
 )
-from .state import StateSnapshot, overlapping, refuse_uninitialized
+from .state import StateSnapshot, copy_all, overlapping, refuse_uninitialized
 
 __all__ = [
     "LayerSelection",
@@ -264,12 +264,25 @@ def refuse_shared_buffers(buffers: list[tuple[str, str, Tensor]]) -> None:
 class ScratchGroup:
     """Flat scratch buffers standing in for the running statistics of layers that
     share a device and dtype: ``buffer[0]`` holds every layer's running mean,
-    ``buffer[1]`` its running variance, each layer at ``offsets[i]``."""
+    ``buffer[1]`` its running variance, each layer at ``offsets[i]``.
+
+    ``initial`` holds the layers' own statistics (NaN/Inf replaced: means by 0, variances
+    by 1, as in the alignment gaps), which ``buffer`` starts from and is reset to after
+    every batch (:meth:`reset`): code that reads a layer's running buffers outside its
+    normalization — e.g. ``torch.ao``'s QAT ``ConvBn2d``, which scales the conv's weight
+    by the BatchNorm's running std before calling it — sees the model's statistics, as it
+    would without the pass, rather than figures of an earlier batch."""
 
     buffer: Tensor
     layer_ids: list[int] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     channels: list[int] = field(default_factory=list)
+    initial: Tensor | None = None
+
+    def reset(self) -> None:
+        """Puts the layers' own statistics back into ``buffer`` (one copy, no host sync)."""
+        if self.initial is not None:
+            self.buffer.copy_(self.initial)
 
     def slices(self, t: Tensor, dim: int = -1) -> list[Tensor]:
         """Each of this group's layers' stretch of ``t`` along ``dim`` (laid out as the
@@ -350,8 +363,19 @@ def _allocate_scratch(layers: Sequence[NormLayer]) -> tuple[list[ScratchGroup], 
         buffer = torch.zeros(2, size, dtype=dtype, device=device)
         buffer[1].fill_(1.0)
         group = ScratchGroup(buffer, list(ids), offsets, [layers[i].channels for i in ids])
-        for i, mean, var in zip(ids, group.slices(buffer[0]), group.slices(buffer[1])):
+        means, variances = group.slices(buffer[0]), group.slices(buffer[1])
+        for i, mean, var in zip(ids, means, variances):
             views[i] = (mean, var)
+        own = [t for i in ids for t in (layers[i].module.running_mean, layers[i].module.running_var)]
+        if all(t.device == device and t.dtype == dtype and t.dim() == 1 for t in own):
+            copy_all([t for pair in zip(means, variances) for t in pair], own)
+        else:  # (a running_var of another dtype or shape than its running_mean: converted one by one)
+            for target, t in zip([t for pair in zip(means, variances) for t in pair], own):
+                if t.numel() == target.numel():
+                    target.copy_(t.detach().reshape(target.shape))
+        buffer[0].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        buffer[1].masked_fill_(~(buffer[1] >= 0) | buffer[1].isinf(), 1.0)  # NaN, Inf, negative
+        group.initial = buffer.clone()
         groups.append(group)
     return groups, [v for v in views if v is not None]
 

@@ -90,6 +90,9 @@ class Watch:
 
     Attributes:
         seen: The ``input`` of every normalization call given the module's running mean.
+        frozen: Whether one of those calls normalised with the running buffers without
+            computing batch figures (``training=False``, ``use_input_stats=False``): it
+            leaves them as they were, so they are never that call's own figures.
     """
 
     def __init__(self, module: nn.Module, x: Any = None) -> None:
@@ -97,6 +100,7 @@ class Watch:
         self._buffers = module._buffers
         self.running_mean = self._buffers.get("running_mean")
         self.seen: list[Tensor] = []
+        self.frozen = False
         self._versions: list[int | None] = []  # of each tensor in seen, when it was normalised
         self._tap: _Tap | None = None
         self._mode: _WatchMode | None = None
@@ -127,21 +131,28 @@ class Watch:
         rest of the layer's forward): what it holds now is no longer what the layer normalised."""
         return any(v is not None and version_of(t) != v for t, v in zip(self.seen, self._versions))
 
-    def record(self, x: Any) -> None:
+    def record(self, x: Any, figures: bool) -> None:
         """Records ``x``, normalised with the watched buffer (unless it is not a tensor: torch then
-        says what is wrong)."""
+        says what is wrong); ``figures``: whether the call computed batch figures."""
         if isinstance(x, Tensor):
             self.seen.append(x)
             self._versions.append(version_of(x))
+            self.frozen |= not figures
 
 
-def _norm_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
-    """``(input, running_mean)`` of a normalization call (or of torch's gathering of batch figures
-    across processes), else ``None``."""
+def _norm_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, bool] | None:
+    """``(input, running_mean, whether it computes batch figures)`` of a normalization call (or
+    of torch's gathering of batch figures across processes), else ``None``."""
     if func in _NORMS or func in _GATHERS:
         at = 1 if func in _NORMS else 3  # running_mean's position
         x = args[0] if args else kwargs.get("input")
-        return x, args[at] if len(args) > at else kwargs.get("running_mean")
+        if func is F.batch_norm:  # batch_norm(..., training=False, ...), instance_norm(..., use_input_stats=True, ...)
+            figures = args[5] if len(args) > 5 else kwargs.get("training", False)
+        elif func is F.instance_norm:
+            figures = args[5] if len(args) > 5 else kwargs.get("use_input_stats", True)
+        else:
+            figures = True
+        return x, args[at] if len(args) > at else kwargs.get("running_mean"), bool(figures)
     return None
 
 
@@ -158,7 +169,7 @@ class _Tap(Tensor):
         kwargs = kwargs or {}
         call = _norm_call(func, args, kwargs)
         if call is not None and type(call[1]) is cls and getattr(call[1], "_watch", None) is not None:
-            call[1]._watch.record(call[0])
+            call[1]._watch.record(call[0], call[2])
         with _no_subclass():
             return func(*args, **kwargs)
 
@@ -174,7 +185,7 @@ class _WatchMode(TorchFunctionMode):
         kwargs = kwargs or {}
         call = _norm_call(func, args, kwargs)
         if call is not None and call[1] is not None and call[1] is self.watch.running_mean:
-            self.watch.record(call[0])
+            self.watch.record(call[0], call[2])
         return func(*args, **kwargs)
 
 
