@@ -524,6 +524,37 @@ def test_disjoint_views_of_one_tensor_are_not_shared(tie: str) -> None:
     assert_matches_truth(model, truth)
 
 
+def test_statistics_beyond_the_buffers_dtype_are_refused_saying_so() -> None:
+    """Inputs of magnitude 1e20: their variance, 1e40, is finite in float64 but not in float32.
+    The error says so (not "apply statistics to the model they were estimated on"); in float64
+    buffers the same data is recalibrated exactly."""
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(8, 3, generator=g) * 1e20 for _ in range(3)]
+    model = nn.Sequential(nn.BatchNorm1d(3))
+    before = state_snapshot(model)
+    with pytest.raises(StatsMismatchError, match=r"'0' has values up to .*e\+40, beyond float32's largest") as info:
+        precisebn.recalibrate(model, batches)
+    assert "estimated on" not in str(info.value)
+    assert_unchanged(model, before)
+    model.double()
+    truth = compute_truth(model, [b.double() for b in batches])
+    precisebn.recalibrate(model, [b.double() for b in batches])
+    assert_matches_truth(model, truth, 1e-12)
+
+
+def test_a_layer_on_the_meta_device_is_refused_by_name() -> None:
+    """A model not fully materialised: its meta layer has no values to measure with or write to."""
+    model = small_net()
+    model[5] = nn.BatchNorm2d(8, device="meta")
+    before = state_snapshot(nn.Sequential(*list(model)[:5]))
+    with pytest.raises(UninitializedLayerError, match=r"layer '5' \(BatchNorm2d\) is on the meta device"):
+        precisebn.recalibrate(model, images())
+    assert_unchanged(nn.Sequential(*list(model)[:5]), before)
+    stats = precisebn.estimate(small_net(), images())
+    with pytest.raises(StatsMismatchError, match=r"'5' is on the meta device"):
+        precisebn.apply(model, stats)
+
+
 def test_data_parallel_wrapper_is_looked_through() -> None:
     model = small_net()
     plain = copy.deepcopy(model)

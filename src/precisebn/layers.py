@@ -210,6 +210,12 @@ def find_norm_layers(
                 "initialised; run one forward pass first (e.g. model(example_batch)) so that "
                 "its number of channels is known, then recalibrate."
             )
+        if isinstance(module.running_mean, Tensor) and module.running_mean.is_meta:
+            raise UninitializedLayerError(
+                f"layer {name!r} ({type(module).__name__}) is on the meta device: its buffers hold no values "
+                "to measure with or write to. Materialise the model first (e.g. model.to_empty(device='cpu'), "
+                "then load its weights), or exclude the layer with layers=. Nothing was changed."
+            )
         if has_running_stats(module):
             found.append(NormLayer(name, module, _path(module, capture)))
     where = ", ".join(repr(n) for n in scripted[:5]) + (f" and {len(scripted) - 5} more" if len(scripted) > 5 else "")

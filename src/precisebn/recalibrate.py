@@ -435,6 +435,8 @@ def _apply(
             )
         elif not has_running_stats(m):
             problems.append(f"{name!r} ({type(m).__name__}) has no running statistics")
+        elif m.running_mean.is_meta or m.running_var.is_meta:
+            problems.append(f"{name!r} is on the meta device (not materialised: nothing to write to)")
         else:
             shape = tuple(m.running_mean.shape)
             bad = [
@@ -469,14 +471,29 @@ def _apply(
         mean = next(new_host) if s.reached and write[0] else old_mean
         var = next(new_host) if s.reached and write[1] else old_var
         values[name] = (old_mean, old_var, mean, var)
+    overflow: list[str] = []
     if new and not _all_fine(host[len(old) :], write):  # checked at once; layer by layer only to name them
         for name, m, s in entries:
             mean, var = values[name][2:]
             if s.reached and not all(bool(t.isfinite().all()) for t, w in zip((mean, var), write) if w):
                 dtype = str(m.running_mean.dtype).removeprefix("torch.")
+                sources = [t for t, w in zip((s.mean, s.var), write) if w]
+                if all(bool(torch.as_tensor(t).isfinite().all()) for t in sources):
+                    largest = max(float(torch.as_tensor(t).abs().max()) for t in sources)
+                    overflow.append(
+                        f"{name!r} has values up to {largest:.3g}, beyond {dtype}'s largest "
+                        f"{torch.finfo(m.running_mean.dtype).max:.3g}"
+                    )
                 problems.append(f"{name!r} has NaN/Inf values (as {dtype})")
             elif s.reached and write[1] and bool((var < 0).any()):
                 problems.append(f"{name!r} has a negative variance")
+    if problems and len(overflow) == len(problems):  # finite statistics that the buffers' dtype cannot hold
+        _refuse(
+            "the statistics cannot be written",
+            [f"{p} (NaN/Inf values as written)" for p in overflow],
+            "Keep those layers' buffers in a dtype that holds them (e.g. layer.double()), or rescale what they "
+            "receive. Nothing was written.",
+        )
     _refuse("the statistics cannot be written", problems)
     rows = [
         LayerReport(
@@ -535,14 +552,18 @@ def _is_call(name: str) -> bool:
     return index.isdigit() and (head == "calls" or head.endswith(".calls"))
 
 
-def _refuse(what: str, problems: list[str]) -> None:
+def _refuse(what: str, problems: list[str], hint: str | None = None) -> None:
     if problems:
         raise StatsMismatchError(
             f"{what}: "
             + "; ".join(problems[:5])
             + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-            + ". Apply statistics to the model (architecture) they were estimated on, each mean and variance of "
-            "shape (channels,), finite, variances >= 0. Nothing was written."
+            + ". "
+            + (
+                hint
+                or "Apply statistics to the model (architecture) they were estimated on, each mean and variance of "
+                "shape (channels,), finite, variances >= 0. Nothing was written."
+            )
         )
 
 
