@@ -149,18 +149,16 @@ def test_pooled_statistics_are_flagged_with_their_calls_per_forward(tmp_path: An
 
 class BiasedVariance1d(nn.BatchNorm1d):
     """Stores the biased batch variance (detectron2's NaiveSyncBatchNorm does): its own
-    figures fail verification, so it is measured on the float64 path. (In training it
-    normalises with the batch's figures; momentum 0.0 leaves its buffers as written.)"""
+    figures fail verification, so it is measured on the float64 path."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.training:
-            var, mean = torch.var_mean(x, dim=0, correction=0)
-            with torch.no_grad():
-                self.running_mean.mul_(1 - self.momentum).add_(mean, alpha=self.momentum)
-                self.running_var.mul_(1 - self.momentum).add_(var, alpha=self.momentum)
-        return F.batch_norm(
-            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, 0.0, self.eps
+        out = F.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, self.momentum, self.eps
         )
+        if self.training:  # then puts the biased variance where torch put the unbiased one
+            with torch.no_grad():
+                self.running_var.sub_(torch.var(x, dim=0, correction=0), alpha=self.momentum / (x.shape[0] - 1))
+        return out
 
 
 def each(model: nn.Module, batch: list[Tensor]) -> list[Tensor]:

@@ -239,17 +239,16 @@ class ChangesItsInputAfterward(nn.Module):
 
 
 class BiasedVariance1d(nn.BatchNorm1d):
-    """Stores the biased batch variance: its own figures fail the check. (In training it
-    normalises with the batch's figures; momentum 0.0 leaves its buffers as written.)"""
+    """Stores the biased batch variance: its own figures fail the check."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var, mean = torch.var_mean(x, dim=0, correction=0)
-        with torch.no_grad():
-            self.running_mean.copy_(mean)
-            self.running_var.copy_(var)
-        return F.batch_norm(
-            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, 0.0, self.eps
+        out = F.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, self.momentum, self.eps
         )
+        if self.training:  # then puts the biased variance where torch put the unbiased one
+            with torch.no_grad():
+                self.running_var.sub_(torch.var(x, dim=0, correction=0), alpha=self.momentum / (x.shape[0] - 1))
+        return out
 
 
 def batches(count: int = 6, seed: int = 2) -> list[torch.Tensor]:

@@ -62,16 +62,14 @@ class BiasedVariance(nn.BatchNorm2d):
     NaiveSyncBatchNorm does); normalises its input."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
-            with torch.no_grad():
-                m = self.momentum
-                self.running_mean.mul_(1 - m).add_(mean, alpha=m)
-                self.running_var.mul_(1 - m).add_(var, alpha=m)
-        # normalised with the batch's figures in training (momentum 0.0: torch leaves the buffers as written)
-        return nn.functional.batch_norm(
-            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, 0.0, self.eps
+        out = nn.functional.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, self.momentum, self.eps
         )
+        if self.training:  # then puts the biased variance where torch put the unbiased one
+            with torch.no_grad():
+                n = x.numel() // x.shape[1]
+                self.running_var.sub_(torch.var(x, dim=(0, 2, 3), correction=0), alpha=self.momentum / (n - 1))
+        return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -97,14 +95,28 @@ class NormalisesWithItsStatistics(nn.BatchNorm2d):
         return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False)
 
 
+class MomentumOfItsOwn(nn.BatchNorm2d):
+    """Passes a momentum of its own (0.1, not the layer's): its buffers move a tenth of the
+    way to each batch's figures."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, 0.1, self.eps
+        )
+
+
+@pytest.mark.parametrize("cls", [NormalisesWithItsStatistics, MomentumOfItsOwn])
 @pytest.mark.parametrize("capture", ["auto", "float64"])
-def test_a_layer_that_normalises_with_its_statistics_is_measured_in_float64_even_when_they_fit(capture: str) -> None:
+def test_a_layer_whose_call_does_not_overwrite_its_buffers_is_measured_in_float64_even_when_they_fit(
+    cls: type, capture: str
+) -> None:
     """The passes start the layer's scratch from its own statistics (see test_capture's
     ReadsRunningStd). Here they are the first batch's own figures, so comparing the buffers
     with the float64 statistics of the first batch would pass, and every later batch would
-    count those stale figures: the call itself says that it computes none."""
+    count figures that are not its own: the call itself says so (training=False, or a
+    momentum other than the layer's 1.0)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), NormalisesWithItsStatistics(4))
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), cls(4))
     data = images((4, 6, 3))
     with torch.no_grad():
         first = model[0](data[0]).transpose(0, 1).reshape(4, -1).double()

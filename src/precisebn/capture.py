@@ -495,8 +495,8 @@ class _LayerCall:
         self, forward: Callable[..., Any], x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, list[Tensor], bool]:
         """Runs the layer; returns its output, what it normalised with its running buffers, and
-        whether every such normalization computed batch figures (``F.batch_norm(...,
-        training=False)`` normalises with the buffers and leaves them as they were)."""
+        whether every such normalization overwrote them with its batch figures (see
+        :attr:`~precisebn.watch.Watch.frozen`)."""
         module = self.module
         if self.own_forward and module.track_running_stats and module._buffers.get("running_mean") is self.mean_view:
             return forward(*args, **kwargs), [x], True  # torch's own forward, in training mode (checked)

@@ -90,9 +90,11 @@ class Watch:
 
     Attributes:
         seen: The ``input`` of every normalization call given the module's running mean.
-        frozen: Whether one of those calls normalised with the running buffers without
-            computing batch figures (``training=False``, ``use_input_stats=False``): it
-            leaves them as they were, so they are never that call's own figures.
+        frozen: Whether one of those calls did not overwrite the running buffers with its
+            batch figures: it normalised with them (``training=False``,
+            ``use_input_stats=False``), or passed a momentum other than 1.0 of its own (the
+            layer's momentum is 1.0 during the passes). What they hold is then never that
+            call's own figures.
     """
 
     def __init__(self, module: nn.Module, x: Any = None) -> None:
@@ -141,18 +143,17 @@ class Watch:
 
 
 def _norm_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, bool] | None:
-    """``(input, running_mean, whether it computes batch figures)`` of a normalization call (or
-    of torch's gathering of batch figures across processes), else ``None``."""
+    """``(input, running_mean, whether it overwrites the buffers with its batch figures)`` of a
+    normalization call (or of torch's gathering of batch figures across processes), else ``None``."""
     if func in _NORMS or func in _GATHERS:
         at = 1 if func in _NORMS else 3  # running_mean's position
         x = args[0] if args else kwargs.get("input")
-        if func is F.batch_norm:  # batch_norm(..., training=False, ...), instance_norm(..., use_input_stats=True, ...)
-            figures = args[5] if len(args) > 5 else kwargs.get("training", False)
-        elif func is F.instance_norm:
-            figures = args[5] if len(args) > 5 else kwargs.get("use_input_stats", True)
-        else:
-            figures = True
-        return x, args[at] if len(args) > at else kwargs.get("running_mean"), bool(figures)
+        figures = True  # torch's gathering: the layer's running buffers get the batch figures
+        if func in _NORMS:  # (..., training=False / use_input_stats=True, momentum=0.1, eps)
+            batch = args[5] if len(args) > 5 else kwargs.get("training" if func is F.batch_norm else "use_input_stats")
+            momentum = args[6] if len(args) > 6 else kwargs.get("momentum", 0.1)
+            figures = bool(func is F.instance_norm if batch is None else batch) and momentum == 1.0
+        return x, args[at] if len(args) > at else kwargs.get("running_mean"), figures
     return None
 
 
