@@ -354,6 +354,11 @@ class RecalibrationState:
         self.wrap_forward(module, call)
 
 
+def _running(module: nn.Module) -> tuple[Tensor, Tensor]:
+    buffers = module._buffers  # (Module.__getattr__ is slow)
+    return buffers["running_mean"], buffers["running_var"]  # type: ignore[return-value]
+
+
 def _allocate_scratch(layers: Sequence[NormLayer]) -> tuple[list[ScratchGroup], list[tuple[Tensor, Tensor]]]:
     by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, layer in enumerate(layers):
@@ -372,11 +377,12 @@ def _allocate_scratch(layers: Sequence[NormLayer]) -> tuple[list[ScratchGroup], 
         means, variances = group.slices(buffer[0]), group.slices(buffer[1])
         for i, mean, var in zip(ids, means, variances):
             views[i] = (mean, var)
-        own = [t for i in ids for t in (layers[i].module.running_mean, layers[i].module.running_var)]
-        if all(t.device == device and t.dtype == dtype and t.dim() == 1 for t in own):
-            copy_all([t for pair in zip(means, variances) for t in pair], own)
-        else:  # (a running_var of another dtype or shape than its running_mean: converted one by one)
-            for target, t in zip([t for pair in zip(means, variances) for t in pair], own):
+        own = [t for i in ids for t in _running(layers[i].module)]
+        targets = [t for pair in zip(means, variances) for t in pair]
+        try:
+            copy_all(targets, own)
+        except RuntimeError:  # (a running_var of another shape than its running_mean...: one by one)
+            for target, t in zip(targets, own):
                 if t.numel() == target.numel():
                     target.copy_(t.detach().reshape(target.shape))
         buffer[0].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
