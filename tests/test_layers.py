@@ -309,3 +309,31 @@ def test_a_scratch_groups_slices_and_positions_follow_its_layout(channels: list[
     assert all(
         layer_of[col] == i for i, off, c in zip(ids, offsets, channels) if i in keep for col in range(off, off + c)
     )
+
+
+def test_scratch_starts_from_each_layer_s_statistics_and_is_reset_to_them() -> None:
+    """What code reading the buffers during a pass sees (before a layer's call in each batch):
+    the layer's own statistics, NaN/Inf replaced (means 0, variances 1, negative variances 0),
+    whatever their dtype (a float64 running_var beside a float32 running_mean is converted)."""
+    a, b, c = nn.BatchNorm1d(3), nn.BatchNorm1d(2), nn.BatchNorm1d(2)
+    with torch.no_grad():
+        a.running_mean.copy_(torch.tensor([1.5, -2.0, 0.25]))
+        a.running_var.copy_(torch.tensor([4.0, 0.5, 9.0]))
+        b.running_mean.copy_(torch.tensor([float("nan"), float("inf")]))
+        b.running_var.copy_(torch.tensor([-1.0, float("nan")]))
+    c.running_var = torch.tensor([2.0, 3.0], dtype=torch.float64)
+    model = nn.Sequential(a, b, c)
+    expected = {
+        a: ([1.5, -2.0, 0.25], [4.0, 0.5, 9.0]),
+        b: ([0.0, 0.0], [0.0, 1.0]),
+        c: ([0.0, 0.0], [2.0, 3.0]),
+    }
+    with torch.no_grad(), recalibration_state(model, find_norm_layers(model), "norm") as state:
+        for module, (mean, var) in expected.items():
+            assert module.running_mean.tolist() == mean and module.running_var.tolist() == var
+        for group in state.groups:
+            group.buffer.uniform_()  # a batch's figures
+            group.reset()
+        for module, (mean, var) in expected.items():
+            assert module.running_mean.tolist() == mean and module.running_var.tolist() == var
+    assert b.running_mean.isnan()[0] and a.running_var.tolist() == [4.0, 0.5, 9.0]  # the model's, untouched

@@ -49,7 +49,7 @@ Path = Literal["fast", "float64"]
 LayerSelection = str | type | tuple[type, ...] | Callable[[str, nn.Module], bool] | Iterable[str] | None
 
 _OWN_FIGURE_DTYPES = (torch.float32, torch.float64)
-_ALIGN = 16  # elements; keeps every scratch slice 64-byte aligned for cuDNN
+_ALIGN = 16  # elements; keeps every scratch slice 64-byte aligned for cuDNN (on the CPU: no gaps, see below)
 _NO_FORWARD = object()  # marks a module without an instance-level forward
 
 
@@ -273,7 +273,7 @@ class ScratchGroup:
     ``buffer[1]`` its running variance, each layer at ``offsets[i]``.
 
     ``initial`` holds the layers' own statistics (NaN/Inf replaced: means by 0, variances
-    by 1, as in the alignment gaps), which ``buffer`` starts from and is reset to after
+    by 1, as in the alignment gaps; negative variances by 0), which ``buffer`` starts from and is reset to after
     every batch (:meth:`reset`): code that reads a layer's running buffers outside its
     normalization — e.g. ``torch.ao``'s QAT ``ConvBn2d``, which scales the conv's weight
     by the BatchNorm's running std before calling it — sees the model's statistics, as it
@@ -359,6 +359,26 @@ def _running(module: nn.Module) -> tuple[Tensor, Tensor]:
     return buffers["running_mean"], buffers["running_var"]  # type: ignore[return-value]
 
 
+def _fill_from_layers(
+    buffer: Tensor, gaps: bool, means: list[Tensor], variances: list[Tensor], own: list[tuple[Tensor, Tensor]]
+) -> None:
+    """Copies each layer's running statistics into its stretch of the scratch ``buffer``: one
+    cat per row where the stretches fill it (no alignment ``gaps``) and the dtypes agree, else
+    one foreach copy, else tensor by tensor (a running_var of another shape than the mean...)."""
+    try:
+        if not gaps and all(m.dim() == 1 and v.dim() == 1 for m, v in own):
+            torch.cat([m for m, _ in own], out=buffer[0])
+            torch.cat([v for _, v in own], out=buffer[1])
+        else:
+            copy_all([t for pair in zip(means, variances) for t in pair], [t for pair in own for t in pair])
+        return
+    except RuntimeError:
+        pass
+    for target, t in zip([t for pair in zip(means, variances) for t in pair], [t for pair in own for t in pair]):
+        if t.numel() == target.numel():
+            target.copy_(t.detach().reshape(target.shape))
+
+
 def _allocate_scratch(layers: Sequence[NormLayer]) -> tuple[list[ScratchGroup], list[tuple[Tensor, Tensor]]]:
     by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, layer in enumerate(layers):
@@ -368,25 +388,20 @@ def _allocate_scratch(layers: Sequence[NormLayer]) -> tuple[list[ScratchGroup], 
     views: list[tuple[Tensor, Tensor] | None] = [None] * len(layers)
     for (device, dtype), ids in by_key.items():
         offsets, size = [], 0
+        align = 1 if device.type == "cpu" else _ALIGN  # the CPU: one cat fills the buffer from the layers' own
         for i in ids:
             offsets.append(size)
-            size += -(-layers[i].channels // _ALIGN) * _ALIGN
+            size += -(-layers[i].channels // align) * align
         buffer = torch.zeros(2, size, dtype=dtype, device=device)
         buffer[1].fill_(1.0)
         group = ScratchGroup(buffer, list(ids), offsets, [layers[i].channels for i in ids])
         means, variances = group.slices(buffer[0]), group.slices(buffer[1])
         for i, mean, var in zip(ids, means, variances):
             views[i] = (mean, var)
-        own = [t for i in ids for t in _running(layers[i].module)]
-        targets = [t for pair in zip(means, variances) for t in pair]
-        try:
-            copy_all(targets, own)
-        except RuntimeError:  # (a running_var of another shape than its running_mean...: one by one)
-            for target, t in zip(targets, own):
-                if t.numel() == target.numel():
-                    target.copy_(t.detach().reshape(target.shape))
+        gaps = size != sum(group.channels)
+        _fill_from_layers(buffer, gaps, means, variances, [_running(layers[i].module) for i in ids])
         buffer[0].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        buffer[1].masked_fill_(~(buffer[1] >= 0) | buffer[1].isinf(), 1.0)  # NaN, Inf, negative
+        buffer[1].nan_to_num_(nan=1.0, posinf=1.0, neginf=1.0).clamp_min_(0.0)
         group.initial = buffer.clone()
         groups.append(group)
     return groups, [v for v in views if v is not None]
