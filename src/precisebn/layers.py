@@ -210,7 +210,8 @@ def find_norm_layers(
                 "initialised; run one forward pass first (e.g. model(example_batch)) so that "
                 "its number of channels is known, then recalibrate."
             )
-        if isinstance(module.running_mean, Tensor) and module.running_mean.is_meta:
+        running_mean = module._buffers.get("running_mean")  # (Module.__getattr__ is slow)
+        if isinstance(running_mean, Tensor) and running_mean.is_meta:
             raise UninitializedLayerError(
                 f"layer {name!r} ({type(module).__name__}) is on the meta device: its buffers hold no values "
                 "to measure with or write to. Materialise the model first (e.g. model.to_empty(device='cpu'), "

@@ -332,7 +332,7 @@ def _estimate(
         guard.enter_context(exclusive(model, modules))
         selected = find_norm_layers(model, layers, capture=capture, modules=modules)
         if writes:
-            refuse_shared_buffers([(layer.name, b, getattr(layer.module, b)) for layer in selected for b in writes])
+            refuse_shared_buffers([(layer.name, b, layer.module._buffers[b]) for layer in selected for b in writes])
         abort = ctx.poll if ctx is not None else None
         local = run.measure(selected, abort=abort, modules=modules, keep_folds=ctx is not None)
     except BaseException as exc:
@@ -435,10 +435,10 @@ def _apply(
             )
         elif not has_running_stats(m):
             problems.append(f"{name!r} ({type(m).__name__}) has no running statistics")
-        elif m.running_mean.is_meta or m.running_var.is_meta:
+        elif (running_mean := m.running_mean).is_meta:
             problems.append(f"{name!r} is on the meta device (not materialised: nothing to write to)")
         else:
-            shape = tuple(m.running_mean.shape)
+            shape = tuple(running_mean.shape)
             bad = [
                 f"{what} has shape {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
                 for what, t in (("mean", s.mean), ("var", s.var))
