@@ -82,6 +82,21 @@ def compute_truth(
     return out
 
 
+class BiasedVariance1d(nn.BatchNorm1d):
+    """Stores the *biased* batch variance (detectron2's NaiveSyncBatchNorm does): torch writes
+    its figures, then the layer replaces the unbiased variance by the biased one, so that its
+    own figures fail verification and it is measured on the float64 path."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = nn.functional.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, self.momentum, self.eps
+        )
+        if self.training:
+            with torch.no_grad():
+                self.running_var.sub_(torch.var(x, dim=0, correction=0), alpha=self.momentum / (x.shape[0] - 1))
+        return out
+
+
 def max_rel_error(estimate: Tensor, truth: Tensor, scale: Tensor | None = None) -> float:
     """max |estimate - truth| / scale (scale defaults to |truth|), in float64."""
     est = estimate.detach().to("cpu", torch.float64)

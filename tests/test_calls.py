@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from torch import Tensor, nn
 
 import precisebn
-from conftest import compute_truth, max_rel_error
+from conftest import BiasedVariance1d, compute_truth, max_rel_error
 from precisebn.calls import PerCallBatchNorm
 from precisebn.errors import (
     InvalidArgumentError,
@@ -145,20 +145,6 @@ def test_pooled_statistics_are_flagged_with_their_calls_per_forward(tmp_path: An
     assert report.to_dict(values=False)["layers"][1]["per_forward"] == LEVELS
     footer = str(report).splitlines()[-1]
     assert "'head.bn'" in footer and "per_call=True" in footer and "untie_calls" in footer
-
-
-class BiasedVariance1d(nn.BatchNorm1d):
-    """Stores the biased batch variance (detectron2's NaiveSyncBatchNorm does): its own
-    figures fail verification, so it is measured on the float64 path."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = F.batch_norm(
-            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, self.momentum, self.eps
-        )
-        if self.training:  # then puts the biased variance where torch put the unbiased one
-            with torch.no_grad():
-                self.running_var.sub_(torch.var(x, dim=0, correction=0), alpha=self.momentum / (x.shape[0] - 1))
-        return out
 
 
 def each(model: nn.Module, batch: list[Tensor]) -> list[Tensor]:

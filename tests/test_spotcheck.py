@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from torch import nn
 
 import precisebn
-from conftest import compute_truth, max_rel_error
+from conftest import BiasedVariance1d, compute_truth, max_rel_error
 from precisebn.errors import UnsupportedLayerError
 from precisebn.spotcheck import SpotChecks, checked_channels, passes, references
 from precisebn.watch import TOLERANCE
@@ -236,19 +236,6 @@ class ChangesItsInputAfterward(nn.Module):
         out = self.norm(x)
         x.mul_(3.0).add_(1.0)
         return out + x
-
-
-class BiasedVariance1d(nn.BatchNorm1d):
-    """Stores the biased batch variance: its own figures fail the check."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.batch_norm(
-            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, self.momentum, self.eps
-        )
-        if self.training:  # then puts the biased variance where torch put the unbiased one
-            with torch.no_grad():
-                self.running_var.sub_(torch.var(x, dim=0, correction=0), alpha=self.momentum / (x.shape[0] - 1))
-        return out
 
 
 def batches(count: int = 6, seed: int = 2) -> list[torch.Tensor]:
