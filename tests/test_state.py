@@ -362,7 +362,7 @@ def test_apply_interrupted_while_building_the_report_writes_nothing(monkeypatch:
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sys.modules["precisebn.recalibrate"], "Report", interrupted)
+    monkeypatch.setattr(sys.modules["precisebn.writing"], "Report", interrupted)
     with pytest.raises(KeyboardInterrupt):
         precisebn.apply(model, stats)
     assert_unchanged(model, before)

@@ -24,7 +24,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .errors import EmptyDataError, InvalidArgumentError, ShortDataWarning
 from .layers import find_norm_layers, unwrap
-from .recalibrate import _apply, _estimate, recalibrate
+from .recalibrate import _estimate, recalibrate
+from .writing import write_statistics
 
 __all__ = ["ShortLoaderError", "update_bn", "update_bn_stats"]
 
@@ -103,7 +104,7 @@ def update_bn_stats(
                 f"update_bn_stats is meant to run for {num_iters} iterations, but the data loader stops at "
                 f"{stats.batches} iterations; the model was left unchanged."
             )
-        _apply(unwrap(model), stats, modules=walk, shared_checked=True)
+        write_statistics(unwrap(model), stats, modules=walk, shared_checked=True)
 
 
 def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | str | None = None) -> None:

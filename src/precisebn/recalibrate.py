@@ -18,7 +18,6 @@ left is that of the per-batch figures in the layer's own dtype (see the README's
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import operator
 import sys
@@ -29,19 +28,18 @@ import torch
 from torch import nn
 
 from . import distributed as _dist
-from .adapt import Adapt, check_adapt, with_prior
-from .capture import times as _times
+from .adapt import Adapt, check_adapt
 from .data import Forward, default_forward, model_device
-from .errors import InvalidArgumentError, StatsMismatchError
-from .layers import Capture, LayerSelection, Mode, find_norm_layers, has_running_stats, refuse_shared_buffers, unwrap
+from .errors import InvalidArgumentError
+from .layers import Capture, LayerSelection, Mode, find_norm_layers, refuse_shared_buffers, unwrap
 from .measure import AUTO_MAX_SAMPLES, AUTO_MIN_SAMPLES, Pass
 from .population import PopulationStats
-from .report import LayerReport, Report
-from .state import copy_all, exclusive, restore_on_error
+from .report import Report
+from .state import exclusive
+from .writing import write_statistics
 
 __all__ = ["DEFAULT_NUM_SAMPLES", "DEFAULT_TOLERANCE", "apply", "check_options", "estimate", "recalibrate"]
 
-logger = logging.getLogger("precisebn")
 
 DEFAULT_TOLERANCE = 0.02
 """``num_samples="auto"`` stops once, in every layer, the median channel's standard error is
@@ -272,9 +270,9 @@ def _estimate(
     Every check runs on every rank inside the distributed failure protocol, so a mistake on
     one rank reaches all of them.
     ``walk``, if given, receives the unwrapped model's ``named_modules()`` (for
-    :func:`_apply`: the model is walked once per call). ``writes``: the buffers that the
+    :func:`~precisebn.writing.write_statistics`: the model is walked once per call). ``writes``: the buffers that the
     caller will write (``running_mean``, ``running_var``), refused before any pass if they
-    share memory across the selected layers (see :func:`_apply`)."""
+    share memory across the selected layers (see :func:`~precisebn.writing.write_statistics`)."""
     guard.enter_context(torch.inference_mode(False))
     ctx = _dist.RankContext.resolve(distributed, process_group)
     try:
@@ -406,210 +404,7 @@ def apply(model: nn.Module, stats: PopulationStats, *, prior: float | None = Non
     checked_prior = check_adapt(prior, adapt)
     model = unwrap(model)
     with exclusive(model), torch.inference_mode(False):
-        return _apply(model, stats, checked_prior, adapt)
-
-
-def _apply(
-    model: nn.Module,
-    stats: PopulationStats,
-    prior: float | None = None,
-    adapt: Adapt = "both",
-    modules: list[tuple[str, nn.Module]] | None = None,
-    shared_checked: bool = False,
-) -> Report:
-    """:func:`apply` on an unwrapped model that the caller holds: checks everything and
-    builds the report first, then writes, restoring the old values if the writes are
-    interrupted. ``prior`` is checked (:func:`~precisebn.adapt.check_adapt`). ``modules``:
-    the model's ``named_modules()``, if the caller has walked it already. ``shared_checked``:
-    the caller has refused buffers that share memory already (``_estimate(writes=...)``; the
-    passes put every buffer object back)."""
-    problems = []
-    entries = []
-    found = dict(modules or model.named_modules())  # a name the walk does not give (an alias) is looked up
-    for name, s in stats.items():
-        m = found[name] if name in found else _submodule(model, name)
-        if m is None:
-            problems.append(
-                f"{name!r} is not in the model"
-                + (" (per-call statistics: call precisebn.untie_calls(model, stats) first)" if _is_call(name) else "")
-            )
-        elif not has_running_stats(m):
-            problems.append(f"{name!r} ({type(m).__name__}) has no running statistics")
-        elif (running_mean := m.running_mean).is_meta:
-            problems.append(f"{name!r} is on the meta device (not materialised: nothing to write to)")
-        else:
-            shape = tuple(running_mean.shape)
-            bad = [
-                f"{what} has shape {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
-                for what, t in (("mean", s.mean), ("var", s.var))
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or not t.is_floating_point()
-            ]
-            if bad:
-                problems.append(f"{name!r} has {shape[0]} channels, but the statistics' {' and '.join(bad)}")
-            else:
-                entries.append((name, m, s))
-    _refuse("the statistics do not fit this model", problems)
-    if prior is not None:  # the current statistics as `prior` samples of pseudo-data, pooled exactly
-        entries, problems = with_prior(entries, prior, stats.samples)
-        _refuse("the statistics cannot be pooled with the model's", problems)
-    write = (adapt != "var", adapt != "mean")  # running_mean, running_var
-    buffers = [(m.running_mean, m.running_var) for _, m, _ in entries]  # read once: Module.__getattr__ is slow
-    updated = [(pair, s) for pair, (_, _, s) in zip(buffers, entries) if s.reached]
-    new = _converted(
-        [
-            (t, buffer)
-            for (rm, rv), s in updated
-            for t, buffer, w in ((s.mean, rm, write[0]), (s.var, rv, write[1]))
-            if w
-        ]
-    )
-    old = [t for pair in buffers for t in pair]
-    host = _cpu64(old + new)
-    old_host, new_host = host[: len(old)], iter(host[len(old) :])
-    values = {}
-    for (name, _, s), old_mean, old_var in zip(entries, old_host[::2], old_host[1::2]):
-        mean = next(new_host) if s.reached and write[0] else old_mean
-        var = next(new_host) if s.reached and write[1] else old_var
-        values[name] = (old_mean, old_var, mean, var)
-    overflow: list[str] = []
-    if new and not _all_fine(host[len(old) :], write):  # checked at once; layer by layer only to name them
-        for name, m, s in entries:
-            mean, var = values[name][2:]
-            if s.reached and not all(bool(t.isfinite().all()) for t, w in zip((mean, var), write) if w):
-                dtype = str(m.running_mean.dtype).removeprefix("torch.")
-                sources = [t for t, w in zip((s.mean, s.var), write) if w]
-                if all(bool(torch.as_tensor(t).isfinite().all()) for t in sources):
-                    largest = max(float(torch.as_tensor(t).abs().max()) for t in sources)
-                    overflow.append(
-                        f"{name!r} has values up to {largest:.3g}, beyond {dtype}'s largest "
-                        f"{torch.finfo(m.running_mean.dtype).max:.3g}"
-                    )
-                problems.append(f"{name!r} has NaN/Inf values (as {dtype})")
-            elif s.reached and write[1] and bool((var < 0).any()):
-                problems.append(f"{name!r} has a negative variance")
-    if problems and len(overflow) == len(problems):  # finite statistics that the buffers' dtype cannot hold
-        _refuse(
-            "the statistics cannot be written",
-            [f"{p} (NaN/Inf values as written)" for p in overflow],
-            "Keep those layers' buffers in a dtype that holds them (e.g. layer.double()), or rescale what they "
-            "receive. Nothing was written.",
-        )
-    _refuse("the statistics cannot be written", problems)
-    rows = [
-        LayerReport(
-            name,
-            s.layer_type,
-            int(rm.shape[0]),
-            s.count,
-            s.calls,
-            *values[name],
-            float(m.eps),
-            s.reached,
-            s.path,
-            s.se_mean,
-            s.se_var,
-            s.per_forward,
-        )
-        for (name, m, s), (rm, _) in zip(entries, buffers)
-    ]
-    report = Report(rows, stats.samples, stats.batches, stats.seconds, stats.mode, stats.world_size)
-    targets = [t for pair, _ in updated for t, w in zip(pair, write) if w]
-    if not shared_checked:
-        refuse_shared_buffers(
-            [
-                (name, what, t)
-                for (name, _, s), pair in zip(entries, buffers)
-                if s.reached
-                for what, t, w in zip(("running_mean", "running_var"), pair, write)
-                if w
-            ]
-        )
-    with torch.no_grad(), restore_on_error(targets):
-        copy_all(targets, new)
-    for name, _, s in entries:
-        if not s.reached:
-            logger.warning(
-                "precisebn: layer %r %s; its statistics were kept",
-                name,
-                f"was called {_times(s.calls)} but never normalised with its running buffers (or only empty inputs)"
-                if s.calls
-                else "was not reached by any forward pass",
-            )
-    return report
-
-
-def _submodule(model: nn.Module, name: str) -> nn.Module | None:
-    """The module under qualified ``name`` (``""``: the model), or ``None``."""
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
-
-
-def _is_call(name: str) -> bool:
-    """Whether ``name`` is that of one call's statistics (``estimate(..., per_call=True)``)."""
-    head, _, index = name.rpartition(".")
-    return index.isdigit() and (head == "calls" or head.endswith(".calls"))
-
-
-def _refuse(what: str, problems: list[str], hint: str | None = None) -> None:
-    if problems:
-        raise StatsMismatchError(
-            f"{what}: "
-            + "; ".join(problems[:5])
-            + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-            + ". "
-            + (
-                hint
-                or "Apply statistics to the model (architecture) they were estimated on, each mean and variance of "
-                "shape (channels,), finite, variances >= 0. Nothing was written."
-            )
-        )
-
-
-def _cpu64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """float64 CPU copies of many small tensors, with one device-to-host copy per device."""
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
-    with torch.no_grad():
-        for ids in by_device.values():
-            flat = torch.cat([_flat(tensors[i]) for i in ids]).to("cpu", torch.float64)  # cat promotes dtypes
-            for i, part in zip(ids, flat.split([tensors[i].numel() for i in ids])):
-                out[i] = part
-    return out
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dim() == 1 else t.reshape(-1)
-
-
-def _converted(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-    """Each tensor converted to its buffer's device and dtype: one conversion per (device, dtype)."""
-    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, (_, buffer) in enumerate(pairs):
-        by_kind.setdefault((buffer.device, buffer.dtype), []).append(i)
-    out: list[torch.Tensor] = [torch.empty(0)] * len(pairs)
-    with torch.no_grad():
-        for (device, dtype), ids in by_kind.items():
-            sources = [pairs[i][0] for i in ids]
-            flat = torch.cat([_flat(t if t.device == device else t.to(device)) for t in sources]).to(dtype)
-            for i, t, part in zip(ids, sources, flat.split([t.numel() for t in sources])):
-                out[i] = part if t.dim() == 1 else part.view(t.shape)
-    return out
-
-
-def _all_fine(new: list[torch.Tensor], write: tuple[bool, bool]) -> bool:
-    """Whether the new values (host float64, in the order of ``_apply``'s ``new``) are all finite
-    and the variances among them non-negative (a sum and a minimum: reductions are far cheaper
-    than element-wise tests; a sum that overflows only sends the caller to its exact check)."""
-    if not math.isfinite(float(torch.cat(new).sum())):
-        return False
-    if not write[1]:
-        return True
-    variances = new[1::2] if write[0] else new
-    return float(torch.cat(variances).amin()) >= 0
+        return write_statistics(model, stats, checked_prior, adapt)
 
 
 def recalibrate(
@@ -674,4 +469,4 @@ def recalibrate(
             walk=walk,
             writes=_WRITES[adapt],
         )
-        return _apply(unwrap(model), stats, checked_prior, adapt, walk, shared_checked=True)
+        return write_statistics(unwrap(model), stats, checked_prior, adapt, walk, shared_checked=True)
