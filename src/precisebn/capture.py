@@ -51,7 +51,6 @@ of per-layer counts (usually one or two per run), kept in a small cache.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -60,9 +59,10 @@ from torch import Tensor
 
 from .errors import InvalidArgumentError, UnsupportedLayerError
 from .layers import RecalibrationState, ScratchGroup
-from .spotcheck import SpotChecks, checked_channels
+from .spotcheck import SpotChecks
 from .state import version_of
 from .stats import RunningMoments, fold_errors, fold_errors_from_sums, merge_counted
+from .trial import Trial, fitting
 from .watch import TOLERANCE, Watch, discrepancies, moments_of, normalises_its_input
 
 logger = logging.getLogger("precisebn")
@@ -121,7 +121,7 @@ class Collector:
         self._kept_n: dict[tuple[int, int], list[int]] = {}  # their counts per fold, on the host
         self._batch = 0  # batches ended so far; the current one goes to fold _batch % FOLDS
         self._summed = [[0] * (n + 1) for _ in range(FOLDS)]  # per fold: values per channel in the sums
-        self._trials: dict[int, _Trial] = {}  # layers being verified in this batch
+        self._trials: dict[int, Trial] = {}  # layers being verified in this batch
         self._spots: SpotChecks | None = None  # CPU: the checks of this batch's calls waiting to be made together
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
@@ -219,14 +219,14 @@ class Collector:
                 s1.add_(nd)
                 s2.addcmul_(nd, d).addcmul_(var, count_minus_one)
 
-    def _check_on_cpu(self, i: int, trial: _Trial, seen: list[Tensor], x: Tensor, n: int, pair: Tensor) -> None:
+    def _check_on_cpu(self, i: int, trial: Trial, seen: list[Tensor], x: Tensor, n: int, pair: Tensor) -> None:
         """On the CPU, where reading a value costs no synchronisation: checks a call's own figures
         on a few channels (float32 figures: together with other calls', see
         :mod:`~precisebn.spotcheck`; float64 figures: at once) rather than reducing all it
         normalised in float64; a call that passes keeps its figures as its moments."""
         layer = self.layers[i]
         channels = layer.channels
-        t = _fitting(seen, x, channels)
+        t = fitting(seen, x, channels)
         if t is None:
             trial.add(seen, x, channels, n)
             return
@@ -553,7 +553,7 @@ class _LayerCall:
             x = c._check(i, args, kwargs)
             if c._spots is not None and i in c._spots.layers:  # its waiting figures are about to be overwritten
                 c._run_spot_checks()
-            trial = c._trials.get(i) or c._trials.setdefault(i, _Trial(c.counts[i]))
+            trial = c._trials.get(i) or c._trials.setdefault(i, Trial(c.counts[i]))
             counter = c._counters[i]
             before = counter._version if counter is not None else -1
             n = self.fast(x, j)
@@ -613,95 +613,3 @@ class _Group:
         if per_layer.dim() == 1:
             return _to_device(per_layer.index_select(0, at), self.device)
         return _to_device(per_layer.gather(-1, at.expand(*per_layer.shape[:-1], -1)), self.device)
-
-
-def _fitting(seen: list[Tensor], x: Tensor, channels: int) -> Tensor | None:
-    """What a call normalised, if it fits the fast path: exactly one tensor, of the input's
-    size, with the layer's channels in dimension 1 (else ``None``)."""
-    if len(seen) != 1:
-        return None
-    t = seen[0]
-    shape = t.shape
-    if len(shape) < 2 or shape[1] != channels or (t is not x and t.numel() != x.numel()):
-        return None
-    return t
-
-
-class _Trial:
-    """What one layer's calls showed in the batch that verifies its fast path."""
-
-    __slots__ = ("calls", "counted", "counts", "fits", "off", "refs")
-
-    def __init__(self, counts: int) -> None:
-        self.counts = counts  # the layer's count before this batch
-        self.fits = True  # one normalised tensor per call, of the input's size and channels
-        self.off = False  # a call's own figures were checked at once, and were off
-        self.counted = True  # each call incremented the layer's num_batches_tracked once
-        # (call index, float64 moments of what it normalised): compared with its figures in _settle
-        self.refs: list[tuple[int, RunningMoments]] = []
-        # per call: (values per channel counted from its input, float64 moments of what it normalised
-        # or None if nothing, their values per channel, whether its own figures passed the check made
-        # at once: its moments are then those figures, built by resolve() only if needed)
-        self.calls: list[tuple[int, RunningMoments | None, int, bool]] = []
-
-    def add_checked(self, t: Tensor, x: Tensor, channels: int, n: int, pair: Tensor, eps: float) -> None:
-        """On the CPU, for float64 figures (held to 1e-10): checks this call's figures (``pair``:
-        its mean and unbiased variance, shape ``(2, C)``) at once against a two-pass float64
-        reduction of a few channels of ``t``, what it normalised, and the rounding term over
-        every channel (bounded first from the extremes of the figures, computed exactly only
-        where that bound is too loose). A call that passes keeps its figures as its moments;
-        the full float64 reduction is made only for a call that fails."""
-        idx = checked_channels(channels)
-        exact = RunningMoments.from_data(t[:, idx], 1)
-        rm, rv = exact.mean.tolist(), exact.m2.div_(n - 1).tolist()
-        lows, highs = pair.aminmax(dim=1)  # (min mean, min var), (max mean, max var)
-        fig_mean, fig_var = pair[:, idx].tolist()  # host reads: no kernel launches on the CPU
-        (low_mean, low_var), (high_mean, _) = lows.tolist(), highs.tolist()
-        unit = torch.finfo(pair.dtype).eps / 2
-        tolerance = TOLERANCE[pair.dtype]
-        scale = max(abs(low_mean), abs(high_mean)) * unit
-        ok = scale * scale / (max(low_var, 0.0) + eps) <= tolerance  # ≥ the rounding term of every channel
-        if not ok and low_var == low_var:  # too loose (or NaN figures, refused below): the exact term
-            ok = float((pair[0].square() / (pair[1] + eps)).amax()) * unit * unit <= tolerance
-        for fm, fv, m, v in zip(fig_mean, fig_var, rm, rv):
-            ok = ok and abs(fm - m) / math.sqrt(v + eps) <= tolerance and abs(fv - v) <= tolerance * (v + eps)
-        self.calls.append((n, None, n, True))
-        if not ok:  # NaN fails too
-            self.off = True
-            self.redo(len(self.calls) - 1, [t], x, channels, n)
-
-    def redo(self, k: int, seen: list[Tensor], x: Tensor, channels: int, n: int) -> None:
-        """Call ``k``, whose own figures failed their check: its moments are those of what it
-        normalised (``seen``), reduced in float64 whole."""
-        self.calls[k] = (n, moments_of(seen), sum(t.numel() // channels for t in seen), False)
-
-    def add(self, seen: list[Tensor], x: Tensor, channels: int, n: int) -> None:
-        moments = moments_of(seen)
-        values = sum(t.numel() // channels for t in seen)
-        self.calls.append((n, moments, values, False))
-        if moments is None:
-            self.fits = False
-            return
-        if _fitting(seen, x, channels) is None:
-            self.fits = False
-        else:
-            self.refs.append((len(self.calls) - 1, moments))
-
-    def resolve(self, figures: list[tuple[Tensor, Tensor]]) -> RunningMoments | None:
-        """float64 moments of everything the layer normalised in this batch (None if nothing),
-        each call's own figures standing for a call whose figures passed the check at once;
-        ``figures`` holds each call's (mean, unbiased variance), in call order."""
-        total = None
-        for j, (n, moments, values, checked) in enumerate(self.calls):
-            if checked:
-                mean, var = figures[j]
-                count = torch.full_like(mean, float(n), dtype=torch.float64)
-                moments = RunningMoments(count, mean.to(torch.float64, copy=True), var.double() * (n - 1))
-                self.calls[j] = (n, moments, values, False)
-            if moments is None:
-                continue
-            if total is None:
-                total = RunningMoments(moments.count, moments.mean, moments.m2)  # merge() rebinds, never mutates
-            else:
-                total.merge(moments)
-        return total
