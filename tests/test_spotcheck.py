@@ -15,7 +15,7 @@ from torch import nn
 import precisebn
 from conftest import BiasedVariance1d, compute_truth, max_rel_error
 from precisebn.errors import UnsupportedLayerError
-from precisebn.spotcheck import SpotChecks, checked_channels, passes, references
+from precisebn.spotcheck import AT_ONCE, SpotChecks, _passes_one, checked_channels, passes, references
 from precisebn.watch import TOLERANCE
 
 F32 = TOLERANCE[torch.float32]
@@ -136,6 +136,80 @@ def test_calls_checked_together_pass_and_fail_as_they_should() -> None:
     assert len(checks) == 6 and checks.layers == set(range(6))
     assert checks.run() == [(f"call {k}", k in (0, 5)) for k in range(6)]
     assert len(checks) == 0 and not checks.layers and checks.run() == []
+
+
+def test_a_call_checked_at_once_gets_the_verdict_it_would_get_waiting() -> None:
+    """check_now (a large call, nothing held) and run (calls checked together) agree on each
+    case of the test above, and check_now works from the tail of a workspace in use and from
+    its own when there is no room (a waiting call's values are left as they were)."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(8, c, 5, 5, generator=g) * 3 + 1 for c in (3, 16, 7, 9, 11, 4)]
+    pairs = [own_figures(x) for x in xs]
+    pairs[1][1] *= (200 - 1) / 200
+    pairs[2][0, 0] = float("nan")
+    xs[3][:, 1] = xs[3][:, 1] * 1e-3 + 1e4
+    pairs[3] = own_figures(xs[3])
+    pairs[4] = own_figures(xs[4] + 0.01)
+    expected = [k in (0, 5) for k in range(6)]
+    for capacity in (100_000, 700):  # room for the call after the waiting one, then none
+        checks = SpotChecks(F32, UNIT32, capacity=capacity)
+        checks.add("waiting", 0, xs[0], pairs[0], 1e-5, nbytes(xs[0]))
+        held = checks._workspace[: checks._used].clone()
+        assert [checks.check_now(x, pair, 1e-5) for x, pair in zip(xs, pairs)] == expected
+        assert torch.equal(checks._workspace[: checks._used], held) and checks.run() == [("waiting", True)]
+    for k, (x, pair) in enumerate(zip(xs, pairs)):
+        checks = SpotChecks(F32, UNIT32)
+        checks.add(k, k, x, pair, 1e-5, nbytes(x))
+        assert checks.run() == [(k, expected[k])]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(2, 5000),
+    st.floats(-6, 6),
+    st.floats(-4, 3),
+    st.sampled_from([0.0, 0.3, 3.0]),
+    st.sampled_from([0.0, 0.3, 3.0]),
+    st.integers(0, 2**31),
+)
+def test_one_channel_on_the_host_passes_as_the_tensor_check_does(
+    n: int, log_offset: float, log_std: float, off_mean: float, off_var: float, seed: int
+) -> None:
+    """_passes_one (check_now's host arithmetic) against reference + passes (run's), on figures
+    0.3 or 3 tolerances off each way, clear of the boundary (rounding differs in the last bits)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * 10**log_std + 10**log_offset
+    mean, var = float(x.mean()), float(x.var())
+    shift = float(torch.tensor(mean, dtype=torch.float32))
+    shifted = x - shift
+    s1, s2 = float(shifted.sum()), float(shifted.square().sum())
+    fm = mean + off_mean * F32 * math.sqrt(var + 1e-5)
+    fv = var + off_var * F32 * (var + 1e-5)
+    f64 = lambda v: torch.tensor([v], dtype=torch.float64)  # noqa: E731
+    refs = references(x.clone(), [n], f64(shift))  # (shifts the values itself)
+    expected = bool(passes(f64(fm), f64(fv), refs, 1e-5, F32).all())
+    assert _passes_one(fm, fv, shift, s1, s2, n, 1e-5, F32) == expected
+
+
+def test_large_inputs_are_checked_at_once_and_not_held(monkeypatch) -> None:
+    """Inputs above AT_ONCE are checked as their call returns: none waits (held inputs make
+    the forward passes after them take fresh memory). A failing one is redone in float64 at
+    once, so that a later in-place change of its input no longer matters (compare the test
+    below, where the input waits), and every layer matches its float64 truth."""
+    waited = []
+    add = SpotChecks.add
+    monkeypatch.setattr(SpotChecks, "add", lambda self, *a: waited.append(a[1]) or add(self, *a))
+    g = torch.Generator().manual_seed(2)
+    data = [torch.randn(60_000, 5, generator=g) * 2 + 3 for _ in range(3)]  # 1.2 MB per batch
+    assert nbytes(data[0]) > AT_ONCE
+    for norm, path, tol in ((nn.BatchNorm1d(5), "fast", 1e-5), (BiasedVariance1d(5), "float64", 1e-9)):
+        model = ChangesItsInputAfterward(norm)
+        truth = compute_truth(model, data)["norm"]
+        stats = precisebn.estimate(model, data, num_samples="all")["norm"]
+        assert stats.path == path and stats.count == truth.count
+        assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) <= tol
+        assert max_rel_error(stats.var, truth.var) <= tol
+    assert waited == []
 
 
 @pytest.mark.parametrize(

@@ -203,10 +203,15 @@ def test_large_mean_over_std_falls_back_where_float32_figures_are_off() -> None:
     assert max_rel_error(stats.var, truth.var) <= 1e-9
 
 
-@pytest.fixture(params=["checked at once (CPU)", "deferred to the end of the batch (CUDA)"])
+@pytest.fixture(
+    params=["checked together (CPU)", "checked as each call returns (CPU, large inputs)", "deferred to the end (CUDA)"]
+)
 def verification(request, monkeypatch):
-    """Both ways of verifying: on the CPU each call is checked at once on a few channels; on
-    accelerators every call is reduced in float64 and compared at the end of the batch."""
+    """Every way of verifying: on the CPU each call is checked on a few channels, together with
+    other calls (small inputs) or as it returns (inputs above spotcheck.AT_ONCE, forced here for
+    all); on accelerators every call is reduced in float64 and compared at the end of the batch."""
+    if "as each call returns" in request.param:
+        monkeypatch.setattr("precisebn.spotcheck.AT_ONCE", -1)
     if request.param.startswith("deferred"):
         from precisebn.capture import Collector
 
@@ -231,7 +236,7 @@ class TwoBranches(nn.Module):
         return self.a(x).sum() + self.b(x).sum() + self.c(x).sum()
 
 
-def test_both_verifications_choose_the_same_paths_exactly(verification) -> None:
+def test_every_verification_chooses_the_same_paths_exactly(verification) -> None:
     torch.manual_seed(0)
     model = TwoBranches()
     data = images((2, 3, 2), hw=5)

@@ -238,6 +238,12 @@ class Collector:
             self._spots = SpotChecks(TOLERANCE[torch.float32], torch.finfo(torch.float32).eps / 2)
         spots = self._spots
         nbytes = t.numel() * t.element_size()
+        if spots.at_once(nbytes):  # checked now: holding it until the others' checks costs fresh pages
+            trial.calls.append((n, None, n, True))
+            if not spots.check_now(t, pair, eps):
+                trial.off = True
+                trial.redo(len(trial.calls) - 1, seen, x, channels, n)
+            return
         if not spots.room(n, nbytes, channels):
             self._run_spot_checks()
         version = version_of(t)  # None: an inference tensor, checked at once (nothing can have changed it yet)
