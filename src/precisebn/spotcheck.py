@@ -242,15 +242,22 @@ class SpotChecks:
         k = len(picked)
         shape = (k, t.shape[0], *t.shape[2:])
         size = math.prod(shape)
+        taken = None
         if self._workspace is not None and self._used + size <= self._workspace.numel():
             values = self._workspace[self._used : self._used + size]  # past the waiting calls' values
-        else:
-            values = torch.empty(size, dtype=torch.float64)
-        strides = t.stride()
-        values.view(shape).copy_(t.as_strided(shape, (strides[1] * step, strides[0], *strides[2:]), t.storage_offset()))
-        figures = pair[:, checked_channels(pair.shape[1])]
-        block = values.view(k, -1).sub_(figures[0].unsqueeze(1))  # shifted by the figures' means
-        sums = torch.stack([block.sum(1), block.square_().sum(1)]).tolist()
+        else:  # the kept workspace if it is free and large enough (a fresh one costs page faults)
+            taken = _take_workspace(self.capacity if size <= self.capacity else size)
+            values = taken[:size]
+        try:
+            strides = t.stride()
+            source = t.as_strided(shape, (strides[1] * step, strides[0], *strides[2:]), t.storage_offset())
+            values.view(shape).copy_(source)
+            figures = pair[:, checked_channels(pair.shape[1])]
+            block = values.view(k, -1).sub_(figures[0].unsqueeze(1))  # shifted by the figures' means
+            sums = torch.stack([block.sum(1), block.square_().sum(1)]).tolist()
+        finally:
+            if taken is not None:
+                _give_back(taken)
         (fig_mean, fig_var), (low, high) = figures.tolist(), pair.aminmax(dim=1)
         (low_mean, low_var), (high_mean, _) = low.tolist(), high.tolist()
         scale = max(abs(low_mean), abs(high_mean)) * self.unit
