@@ -191,6 +191,17 @@ def test_one_channel_on_the_host_passes_as_the_tensor_check_does(
     assert _passes_one(fm, fv, shift, s1, s2, n, 1e-5, F32) == expected
 
 
+@pytest.mark.parametrize("n", [0, 1])
+def test_fewer_than_two_values_fail_on_the_host_as_in_the_tensor_check(n: int) -> None:
+    """An empty call, or one value per channel: the tensor check's variance is NaN or
+    infinite, so it fails; the host arithmetic fails too rather than dividing by zero."""
+    x = torch.full((n,), 3.0, dtype=torch.float64)
+    f64 = lambda v: torch.tensor([v], dtype=torch.float64)  # noqa: E731
+    refs = references(x.clone(), [n], f64(3.0))
+    assert not bool(passes(f64(3.0), f64(0.0), refs, 1e-5, F32).all())
+    assert not _passes_one(3.0, 0.0, 3.0, float(x.sum() - 3.0 * n), 0.0, n, 1e-5, F32)
+
+
 def test_large_inputs_are_checked_at_once_and_not_held(monkeypatch) -> None:
     """Inputs above AT_ONCE are checked as their call returns: none waits (held inputs make
     the forward passes after them take fresh memory). A failing one is redone in float64 at

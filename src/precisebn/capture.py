@@ -239,10 +239,7 @@ class Collector:
         spots = self._spots
         nbytes = t.numel() * t.element_size()
         if spots.at_once(nbytes):  # checked now: holding it until the others' checks costs fresh pages
-            trial.calls.append((n, None, n, True))
-            if not spots.check_now(t, pair, eps):
-                trial.off = True
-                trial.redo(len(trial.calls) - 1, seen, x, channels, n)
+            trial.checked(spots.check_now(t, pair, eps), seen, x, channels, n)
             return
         if not spots.room(n, nbytes, channels):
             self._run_spot_checks()
@@ -564,13 +561,10 @@ class _LayerCall:
             before = counter._version if counter is not None else -1
             n = self.fast(x, j)
             out, seen, figures = self.watched(forward, x, args, kwargs)
-            if not figures:  # its buffers hold no figures of this call, whatever they hold: float64
-                trial.add(seen, x, self.channels, n)
-                trial.fits = False
-            elif x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads cost nothing here
+            if figures and x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads: free
                 c._check_on_cpu(i, trial, seen, x, n, self.pair)
-            else:
-                trial.add(seen, x, self.channels, n)
+            else:  # (no figures of this call in its buffers, whatever they hold: the float64 path)
+                trial.add(seen, x, self.channels, n, figures)
             trial.counted &= counter is not None and counter._version == before + 1
             return out
         x = c._check(i, args, kwargs)

@@ -360,22 +360,21 @@ def _running(module: nn.Module) -> tuple[Tensor, Tensor]:
     return buffers["running_mean"], buffers["running_var"]  # type: ignore[return-value]
 
 
-def _fill_from_layers(
-    buffer: Tensor, gaps: bool, means: list[Tensor], variances: list[Tensor], own: list[tuple[Tensor, Tensor]]
-) -> None:
-    """Copies each layer's running statistics into its stretch of the scratch ``buffer``: one
-    cat per row where the stretches fill it (no alignment ``gaps``) and the dtypes agree, else
-    one foreach copy, else tensor by tensor (a running_var of another shape than the mean...)."""
+def _fill_from_layers(buffer: Tensor, gaps: bool, targets: list[Tensor], own: list[Tensor]) -> None:
+    """Copies each layer's running statistics (``own``: mean, variance, mean, ...) into its
+    stretch of the scratch ``buffer`` (``targets``, in the same order): one cat per row where
+    the stretches fill it (no alignment ``gaps``) and the dtypes agree, else one foreach copy,
+    else tensor by tensor (a running_var of another shape than the mean...)."""
     try:
-        if not gaps and all(m.dim() == 1 and v.dim() == 1 for m, v in own):
-            torch.cat([m for m, _ in own], out=buffer[0])
-            torch.cat([v for _, v in own], out=buffer[1])
+        if not gaps and all(t.dim() == 1 for t in own):
+            torch.cat(own[0::2], out=buffer[0])
+            torch.cat(own[1::2], out=buffer[1])
         else:
-            copy_all([t for pair in zip(means, variances) for t in pair], [t for pair in own for t in pair])
+            copy_all(targets, own)
         return
     except RuntimeError:
         pass
-    for target, t in zip([t for pair in zip(means, variances) for t in pair], [t for pair in own for t in pair]):
+    for target, t in zip(targets, own):
         if t.numel() == target.numel():
             target.copy_(t.detach().reshape(target.shape))
 
@@ -399,8 +398,9 @@ def _allocate_scratch(layers: Sequence[NormLayer]) -> tuple[list[ScratchGroup], 
         means, variances = group.slices(buffer[0]), group.slices(buffer[1])
         for i, mean, var in zip(ids, means, variances):
             views[i] = (mean, var)
-        gaps = size != sum(group.channels)
-        _fill_from_layers(buffer, gaps, means, variances, [_running(layers[i].module) for i in ids])
+        targets = [t for pair in zip(means, variances) for t in pair]
+        own = [t for i in ids for t in _running(layers[i].module)]
+        _fill_from_layers(buffer, size != sum(group.channels), targets, own)
         buffer[0].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         buffer[1].nan_to_num_(nan=1.0, posinf=1.0, neginf=1.0).clamp_min_(0.0)
         group.initial = buffer.clone()

@@ -47,6 +47,7 @@ __all__ = [
     "passes",
     "reference",
     "references",
+    "rounding_passes",
 ]
 
 CHECKED_CHANNELS = 4
@@ -160,7 +161,10 @@ def passes(fig_mean: Tensor, fig_var: Tensor, ref: tuple[Tensor, ...], eps: Tens
 def _passes_one(fm: float, fv: float, shift: float, s1: float, s2: float, n: int, eps: float, tolerance: float) -> bool:
     """:func:`passes` of one channel against :func:`reference` (same formulas, same bounds), on
     the host: figures ``fm``, ``fv``; float64 sums ``s1``, ``s2`` of ``n`` values shifted by
-    ``shift`` and of their squares. NaN anywhere fails."""
+    ``shift`` and of their squares. NaN anywhere fails, and so do fewer than 2 values (whose
+    variance :func:`reference` gives as NaN or infinite)."""
+    if n < 2:
+        return False
     d = s1 / n
     mean = shift + d
     var = s2 - s1 * d
@@ -172,6 +176,31 @@ def _passes_one(fm: float, fv: float, shift: float, s1: float, s2: float, n: int
     return (
         abs(fm - mean) + bound_mean <= math.sqrt(scale) * tolerance and abs(fv - var) + bound_var <= scale * tolerance
     )
+
+
+def rounding_passes(pair: Tensor, eps: float, unit: float, tolerance: float) -> bool:
+    """Whether the rounding term of a call's figures ``pair`` (``(2, C)``: means, unbiased
+    variances, in a dtype of unit roundoff ``unit``), the largest ``(unit · mean)² / (var + eps)``
+    over channels, is within ``tolerance``: bounded first from the figures' extremes (one kernel
+    and a host read), computed over every channel only where that bound is too loose. NaN fails."""
+    low, high = pair.aminmax(dim=1)  # (min mean, min var), (max mean, max var)
+    (low_mean, low_var), (high_mean, _) = low.tolist(), high.tolist()
+    scale = max(abs(low_mean), abs(high_mean)) * unit
+    if scale * scale / (max(low_var, 0.0) + eps) <= tolerance:  # >= every channel's rounding term
+        return True
+    if low_var != low_var:  # NaN figures
+        return False
+    return float(pair[0].square().div_(pair[1] + eps).amax()) * unit * unit <= tolerance
+
+
+def _copy_checked(t: Tensor, step: int, k: int, into: Tensor) -> None:
+    """Copies the ``k`` checked channels of ``t`` (channels in dimension 1, every ``step``-th
+    from the first), channel after channel, into the float64 vector ``into``: one kernel,
+    whatever ``t``'s strides and storage offset."""
+    shape = (k, t.shape[0], *t.shape[2:])  # channels first: one segment per channel
+    strides = t.stride()
+    source = t.as_strided(shape, (strides[1] * step, strides[0], *strides[2:]), t.storage_offset())
+    into.view(shape).copy_(source)
 
 
 _Waiting = tuple[Any, Tensor, float, int, tuple[int, ...]]  # owner, figures (2, C), eps, values per channel, checked
@@ -212,15 +241,12 @@ class SpotChecks:
         for :meth:`run`; make :meth:`room` first (a call alone too large for it gets a
         workspace of its own size)."""
         step, picked = _picked(pair.shape[1])
-        shape = (len(picked), t.shape[0], *t.shape[2:])  # channels first: one segment per channel
-        size = math.prod(shape)
+        size = len(picked) * (t.numel() // t.shape[1])
         if self._workspace is None or self._used + size > self._workspace.numel():
             if self._used:
                 raise RuntimeError("SpotChecks.add without room: run the waiting checks first")
             self._workspace = _take_workspace(max(self.capacity, size))
-        strides = t.stride()
-        source = t.as_strided(shape, (strides[1] * step, strides[0], *strides[2:]), t.storage_offset())
-        self._workspace[self._used : self._used + size].view(shape).copy_(source)
+        _copy_checked(t, step, len(picked), self._workspace[self._used : self._used + size])
         self._waiting.append((owner, pair, eps, size // len(picked), picked))
         self._used += size
         self._held += nbytes
@@ -236,38 +262,29 @@ class SpotChecks:
         view of the scratch buffer, this call's) pass against ``t``, what it normalised — the
         check :meth:`run` makes, with :func:`reference`'s bounds and :func:`passes`' test
         computed on the host for the few checked channels (a handful of kernels rather than
-        the few dozen of a run), and the rounding term bounded first from the figures' extremes
-        (computed over every channel only where that bound is too loose)."""
+        the few dozen of a run), and the rounding term by :func:`rounding_passes`."""
         step, picked = _picked(pair.shape[1])
         k = len(picked)
-        shape = (k, t.shape[0], *t.shape[2:])
-        size = math.prod(shape)
+        n = t.numel() // t.shape[1]
         taken = None
-        if self._workspace is not None and self._used + size <= self._workspace.numel():
-            values = self._workspace[self._used : self._used + size]  # past the waiting calls' values
+        if self._workspace is not None and self._used + k * n <= self._workspace.numel():
+            values = self._workspace[self._used : self._used + k * n]  # past the waiting calls' values
         else:  # the kept workspace if it is free and large enough (a fresh one costs page faults)
-            taken = _take_workspace(self.capacity if size <= self.capacity else size)
-            values = taken[:size]
+            taken = _take_workspace(self.capacity if k * n <= self.capacity else k * n)
+            values = taken[: k * n]
         try:
-            strides = t.stride()
-            source = t.as_strided(shape, (strides[1] * step, strides[0], *strides[2:]), t.storage_offset())
-            values.view(shape).copy_(source)
+            _copy_checked(t, step, k, values)
             figures = pair[:, checked_channels(pair.shape[1])]
-            block = values.view(k, -1).sub_(figures[0].unsqueeze(1))  # shifted by the figures' means
+            block = values.view(k, n).sub_(figures[0].unsqueeze(1))  # shifted by the figures' means
             sums = torch.stack([block.sum(1), block.square_().sum(1)]).tolist()
         finally:
             if taken is not None:
                 _give_back(taken)
-        (fig_mean, fig_var), (low, high) = figures.tolist(), pair.aminmax(dim=1)
-        (low_mean, low_var), (high_mean, _) = low.tolist(), high.tolist()
-        scale = max(abs(low_mean), abs(high_mean)) * self.unit
-        ok = scale * scale / (max(low_var, 0.0) + eps) <= self.tolerance  # >= every channel's rounding term
-        if not ok and low_var == low_var:  # too loose (NaN figures fail): the exact term
-            ok = float(pair[0].square().div_(pair[1] + eps).amax()) * self.unit * self.unit <= self.tolerance
-        n = size // k
-        for shift, fm, fv, s1, s2 in zip(fig_mean, fig_mean, fig_var, *sums):
-            ok = ok and _passes_one(fm, fv, shift, s1, s2, n, eps, self.tolerance)
-        return ok
+        fig_mean, fig_var = figures.tolist()
+        return rounding_passes(pair, eps, self.unit, self.tolerance) and all(
+            _passes_one(fm, fv, fm, s1, s2, n, eps, self.tolerance)  # shifted by fm: its own shift
+            for fm, fv, s1, s2 in zip(fig_mean, fig_var, *sums)
+        )
 
     def run(self) -> list[tuple[Any, bool]]:
         """Makes the waiting checks: ``(owner, passed)`` per call, in the order added."""

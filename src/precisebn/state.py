@@ -55,12 +55,19 @@ def version_of(t: Tensor) -> int | None:
         return None
 
 
+def _extent(t: Tensor) -> int:
+    """How many storage elements a non-empty strided ``t`` spans, from its first to its last."""
+    shape = t.shape
+    if len(shape) == 1:
+        return 1 + (shape[0] - 1) * t.stride(0)
+    return 1 + sum((n - 1) * s for n, s in zip(shape, t.stride()))
+
+
 def _span(t: Tensor) -> Tensor | None:
     """A flat view of every storage element ``t`` can reach (``None`` if it holds none)."""
     if t.layout != torch.strided or t.is_meta or t.numel() == 0:
         return None
-    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.as_strided((extent,), (1,), t.storage_offset())
+    return t.as_strided((_extent(t),), (1,), t.storage_offset())
 
 
 def overlapping(tensors: list[Tensor]) -> list[tuple[int, int]]:
@@ -78,12 +85,7 @@ def overlapping(tensors: list[Tensor]) -> list[tuple[int, int]]:
         start = t.data_ptr() if t.layout == torch.strided else 0
         if not start:  # no memory (meta, empty) or no strides (sparse...)
             continue
-        shape = t.shape
-        if len(shape) == 1:
-            extent = 1 + (shape[0] - 1) * t.stride(0)
-        else:
-            extent = 1 + sum((n - 1) * s for n, s in zip(shape, t.stride()))
-        by_device.setdefault(t.get_device(), []).append((start, start + extent * t.element_size(), k))
+        by_device.setdefault(t.get_device(), []).append((start, start + _extent(t) * t.element_size(), k))
     pairs = []
     for ranges in by_device.values():
         ranges.sort()
@@ -108,8 +110,7 @@ def _share_bytes(a: Tensor, b: Tensor) -> bool:
 
 
 def _byte_addresses(t: Tensor) -> set[int]:
-    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    positions = torch.arange(extent, dtype=torch.int64).as_strided(t.shape, t.stride(), 0).reshape(-1).tolist()
+    positions = torch.arange(_extent(t), dtype=torch.int64).as_strided(t.shape, t.stride(), 0).reshape(-1).tolist()
     size, base = t.element_size(), t.data_ptr()
     return {base + p * size + byte for p in positions for byte in range(size)}
 

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor
 
-from .spotcheck import checked_channels
+from .spotcheck import checked_channels, rounding_passes
 from .stats import RunningMoments
 from .watch import TOLERANCE, moments_of
 
@@ -61,35 +61,35 @@ class Trial:
         idx = checked_channels(channels)
         exact = RunningMoments.from_data(t[:, idx], 1)
         rm, rv = exact.mean.tolist(), exact.m2.div_(n - 1).tolist()
-        lows, highs = pair.aminmax(dim=1)  # (min mean, min var), (max mean, max var)
         fig_mean, fig_var = pair[:, idx].tolist()  # host reads: no kernel launches on the CPU
-        (low_mean, low_var), (high_mean, _) = lows.tolist(), highs.tolist()
-        unit = torch.finfo(pair.dtype).eps / 2
         tolerance = TOLERANCE[pair.dtype]
-        scale = max(abs(low_mean), abs(high_mean)) * unit
-        ok = scale * scale / (max(low_var, 0.0) + eps) <= tolerance  # ≥ the rounding term of every channel
-        if not ok and low_var == low_var:  # too loose (or NaN figures, refused below): the exact term
-            ok = float((pair[0].square() / (pair[1] + eps)).amax()) * unit * unit <= tolerance
-        for fm, fv, m, v in zip(fig_mean, fig_var, rm, rv):
-            ok = ok and abs(fm - m) / math.sqrt(v + eps) <= tolerance and abs(fv - v) <= tolerance * (v + eps)
+        ok = rounding_passes(pair, eps, torch.finfo(pair.dtype).eps / 2, tolerance) and all(
+            abs(fm - m) / math.sqrt(v + eps) <= tolerance and abs(fv - v) <= tolerance * (v + eps)
+            for fm, fv, m, v in zip(fig_mean, fig_var, rm, rv)
+        )  # NaN fails too
+        self.checked(ok, [t], x, channels, n)
+
+    def checked(self, ok: bool, seen: list[Tensor], x: Tensor, channels: int, n: int) -> None:
+        """Records a call whose own figures were checked at once: kept as its moments if they
+        passed (``ok``), else what it normalised (``seen``) is reduced in float64 now."""
         self.calls.append((n, None, n, True))
-        if not ok:  # NaN fails too
+        if not ok:
             self.off = True
-            self.redo(len(self.calls) - 1, [t], x, channels, n)
+            self.redo(len(self.calls) - 1, seen, x, channels, n)
 
     def redo(self, k: int, seen: list[Tensor], x: Tensor, channels: int, n: int) -> None:
         """Call ``k``, whose own figures failed their check: its moments are those of what it
         normalised (``seen``), reduced in float64 whole."""
         self.calls[k] = (n, moments_of(seen), sum(t.numel() // channels for t in seen), False)
 
-    def add(self, seen: list[Tensor], x: Tensor, channels: int, n: int) -> None:
+    def add(self, seen: list[Tensor], x: Tensor, channels: int, n: int, figures: bool = True) -> None:
+        """Records a call by the float64 moments of what it normalised (``seen``), to be compared
+        with its figures at the end of the batch if it fits the fast path — never if its
+        normalization did not overwrite the buffers with figures (``figures=False``)."""
         moments = moments_of(seen)
         values = sum(t.numel() // channels for t in seen)
         self.calls.append((n, moments, values, False))
-        if moments is None:
-            self.fits = False
-            return
-        if fitting(seen, x, channels) is None:
+        if moments is None or not figures or fitting(seen, x, channels) is None:
             self.fits = False
         else:
             self.refs.append((len(self.calls) - 1, moments))

@@ -149,10 +149,11 @@ def _norm_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
         at = 1 if func in _NORMS else 3  # running_mean's position
         x = args[0] if args else kwargs.get("input")
         figures = True  # torch's gathering: the layer's running buffers get the batch figures
-        if func in _NORMS:  # (..., training=False / use_input_stats=True, momentum=0.1, eps)
-            batch = args[5] if len(args) > 5 else kwargs.get("training" if func is F.batch_norm else "use_input_stats")
+        if func in _NORMS:  # batch_norm(..., training=False, momentum=0.1), instance_norm(..., True, 0.1)
+            key, default = ("training", False) if func is F.batch_norm else ("use_input_stats", True)
+            batch = args[5] if len(args) > 5 else kwargs.get(key, default)
             momentum = args[6] if len(args) > 6 else kwargs.get("momentum", 0.1)
-            figures = bool(func is F.instance_norm if batch is None else batch) and momentum == 1.0
+            figures = bool(batch) and momentum == 1.0
         return x, args[at] if len(args) > at else kwargs.get("running_mean"), figures
     return None
 
