@@ -579,3 +579,23 @@ def test_progress_bar_counts_samples(capsys: pytest.CaptureFixture[str]) -> None
     precisebn.estimate(nn.BatchNorm1d(3), [torch.randn(4, 3)] * 5, num_samples=12, progress=True)
     err = capsys.readouterr().err
     assert "precisebn" in err and "12/12" in err
+
+
+@pytest.mark.parametrize("device", ["cuda:99", "xpu:7"])
+def test_a_device_this_machine_cannot_allocate_on_is_refused_before_any_batch(device: str) -> None:
+    """Was a raw RuntimeError from torch ("Found no NVIDIA driver...") out of the first batch's move."""
+    model = nn.Sequential(nn.BatchNorm1d(2))
+    before = state_snapshot(model)
+    drawn = []
+
+    def batches():
+        drawn.append(1)
+        yield torch.randn(4, 2)
+
+    for call in (precisebn.recalibrate, precisebn.estimate):
+        with pytest.raises(InvalidArgumentError, match=f"device '{device}' cannot be used on this machine"):
+            call(model, batches(), device=device)
+    with pytest.raises(InvalidArgumentError, match="cannot be used on this machine"):
+        precisebn.compat.update_bn(batches(), model, device=device)
+    assert not drawn
+    assert_unchanged(model, before)

@@ -43,6 +43,13 @@ per call index; on the float64 path, and for a layer that fails verification, ea
 call's float64 moments are kept under its index. The call index is a host integer, and
 so is the check that every batch calls the layer equally often.
 
+Later calls are read through their figures unchecked; what keeps the verified batch valid for
+them: each layer's scratch ``num_batches_tracked`` is set back to 0 after every batch (a forward
+that counts its calls sees the verified counts again), a fast-path call whose layer's momentum
+is no longer 1.0 is refused, a call that raises counts for nothing (:meth:`Collector._failed`),
+and :meth:`Collector.finish` refuses a layer whose forward computed figures fewer times than it
+was called.
+
 Outside the verifying batch nothing here reads a device value on the host; the only
 host-to-device traffic is the per-channel count vector of each distinct combination
 of per-layer counts (usually one or two per run), kept in a small cache.
@@ -114,6 +121,12 @@ class Collector:
         # "verify" until the end of the first batch that calls the layer, then "fast", "float64" or "none"
         self.paths = ["verify" if layer.path == "fast" else "float64" for layer in self.layers]
         self._checked_calls = [False] * n  # whether finish() may check calls against the layer's counter
+        # the layers' scratch num_batches_tracked, set back to 0 after every batch (see end_batch), how often
+        # that was done, and per layer the increments of calls that raised (each counter's version is then
+        # calls + resets + those)
+        self._counter_list = [t for t in self._counters if t is not None]
+        self._resets = 0
+        self._lost = [0] * n
         self._row = [0] * (n + 1)  # values per channel of each layer in this batch
         self._extras: list[tuple[int, int, int, Tensor, Tensor]] = []  # (layer, call index, n, mean, var)
         # per fold (FOLDS, C), by (layer, call index; 0 unless per_call): float64-path layers, stashed calls
@@ -165,6 +178,34 @@ class Collector:
             )
         return x
 
+    def _momentum_changed(self, i: int) -> UnsupportedLayerError:
+        layer = self.layers[i]
+        return UnsupportedLayerError(
+            f"layer {layer.name!r} ({layer.type_name}) had its momentum set to {layer.module.momentum!r} during the "
+            "passes (by the model's forward or a hook), after precisebn had verified that, with momentum 1.0, it "
+            "leaves each batch's own mean and variance in its buffers: its later figures would be a mix of "
+            "batches. Leave the layers' momentum as it is during forward passes, or pass capture='float64' "
+            "(every layer measured in float64 as it is called, whatever its momentum). The model was left unchanged."
+        )
+
+    def _versions(self, i: int) -> int:
+        """What layer ``i``'s counter's version is if each of its calls that returned incremented it once."""
+        return self.calls[i] + self._resets + self._lost[i]
+
+    def _failed(self, i: int, j: int) -> None:
+        """Takes back the call of layer ``i`` (index ``j`` in the batch) that raised: nothing of it was
+        counted, and if the model goes on (catching the error), the layer is as before the call —
+        but for what the call did to its counter, taken off the next check, and a trial
+        that holds no call yet, dropped (the layer is verified on a later call)."""
+        if self._in_batch[i] == j + 1:
+            self._in_batch[i] = j
+        counter = self._counters[i]
+        if counter is not None:
+            self._lost[i] = counter._version - self.calls[i] - self._resets
+        trial = self._trials.get(i)
+        if trial is not None and not trial.calls:
+            del self._trials[i]
+
     def _count_call(self, i: int, j: int, n: int) -> None:
         counts = self.call_counts[i]
         while len(counts) <= j:
@@ -194,6 +235,9 @@ class Collector:
             self._merge_extras()  # into this batch's fold, like everything else of it
         for scratch in self._scratch:  # what the next batch reads before a layer's first call
             scratch.reset()
+        if self._counter_list:  # each batch shows a layer the counts the verified one did (a forward may use them)
+            _zero_all(self._counter_list)
+            self._resets += 1
         self._batch += 1
 
     def _sum_figures(self, fold: int) -> None:
@@ -398,12 +442,15 @@ class Collector:
         """
         for i, layer in enumerate(self.layers):
             counter = self._counters[i]
-            if self._checked_calls[i] and counter is not None and counter._version != self.calls[i]:
+            if self._checked_calls[i] and counter is not None and counter._version != self._versions(i):
+                computed = counter._version - self._resets - self._lost[i]
                 raise UnsupportedLayerError(
                     f"layer {layer.name!r} ({layer.type_name}) was called {self.calls[i]} times, but its forward "
-                    f"computed batch statistics {counter._version} times: something replaced or bypassed torch's "
-                    "BatchNorm forward at run time, so the figures precisebn reads were never written. Restore "
-                    "the layer's forward, or exclude it with layers=. The model was left unchanged."
+                    f"computed batch statistics {computed} times: for some calls after the first batch it did not "
+                    "(a forward that normalises some inputs with its running statistics instead, or torch's "
+                    "BatchNorm forward replaced at run time), so the figures precisebn would read for those were "
+                    "never written. Pass capture='float64' (every layer measured in float64 as it is called), "
+                    "restore the layer's forward, or exclude it with layers=. The model was left unchanged."
                 )
         for key, kept in self._kept.items():  # their counts, on the host until now
             counts = torch.tensor(self._kept_n[key], dtype=torch.float64)
@@ -501,7 +548,12 @@ class _LayerCall:
         whether every such normalization overwrote them with its batch figures (see
         :attr:`~precisebn.watch.Watch.frozen`)."""
         module = self.module
-        if self.own_forward and module.track_running_stats and module._buffers.get("running_mean") is self.mean_view:
+        if (
+            self.own_forward
+            and module.track_running_stats
+            and module.momentum == 1.0  # else what it leaves is not its batch figures (watched: frozen)
+            and module._buffers.get("running_mean") is self.mean_view
+        ):
             return forward(*args, **kwargs), [x], True  # torch's own forward, in training mode (checked)
         with Watch(module, x) as watch:
             out = forward(*args, **kwargs)
@@ -516,15 +568,31 @@ class _LayerCall:
             )
         return out, watch.seen, not watch.frozen
 
-    def fast(self, x: Tensor, j: int) -> int:
+    def stash(self, x: Tensor, j: int) -> tuple[int, int] | None:
+        """Before a call on the fast path (or verifying it) that is not the layer's usual first call
+        of a batch: refuses too few values, and keeps the previous call's figures if the layer was
+        called earlier in this batch (the call is about to overwrite them). Returns what
+        :meth:`unstash` needs to take that back if the call raises."""
+        c, i = self.c, self.i
+        if x.numel() // self.channels == 1:
+            raise c._too_few(i, x)
+        before = c._row[i]
+        if not before:
+            return None
+        c._extras.append((i, j - 1, before, self.mean_view.clone(), self.var_view.clone()))
+        return len(c._extras) - 1, before
+
+    def unstash(self, stashed: tuple[int, int] | None) -> None:
+        """Takes back what :meth:`stash` kept, for a call that raised (the model may go on)."""
+        if stashed is not None:
+            k, _ = stashed
+            del self.c._extras[k:]
+
+    def count(self, x: Tensor, j: int) -> int:
+        """Counts a call that returned: its values per channel are this batch's (in the sums at its end)."""
         c, i = self.c, self.i
         n = x.numel() // self.channels
-        if n == 1:
-            raise c._too_few(i, x)
-        row = c._row
-        if row[i]:  # another call in this batch: keep the previous call's figures
-            c._extras.append((i, j - 1, row[i], self.mean_view.clone(), self.var_view.clone()))
-        row[i] = n
+        c._row[i] = n
         c.counts[i] += n
         c.calls[i] += 1
         if c.per_call:
@@ -537,48 +605,84 @@ class _LayerCall:
         in_batch = c._in_batch
         j = in_batch[i]  # this call's index within the batch
         in_batch[i] = j + 1
+        module = self.module
+        try:
+            if path == "fast":
+                x = args[0] if args else None
+                if type(x) is not Tensor or not module.training or module.momentum != 1.0:
+                    x = c._check(i, args, kwargs)  # the full checks (which raise)
+                    if module.momentum != 1.0:
+                        raise c._momentum_changed(i)
+                n = x.numel() // self.channels
+                row = c._row
+                if n == 1 or row[i] or c.per_call:  # too few values, a second call in this batch, per-call counts
+                    stashed = self.stash(x, j)
+                    try:
+                        out = forward(*args, **kwargs)
+                    except BaseException:
+                        self.unstash(stashed)
+                        raise
+                    self.count(x, j)
+                else:  # count() for the usual call, inline: this runs for every layer in every batch
+                    out = forward(*args, **kwargs)
+                    row[i] = n
+                    c.counts[i] += n
+                    c.calls[i] += 1
+            elif path == "verify":
+                out = self.verify(forward, args, kwargs, j)
+            else:
+                x = c._check(i, args, kwargs)
+                if path == "none":  # verified never to normalise with its running buffers: nothing to watch
+                    out = forward(*args, **kwargs)
+                    c.calls[i] += 1
+                else:
+                    out, seen, _ = self.watched(forward, x, args, kwargs)
+                    c.calls[i] += 1
+                    if seen:
+                        n = sum(t.numel() // self.channels for t in seen)
+                        c.counts[i] += n
+                        if c.per_call:
+                            c._count_call(i, j, n)
+                        c._keep((i, j if c.per_call else 0), moments_of(seen), n)  # type: ignore[arg-type]
+        except BaseException:
+            c._failed(i, j)
+            raise
         if j >= c.most[i]:
             c.most[i] = j + 1
-        if path == "fast":
-            x = args[0] if args else None
-            if type(x) is not Tensor or not self.module.training:  # else the full checks (which may raise)
-                x = c._check(i, args, kwargs)
-            n = x.numel() // self.channels
-            row = c._row
-            if n == 1 or row[i] or c.per_call:  # too few values, a second call in this batch, per-call counts
-                self.fast(x, j)
-            else:  # fast() for the usual call, inline: this runs for every layer in every batch
-                row[i] = n
-                c.counts[i] += n
-                c.calls[i] += 1
-            return forward(*args, **kwargs)
-        if path == "verify":
-            x = c._check(i, args, kwargs)
-            if c._spots is not None and i in c._spots.layers:  # its waiting figures are about to be overwritten
-                c._run_spot_checks()
-            trial = c._trials.get(i) or c._trials.setdefault(i, Trial(c.counts[i]))
-            counter = c._counters[i]
-            before = counter._version if counter is not None else -1
-            n = self.fast(x, j)
-            out, seen, figures = self.watched(forward, x, args, kwargs)
-            if figures and x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads: free
-                c._check_on_cpu(i, trial, seen, x, n, self.pair)
-            else:  # (no figures of this call in its buffers, whatever they hold: the float64 path)
-                trial.add(seen, x, self.channels, n, figures)
-            trial.counted &= counter is not None and counter._version == before + 1
-            return out
-        x = c._check(i, args, kwargs)
-        c.calls[i] += 1
-        if path == "none":  # verified never to normalise with its running buffers: nothing to watch
-            return forward(*args, **kwargs)
-        out, seen, _ = self.watched(forward, x, args, kwargs)
-        if seen:
-            n = sum(t.numel() // self.channels for t in seen)
-            c.counts[i] += n
-            if c.per_call:
-                c._count_call(i, j, n)
-            c._keep((i, j if c.per_call else 0), moments_of(seen), n)  # type: ignore[arg-type]
         return out
+
+    def verify(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], j: int) -> Any:
+        """A call in the batch that verifies the layer: runs it watched, then counts it and
+        records what it normalised (checked against its figures, see :class:`~precisebn.trial.Trial`)."""
+        c, i = self.c, self.i
+        x = c._check(i, args, kwargs)
+        if c._spots is not None and i in c._spots.layers:  # its waiting figures are about to be overwritten
+            c._run_spot_checks()
+        counter = c._counters[i]
+        before = counter._version if counter is not None else -1
+        stashed = self.stash(x, j)
+        try:
+            out, seen, figures = self.watched(forward, x, args, kwargs)
+        except BaseException:
+            self.unstash(stashed)
+            raise
+        trial = c._trials.get(i) or c._trials.setdefault(i, Trial(c.counts[i]))
+        n = self.count(x, j)
+        if figures and x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads: free
+            c._check_on_cpu(i, trial, seen, x, n, self.pair)
+        else:  # (no figures of this call in its buffers, whatever they hold: the float64 path)
+            trial.add(seen, x, self.channels, n, figures)
+        trial.counted &= counter is not None and counter._version == before + 1
+        return out
+
+
+def _zero_all(tensors: list[Tensor]) -> None:
+    zero = getattr(torch, "_foreach_zero_", None)
+    if zero is not None:
+        zero(tensors)
+    else:
+        for t in tensors:
+            t.zero_()
 
 
 def times(k: int) -> str:

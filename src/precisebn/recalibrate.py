@@ -109,12 +109,21 @@ def _device(device: Any) -> torch.device | None:
     if device is None:
         return None
     try:
-        return torch.device(device)
+        checked = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as exc:
         raise InvalidArgumentError(
             "device must be a torch.device or a device string such as 'cpu', 'cuda' or 'cuda:1', "
             f"got {device!r} ({exc})"
         ) from None
+    if checked.type not in ("cpu", "meta"):
+        try:
+            torch.empty(0, device=checked)  # no GPU, no driver, an index past the last device...
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            raise InvalidArgumentError(
+                f"device {device!r} cannot be used on this machine ({str(exc).strip().splitlines()[0]}); pass "
+                "device=None to use the model's own device, or one that torch can allocate on here."
+            ) from None
+    return checked
 
 
 def estimate(

@@ -1,0 +1,206 @@
+"""Calls after the batch that verified a layer's fast path (see precisebn.capture).
+
+A layer's own figures are checked in the first batch that calls it; later calls are read
+through them unchecked. Each case here once made a later call leave something other than
+its batch figures, summed silently as if they were (a hostile tester found them): each is
+now exact against the float64 truth, or refused by name with the model unchanged.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import precisebn
+from conftest import compute_truth, max_rel_error
+from precisebn.errors import UnsupportedLayerError
+
+TOL = 1e-5
+
+
+def assert_exact(model: nn.Module, name: str, mean: torch.Tensor, var: torch.Tensor) -> None:
+    layer = model.get_submodule(name)
+    assert max_rel_error(layer.running_mean, mean, var.sqrt()) <= TOL
+    assert max_rel_error(layer.running_var, var) <= TOL
+
+
+def images(sizes: list[int], seed: int = 0, hw: int = 6) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, 3, hw, hw, generator=g) * (1 + k) + k for k, n in enumerate(sizes)]
+
+
+class CumulativeAverage(nn.BatchNorm2d):
+    """Averages its batches with factor 1/num_batches_tracked, whatever its momentum: with a
+    counter that starts at 0, its first call's factor is 1.0 (its own figures, which pass the
+    check) and later ones 1/2, 1/3... — unless every batch sees the counts of the first."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        factor = 0.0
+        if self.training:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked)
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training, factor)
+
+
+class FrozenAfterTwo(nn.BatchNorm2d):
+    """Normalises with batch figures for its first two calls, then with its running statistics."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.num_batches_tracked.add_(1)
+        batch = bool(self.num_batches_tracked <= 2)
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, batch, 1.0, self.eps)
+
+
+class Twice(nn.Module):
+    """Calls its layer twice per forward, on inputs that do not depend on what the layer does."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) + self.layer(x * 2 + 1)
+
+
+@pytest.mark.parametrize("cls", [CumulativeAverage, FrozenAfterTwo])
+@pytest.mark.parametrize("twice", [False, True])
+def test_a_forward_that_counts_its_calls_sees_the_verified_counts_in_every_batch(cls: type, twice: bool) -> None:
+    """Before: 4.2x off in the variance (CumulativeAverage), 15x (FrozenAfterTwo), "updated"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), Twice(cls(4)) if twice else cls(4))
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.fill_(5.0)
+                m.running_var.fill_(9.0)
+    batches = images([8, 4, 6, 8, 2, 5])
+    truth = compute_truth(model, batches)
+    name = "1.layer" if twice else "1"
+    report = precisebn.recalibrate(model, batches, num_samples="all")
+    assert report[name].status.startswith("updated")
+    assert report[name].count == truth[name].count
+    assert_exact(model, name, truth[name].mean, truth[name].var)
+
+
+class SetsMomentum(nn.Module):
+    """Sets its BatchNorm's momentum to 0.05 from its second call on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 1:
+            self.bn.momentum = 0.05
+        return self.bn(self.conv(x))
+
+
+def test_a_momentum_changed_after_verification_is_refused_by_name(snapshot, unchanged) -> None:
+    """Before: the mean came out 0.18 where the truth is 1.85, "updated"."""
+    torch.manual_seed(0)
+    model = SetsMomentum()
+    batches = images([4, 4, 4])
+    before = snapshot(model)
+    with pytest.raises(UnsupportedLayerError, match=r"'bn' \(BatchNorm2d\) had its momentum set to 0\.05"):
+        precisebn.recalibrate(model, batches)
+    unchanged(model, before)
+    model.calls = 0
+    truth = compute_truth(model, batches)
+    model.calls = 0
+    precisebn.recalibrate(model, batches, capture="float64")
+    assert_exact(model, "bn", truth["bn"].mean, truth["bn"].var)
+
+
+class MomentumBeforeEveryCall(SetsMomentum):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.bn.momentum = 0.05
+        return self.bn(self.conv(x))
+
+
+def test_torchs_own_forward_with_another_momentum_is_watched_even_when_its_figures_fit() -> None:
+    """The layer's statistics are the first batch's own figures, so that a tenth of the way to
+    them is where they are: the check would pass. Its call has another momentum than 1.0, so
+    it goes to float64 (exact) rather than counting figures that are not its own."""
+    torch.manual_seed(0)
+    model = MomentumBeforeEveryCall()
+    batches = images([4, 6, 4])
+    with torch.no_grad():
+        mean, var = model.bn.running_mean.clone(), model.bn.running_var.clone()
+        F.batch_norm(model.conv(batches[0]), mean, var, training=True, momentum=1.0)  # its float32 figures
+        model.bn.running_mean.copy_(mean)
+        model.bn.running_var.copy_(var)
+    truth = compute_truth(model, batches)
+    report = precisebn.recalibrate(model, batches)
+    assert report["bn"].path == "float64"
+    assert_exact(model, "bn", truth["bn"].mean, truth["bn"].var)
+
+
+class CatchesErrors(nn.Module):
+    """Calls its BatchNorm on inputs it sometimes rejects, and goes on without it: 8 channels
+    (raised inside F.batch_norm, after the counter's increment) or a 3-d input (raised before)."""
+
+    def __init__(self, bad: str) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 1)
+        self.bn = nn.BatchNorm2d(4)
+        self.bad = bad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        z = y[:, :4]
+        if x.shape[0] <= 2:
+            z = y if self.bad == "channels" else z[:, :, 0]
+        try:
+            return self.bn(z)
+        except (RuntimeError, ValueError):
+            return y
+
+
+@pytest.mark.parametrize("bad", ["channels", "dimensions"])
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+@pytest.mark.parametrize("first", ["fails", "passes"])
+def test_a_call_that_raises_inside_the_layer_counts_for_nothing(bad: str, capture: str, first: str) -> None:
+    """Before: the failed calls' values were counted (500 instead of 300, the variance 181x
+    off, "updated"), or the layer was refused as if its forward had been replaced."""
+    torch.manual_seed(0)
+    model = CatchesErrors(bad)
+    with torch.no_grad():
+        model.bn.running_mean.fill_(7.0)
+        model.bn.running_var.fill_(50.0)
+    sizes = [2, 4, 2, 4, 4] if first == "fails" else [4, 2, 4, 2, 4]
+    batches = images(sizes)
+    with torch.no_grad():
+        taken = [model.conv(b)[:, :4].double() for b in batches if b.shape[0] > 2]
+    flat = torch.cat([t.transpose(0, 1).reshape(4, -1) for t in taken], 1)
+    report = precisebn.recalibrate(model, batches, num_samples="all", capture=capture)
+    assert report["bn"].status == "updated"
+    assert report["bn"].count == flat.shape[1]
+    assert report["bn"].calls == len(taken)
+    assert_exact(model, "bn", flat.mean(1), flat.var(1, unbiased=False))
+
+
+class RunningStatisticsForSmallBatches(nn.BatchNorm2d):
+    """Normalises batches of fewer than 4 samples with its running statistics, without a count."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and x.shape[0] < 4:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        return super().forward(x)
+
+
+def test_a_later_call_that_writes_no_figures_is_refused_with_its_counts(snapshot, unchanged) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), RunningStatisticsForSmallBatches(4))
+    batches = images([8, 8, 8, 8, 2])
+    before = snapshot(model)
+    with pytest.raises(UnsupportedLayerError, match=r"'1' .* called 5 times, .* batch statistics 4 times"):
+        precisebn.recalibrate(model, batches, num_samples="all")
+    unchanged(model, before)
+    truth = compute_truth(model, batches)  # what it normalises with its buffers: every input
+    precisebn.recalibrate(model, batches, num_samples="all", capture="float64")
+    assert_exact(model, "1", truth["1"].mean, truth["1"].var)
