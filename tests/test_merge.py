@@ -137,6 +137,11 @@ def test_mismatches_are_refused() -> None:
         a.merge(measure(model, data[2:], mode="train"))
     with pytest.raises(InvalidArgumentError, match="input 1 is a dict"):
         a.merge({"1": a["1"]})
+    b = measure(model, data[2:])
+    with pytest.raises(InvalidArgumentError, match="inputs 0 and 2 are the same statistics object"):
+        a.merge(b, a)
+    with pytest.raises(InvalidArgumentError, match="inputs 1 and 2 are the same statistics object"):
+        a.merge(b, b)
 
 
 def _sha(path) -> str:

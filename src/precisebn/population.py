@@ -143,7 +143,8 @@ class PopulationStats(Mapping[str, LayerStats]):
         union at once for those). The inputs are not changed; the result is on the CPU.
 
         Raises:
-            InvalidArgumentError: An input is not a ``PopulationStats``.
+            InvalidArgumentError: An input is not a ``PopulationStats``, or one object is given
+                twice (its data would count twice).
             StatsMismatchError: A layer has different channel counts or layer types in
                 two inputs, or the inputs were measured in different modes.
 
@@ -162,6 +163,14 @@ class PopulationStats(Mapping[str, LayerStats]):
                 raise InvalidArgumentError(
                     f"PopulationStats.merge: input {i} is a {type(other).__name__}, not a PopulationStats "
                     "(from estimate() or PopulationStats.load())"
+                )
+        for i, other in enumerate(inputs):
+            twice = next((j for j in range(i) if inputs[j] is other), None)
+            if twice is not None:
+                raise InvalidArgumentError(
+                    f"PopulationStats.merge: inputs {twice} and {i} are the same statistics object; merging data "
+                    "with itself counts it twice (the counts and samples double, the standard errors shrink). "
+                    "Merge statistics of disjoint data, each once."
                 )
         modes = sorted({s.mode for s in inputs})
         if len(modes) > 1:
