@@ -116,6 +116,23 @@ def test_a_momentum_changed_after_verification_is_refused_by_name(snapshot, unch
     assert_exact(model, "bn", truth["bn"].mean, truth["bn"].var)
 
 
+class CatchesEverything(SetsMomentum):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return super().forward(x)
+        except Exception:
+            return x
+
+
+def test_a_refusal_the_model_catches_is_raised_again_at_the_end_of_the_batch(snapshot, unchanged) -> None:
+    """Caught, it would leave the layer with the statistics of the batches before the change, "updated"."""
+    model = CatchesEverything()
+    before = snapshot(model)
+    with pytest.raises(UnsupportedLayerError, match=r"'bn' \(BatchNorm2d\) had its momentum set to 0\.05"):
+        precisebn.recalibrate(model, images([4, 4, 4]))
+    unchanged(model, before)
+
+
 class MomentumBeforeEveryCall(SetsMomentum):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.bn.momentum = 0.05
