@@ -133,6 +133,37 @@ def test_a_refusal_the_model_catches_is_raised_again_at_the_end_of_the_batch(sna
     unchanged(model, before)
 
 
+class ChangesWhatItNormalised(nn.BatchNorm2d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        x.mul_(2.0)
+        return out
+
+
+class CatchesAroundIt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.bn = ChangesWhatItNormalised(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        try:
+            return self.bn(y)
+        except Exception:
+            return y
+
+
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+def test_any_refusal_of_a_call_that_the_model_catches_is_raised_again(capture: str, snapshot, unchanged) -> None:
+    """Caught, the refused calls were left out: "updated" with none of them (float64), or with none at all."""
+    model = CatchesAroundIt()
+    before = snapshot(model)
+    with pytest.raises(UnsupportedLayerError, match=r"'bn' \(ChangesWhatItNormalised\) changed the tensor"):
+        precisebn.recalibrate(model, images([4, 4, 4]), capture=capture)
+    unchanged(model, before)
+
+
 class MomentumBeforeEveryCall(SetsMomentum):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.bn.momentum = 0.05

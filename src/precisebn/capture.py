@@ -127,7 +127,8 @@ class Collector:
         self._counter_list = [t for t in self._counters if t is not None]
         self._resets = 0
         self._lost = [0] * n
-        self._refused: UnsupportedLayerError | None = None  # a refusal the model may have caught
+        # a layer refused during a call, raised again at the end of the batch in case the model caught it
+        self._refused: UnsupportedLayerError | None = None
         self._row = [0] * (n + 1)  # values per channel of each layer in this batch
         self._extras: list[tuple[int, int, int, Tensor, Tensor]] = []  # (layer, call index, n, mean, var)
         # per fold (FOLDS, C), by (layer, call index; 0 unless per_call): float64-path layers, stashed calls
@@ -180,17 +181,14 @@ class Collector:
         return x
 
     def _momentum_changed(self, i: int) -> UnsupportedLayerError:
-        """The refusal of a fast-path call whose layer's momentum is no longer 1.0, kept to be raised
-        again at the end of the batch in case the model catches it."""
         layer = self.layers[i]
-        self._refused = UnsupportedLayerError(
+        return UnsupportedLayerError(
             f"layer {layer.name!r} ({layer.type_name}) had its momentum set to {layer.module.momentum!r} during the "
             "passes (by the model's forward or a hook), after precisebn had verified that, with momentum 1.0, it "
             "leaves each batch's own mean and variance in its buffers: its later figures would be a mix of "
             "batches. Leave the layers' momentum as it is during forward passes, or pass capture='float64' "
             "(every layer measured in float64 as it is called, whatever its momentum). The model was left unchanged."
         )
-        return self._refused
 
     def _versions(self, i: int) -> int:
         """What layer ``i``'s counter's version is if each of its calls that returned incremented it once."""
@@ -650,8 +648,10 @@ class _LayerCall:
                         if c.per_call:
                             c._count_call(i, j, n)
                         c._keep((i, j if c.per_call else 0), moments_of(seen), n)  # type: ignore[arg-type]
-        except BaseException:
+        except BaseException as exc:
             c._failed(i, j)
+            if isinstance(exc, UnsupportedLayerError):
+                c._refused = exc
             raise
         if j >= c.most[i]:
             c.most[i] = j + 1
