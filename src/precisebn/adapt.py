@@ -44,11 +44,14 @@ from .errors import InvalidArgumentError
 from .population import LayerStats
 from .stats import chan_merge
 
-__all__ = ["ADAPT", "Adapt", "check_adapt", "pool_with_prior", "prior_values", "with_prior"]
+__all__ = ["ADAPT", "WRITTEN", "Adapt", "check_adapt", "pool_with_prior", "prior_values", "with_prior"]
 
 Adapt = Literal["both", "mean", "var"]
 ADAPT = ("both", "mean", "var")
 """The values of ``adapt``: which running buffers are written."""
+
+WRITTEN = {"both": ("running_mean", "running_var"), "mean": ("running_mean",), "var": ("running_var",)}
+"""The running buffers each ``adapt`` writes."""
 
 
 def check_adapt(prior: Any, adapt: Any) -> float | None:

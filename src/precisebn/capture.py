@@ -190,23 +190,15 @@ class Collector:
             "(every layer measured in float64 as it is called, whatever its momentum). The model was left unchanged."
         )
 
-    def _versions(self, i: int) -> int:
-        """What layer ``i``'s counter's version is if each of its calls that returned incremented it once."""
-        return self.calls[i] + self._resets + self._lost[i]
-
     def _failed(self, i: int, j: int) -> None:
         """Takes back the call of layer ``i`` (index ``j`` in the batch) that raised: nothing of it was
-        counted, and if the model goes on (catching the error), the layer is as before the call —
-        but for what the call did to its counter, taken off the next check, and a trial
-        that holds no call yet, dropped (the layer is verified on a later call)."""
+        counted, so that if the model goes on (catching the error), the layer is as before the call — but
+        for what the call did to its counter, taken off the check in :meth:`finish`."""
         if self._in_batch[i] == j + 1:
             self._in_batch[i] = j
         counter = self._counters[i]
         if counter is not None:
             self._lost[i] = counter._version - self.calls[i] - self._resets
-        trial = self._trials.get(i)
-        if trial is not None and not trial.calls:
-            del self._trials[i]
 
     def _count_call(self, i: int, j: int, n: int) -> None:
         counts = self.call_counts[i]
@@ -240,7 +232,7 @@ class Collector:
         for scratch in self._scratch:  # what the next batch reads before a layer's first call
             scratch.reset()
         if self._counter_list:  # each batch shows a layer the counts the verified one did (a forward may use them)
-            _zero_all(self._counter_list)
+            torch._foreach_zero_(self._counter_list)
             self._resets += 1
         self._batch += 1
 
@@ -446,8 +438,10 @@ class Collector:
         """
         for i, layer in enumerate(self.layers):
             counter = self._counters[i]
-            if self._checked_calls[i] and counter is not None and counter._version != self._versions(i):
-                computed = counter._version - self._resets - self._lost[i]
+            if not self._checked_calls[i] or counter is None:
+                continue
+            computed = counter._version - self._resets - self._lost[i]  # increments by calls that returned
+            if computed != self.calls[i]:
                 raise UnsupportedLayerError(
                     f"layer {layer.name!r} ({layer.type_name}) was called {self.calls[i]} times, but its forward "
                     f"computed batch statistics {computed} times: for some calls after the first batch it did not "
@@ -572,25 +566,23 @@ class _LayerCall:
             )
         return out, watch.seen, not watch.frozen
 
-    def stash(self, x: Tensor, j: int) -> tuple[int, int] | None:
+    def stash(self, x: Tensor, j: int) -> int | None:
         """Before a call on the fast path (or verifying it) that is not the layer's usual first call
         of a batch: refuses too few values, and keeps the previous call's figures if the layer was
-        called earlier in this batch (the call is about to overwrite them). Returns what
-        :meth:`unstash` needs to take that back if the call raises."""
+        called earlier in this batch (the call is about to overwrite them). Returns where they are
+        kept, for :meth:`unstash`."""
         c, i = self.c, self.i
         if x.numel() // self.channels == 1:
             raise c._too_few(i, x)
-        before = c._row[i]
-        if not before:
+        if not c._row[i]:
             return None
-        c._extras.append((i, j - 1, before, self.mean_view.clone(), self.var_view.clone()))
-        return len(c._extras) - 1, before
+        c._extras.append((i, j - 1, c._row[i], self.mean_view.clone(), self.var_view.clone()))
+        return len(c._extras) - 1
 
-    def unstash(self, stashed: tuple[int, int] | None) -> None:
+    def unstash(self, stashed: int | None) -> None:
         """Takes back what :meth:`stash` kept, for a call that raised (the model may go on)."""
         if stashed is not None:
-            k, _ = stashed
-            del self.c._extras[k:]
+            del self.c._extras[stashed]
 
     def count(self, x: Tensor, j: int) -> int:
         """Counts a call that returned: its values per channel are this batch's (in the sums at its end)."""
@@ -619,16 +611,16 @@ class _LayerCall:
                         raise c._momentum_changed(i)
                 n = x.numel() // self.channels
                 row = c._row
-                if n == 1 or row[i] or c.per_call:  # too few values, a second call in this batch, per-call counts
-                    stashed = self.stash(x, j)
-                    try:
-                        out = forward(*args, **kwargs)
-                    except BaseException:
-                        self.unstash(stashed)
-                        raise
+                unusual = n == 1 or row[i] or c.per_call  # too few values, a second call in this batch, per call
+                stashed = self.stash(x, j) if unusual else None
+                try:
+                    out = forward(*args, **kwargs)
+                except BaseException:
+                    self.unstash(stashed)
+                    raise
+                if unusual:
                     self.count(x, j)
                 else:  # count() for the usual call, inline: this runs for every layer in every batch
-                    out = forward(*args, **kwargs)
                     row[i] = n
                     c.counts[i] += n
                     c.calls[i] += 1
@@ -680,15 +672,6 @@ class _LayerCall:
             trial.add(seen, x, self.channels, n, figures)
         trial.counted &= counter is not None and counter._version == before + 1
         return out
-
-
-def _zero_all(tensors: list[Tensor]) -> None:
-    zero = getattr(torch, "_foreach_zero_", None)
-    if zero is not None:
-        zero(tensors)
-    else:
-        for t in tensors:
-            t.zero_()
 
 
 def times(k: int) -> str:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ._optional import require
+from .adapt import WRITTEN
 from .errors import InvalidArgumentError, StatsMismatchError
 from .files import atomic_path
 from .population import buffer_key
@@ -276,9 +277,6 @@ def buffer_names(model: nn.Module, modules: list[str], buffers: tuple[str, ...],
     return out
 
 
-_WRITTEN = ("running_mean", "running_var")  # the buffers statistics write
-
-
 def stats_replacement(
     ckpt: Checkpoint, stats: Mapping[str, Any], *, prior: float | None = None, adapt: str = "both"
 ) -> tuple[dict[str, Tensor], str]:
@@ -323,8 +321,7 @@ def stats_replacement(
     if prior:
         wanted = _pooled_with_checkpoint(ckpt, stats, prefix, prior).state_dict()
     if adapt != "both":
-        kept = _WRITTEN[0] if adapt == "mean" else _WRITTEN[1]
-        wanted = {k: v for k, v in wanted.items() if k.rpartition(".")[2] == kept}
+        wanted = {k: v for k, v in wanted.items() if k.rpartition(".")[2] in WRITTEN[adapt]}
     return {prefix + k: v for k, v in wanted.items()}, prefix
 
 
@@ -336,8 +333,9 @@ def _pooled_with_checkpoint(ckpt: Checkpoint, stats: Any, prefix: str, prior: fl
     from .adapt import with_prior
 
     sd = ckpt.state_dict
+    both = WRITTEN["both"]
     entries = [  # the layer as with_prior reads it: its two buffers (unreached layers are passed through)
-        (name, SimpleNamespace(**{b: sd[prefix + buffer_key(name, b)] for b in _WRITTEN}) if s.reached else None, s)
+        (name, SimpleNamespace(**{b: sd[prefix + buffer_key(name, b)] for b in both}) if s.reached else None, s)
         for name, s in stats.items()
     ]
     pooled, problems = with_prior(entries, prior, stats.samples)

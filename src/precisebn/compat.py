@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .adapt import WRITTEN
 from .errors import EmptyDataError, InvalidArgumentError, ShortDataWarning
 from .layers import find_norm_layers, unwrap
 from .recalibrate import _estimate, recalibrate
@@ -93,7 +94,7 @@ def update_bn_stats(
                     tolerance=None,
                     _mode="keep",
                     walk=walk,
-                    writes=("running_mean", "running_var"),
+                    writes=WRITTEN["both"],
                 )
         except EmptyDataError as exc:
             raise ShortLoaderError(

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from . import distributed as _dist
-from .adapt import Adapt, check_adapt
+from .adapt import WRITTEN, Adapt, check_adapt
 from .data import Forward, default_forward, model_device
 from .errors import InvalidArgumentError
 from .layers import Capture, LayerSelection, Mode, find_norm_layers, refuse_shared_buffers, unwrap
@@ -52,7 +52,6 @@ mmcls' default; Wu & Johnson 2021 find 10³–10⁴ samples enough)."""
 
 _MODES = ("norm", "train")
 _CAPTURES = ("auto", "float64")
-_WRITES = {"both": ("running_mean", "running_var"), "mean": ("running_mean",), "var": ("running_var",)}  # by adapt
 
 
 def check_options(
@@ -476,6 +475,6 @@ def recalibrate(
             tolerance=tolerance,
             _mode=None,
             walk=walk,
-            writes=_WRITES[adapt],
+            writes=WRITTEN[adapt],
         )
         return write_statistics(unwrap(model), stats, checked_prior, adapt, walk, shared_checked=True)

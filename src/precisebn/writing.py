@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from .adapt import Adapt, with_prior
+from .adapt import WRITTEN, Adapt, with_prior
 from .capture import times as _times
 from .errors import StatsMismatchError
 from .layers import has_running_stats, refuse_shared_buffers
@@ -27,6 +27,8 @@ from .state import copy_all, restore_on_error
 logger = logging.getLogger("precisebn")
 
 __all__ = ["write_statistics"]
+
+_BUFFERS = ("running_mean", "running_var")
 
 
 def write_statistics(
@@ -72,7 +74,7 @@ def write_statistics(
     if prior is not None:  # the current statistics as `prior` samples of pseudo-data, pooled exactly
         entries, problems = with_prior(entries, prior, stats.samples)
         _refuse("the statistics cannot be pooled with the model's", problems)
-    write = (adapt != "var", adapt != "mean")  # running_mean, running_var
+    write = tuple(name in WRITTEN[adapt] for name in _BUFFERS)  # running_mean, running_var
     buffers = [(m.running_mean, m.running_var) for _, m, _ in entries]  # read once: Module.__getattr__ is slow
     updated = [(pair, s) for pair, (_, _, s) in zip(buffers, entries) if s.reached]
     new = _converted(
@@ -140,7 +142,7 @@ def write_statistics(
                 (name, what, t)
                 for (name, _, s), pair in zip(entries, buffers)
                 if s.reached
-                for what, t, w in zip(("running_mean", "running_var"), pair, write)
+                for what, t, w in zip(_BUFFERS, pair, write)
                 if w
             ]
         )
