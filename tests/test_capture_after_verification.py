@@ -252,3 +252,56 @@ def test_a_later_call_that_writes_no_figures_is_refused_with_its_counts(snapshot
     truth = compute_truth(model, batches)  # what it normalises with its buffers: every input
     precisebn.recalibrate(model, batches, num_samples="all", capture="float64")
     assert_exact(model, "1", truth["1"].mean, truth["1"].var)
+
+
+class RaisesAfterNormalising(nn.BatchNorm2d):
+    """Normalises (its figures are in its buffers), then raises for a bright or non-finite input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training, 1.0, self.eps)
+        if x.mean() > 4 or not torch.isfinite(x).all():
+            raise ValueError("too bright")
+        return out
+
+
+class TwoCallsCaught(nn.Module):
+    """Calls its layer on a dim and on a full copy of the conv's output, going on without a call that raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.bn = RaisesAfterNormalising(4)
+        with torch.no_grad():
+            self.conv.weight.fill_(0.3)
+            self.conv.bias.zero_()
+
+    def inputs(self, x: torch.Tensor) -> list[torch.Tensor]:
+        y = self.conv(x)
+        return [y * 0.1, y]
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outs = []
+        for z in self.inputs(x):
+            try:
+                outs.append(self.bn(z))
+            except ValueError:
+                outs.append(z)
+        return outs
+
+
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+@pytest.mark.parametrize("bright", [[0, 0, 10, 0, 0], [10, 0, 0, 10, 0]])
+def test_what_a_call_that_raises_wrote_into_the_buffers_is_taken_back(capture: str, bright: list) -> None:
+    """Its figures were left in the scratch: summed with the previous call's count (mean 4σ off,
+    variance 67x, "updated"), or NaN ones poisoning the sums (a NonFiniteError for finite data)."""
+    torch.manual_seed(0)
+    model = TwoCallsCaught()
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 3, 5, 5, generator=g) + b for b in bright]
+    batches.append(torch.full((4, 3, 5, 5), float("inf")))  # both calls raise, after writing NaN figures
+    with torch.no_grad():
+        taken = [z.double() for b in batches for z in model.inputs(b) if z.mean() <= 4 and torch.isfinite(z).all()]
+    flat = torch.cat([t.transpose(0, 1).reshape(4, -1) for t in taken], 1)
+    report = precisebn.recalibrate(model, batches, num_samples="all", capture=capture)
+    assert report["bn"].count == flat.shape[1] and report["bn"].calls == len(taken)
+    assert_exact(model, "bn", flat.mean(1), flat.var(1, unbiased=False))

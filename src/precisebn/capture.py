@@ -190,10 +190,19 @@ class Collector:
             "(every layer measured in float64 as it is called, whatever its momentum). The model was left unchanged."
         )
 
+    def _initial_pair(self, i: int) -> Tensor:
+        """Layer ``i``'s own statistics as its scratch holds them before its first call of a batch, ``(2, C)``."""
+        for scratch in self._scratch:
+            if i in scratch.layer_ids:
+                initial = scratch.initial if scratch.initial is not None else scratch.buffer
+                return scratch.slices(initial)[scratch.layer_ids.index(i)]
+        raise KeyError(i)
+
     def _failed(self, i: int, j: int) -> None:
         """Takes back the call of layer ``i`` (index ``j`` in the batch) that raised: nothing of it was
-        counted, so that if the model goes on (catching the error), the layer is as before the call — but
-        for what the call did to its counter, taken off the check in :meth:`finish`."""
+        counted (and its scratch is as before it, see :meth:`_LayerCall.unstash`), so that if the model
+        goes on (catching the error), the layer is as before the call — but for what the call did to its
+        counter, taken off the check in :meth:`finish`."""
         if self._in_batch[i] == j + 1:
             self._in_batch[i] = j
         counter = self._counters[i]
@@ -580,9 +589,18 @@ class _LayerCall:
         return len(c._extras) - 1
 
     def unstash(self, stashed: int | None) -> None:
-        """Takes back what :meth:`stash` kept, for a call that raised (the model may go on)."""
-        if stashed is not None:
-            del self.c._extras[stashed]
+        """After a call that raised (the model may catch it and go on), whatever its forward wrote:
+        puts back in the layer's scratch what it held before the call — the previous call's figures
+        that :meth:`stash` kept (no longer kept apart), else the layer's own statistics (its scratch
+        before its first call of a batch)."""
+        c = self.c
+        if stashed is None:
+            self.pair.copy_(c._initial_pair(self.i))
+            return
+        _, _, _, mean, var = c._extras[stashed]
+        self.mean_view.copy_(mean)
+        self.var_view.copy_(var)
+        del c._extras[stashed]
 
     def count(self, x: Tensor, j: int) -> int:
         """Counts a call that returned: its values per channel are this batch's (in the sums at its end)."""
