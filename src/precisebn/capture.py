@@ -44,11 +44,12 @@ call's float64 moments are kept under its index. The call index is a host intege
 so is the check that every batch calls the layer equally often.
 
 Later calls are read through their figures unchecked; what keeps the verified batch valid for
-them: each layer's scratch ``num_batches_tracked`` is set back to 0 after every batch (a forward
-that counts its calls sees the verified counts again), a fast-path call whose layer's momentum
-is no longer 1.0 is refused, a call that raises counts for nothing (:meth:`Collector._failed`),
-and :meth:`Collector.finish` refuses a layer whose forward computed figures fewer times than it
-was called.
+them: each layer's scratch ``num_batches_tracked`` is set back to 0 after every batch, and put
+back in the layer if its forward replaced it (a forward that counts its calls sees the verified
+counts again); a fast-path call whose layer's momentum is no longer 1.0 is refused; a call that
+raises counts for nothing, and what it wrote into the scratch is taken back
+(:meth:`_LayerCall.unstash`, :meth:`Collector._failed`); :meth:`Collector.finish` refuses a
+layer whose forward computed figures fewer times than it was called.
 
 Outside the verifying batch nothing here reads a device value on the host; the only
 host-to-device traffic is the per-channel count vector of each distinct combination
@@ -123,8 +124,11 @@ class Collector:
         self._checked_calls = [False] * n  # whether finish() may check calls against the layer's counter
         # the layers' scratch num_batches_tracked, set back to 0 after every batch (see end_batch), how often
         # that was done, and per layer the increments of calls that raised (each counter's version is then
-        # calls + resets + those)
+        # calls + resets + those); with the buffer dicts they are put back in (a forward may replace them)
         self._counter_list = [t for t in self._counters if t is not None]
+        self._counter_homes = [
+            (layer.module._buffers, t) for layer, t in zip(self.layers, self._counters) if t is not None
+        ]
         self._resets = 0
         self._lost = [0] * n
         # a layer refused during a call, raised again at the end of the batch in case the model caught it
@@ -243,6 +247,9 @@ class Collector:
         if self._counter_list:  # each batch shows a layer the counts the verified one did (a forward may use them)
             torch._foreach_zero_(self._counter_list)
             self._resets += 1
+            for buffers, counter in self._counter_homes:  # (host only) also to one that replaces its counter
+                if buffers.get("num_batches_tracked") is not counter:
+                    buffers["num_batches_tracked"] = counter
         self._batch += 1
 
     def _sum_figures(self, fold: int) -> None:
