@@ -53,7 +53,11 @@ def buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    """Bitwise (a NaN equals itself)."""
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+        for k in a
+    )
 
 
 def _error(exc: BaseException) -> Result:
@@ -149,6 +153,61 @@ def auto_failure(rank: int, world_size: int) -> Result:
 def argument_error(rank: int, world_size: int) -> Result:
     """A mistake on one rank only (data=None) must reach every rank as a DistributedError."""
     return expect_failure(None if rank == 1 else shard(rank, world_size))
+
+
+def recalibrate_argument_error(rank: int, world_size: int) -> Result:
+    """recalibrate()'s own options (prior=, adapt=, distributed=) wrong on one rank only: every rank
+    raises at once (these were checked outside the failure protocol: the other ranks hung)."""
+    out = {}
+    for option, value in (("prior", -1), ("adapt", "bogus"), ("distributed", "yes")):
+        out[option] = expect_failure(shard(rank, world_size), **({option: value} if rank == 1 else {}))
+    return out
+
+
+def auto_on_one_rank(rank: int, world_size: int) -> Result:
+    """num_samples="auto" on rank 0, a fixed num_batches on the others: the votes would pair with
+    the others' status exchange (a blank error there, a hang on rank 0)."""
+    start = time.time()
+    if rank == 0:
+        out = expect_failure(_stream(rank), num_samples="auto", tolerance=1e-9)
+    else:
+        out = expect_failure(_stream(rank), num_batches=9)
+    return {**out, "seconds": time.time() - start}
+
+
+def prior_fails_on_one_rank(rank: int, world_size: int) -> Result:
+    """recalibrate(prior=4) where only rank 1's own statistics (pooled with the measured ones) hold
+    a NaN: all or nothing — every rank raises, no model changes (rank 0 used to write alone)."""
+    model = make_model()
+    if rank == 1:
+        model[1].running_var[2] = float("nan")
+    before = buffers(model)
+    try:
+        precisebn.recalibrate(model, shard(rank, world_size), prior=4)
+    except DistributedError as exc:
+        return {**_error(exc), "unchanged": same_state(before, buffers(model))}
+    return {"error": None, "unchanged": same_state(before, buffers(model))}
+
+
+def auto_empty_rank(rank: int, world_size: int) -> Result:
+    """num_samples="auto" with no data on rank 1: raised at the others' next vote, not after their
+    whole pass (the empty rank used to join the votes first)."""
+    start = time.time()
+    data = [] if rank == 1 else _stream(rank)
+    return {**expect_failure(data, num_samples="auto", tolerance=1e-9), "seconds": time.time() - start}
+
+
+def per_call_mismatch(rank: int, world_size: int) -> Result:
+    """per_call=True, every layer called once per batch on rank 0 and twice on the others."""
+
+    def forward(m: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+        return [m(x) for _ in range(1 if rank == 0 else 2)]
+
+    try:
+        precisebn.estimate(make_model(), shard(rank, world_size), forward=forward, per_call=True)
+    except DistributedError as exc:
+        return _error(exc)
+    return {"error": None}
 
 
 def layer_mismatch(rank: int, world_size: int) -> Result:
@@ -293,6 +352,11 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         auto_failure,
         argument_error,
         layer_mismatch,
+        recalibrate_argument_error,
+        auto_on_one_rank,
+        prior_fails_on_one_rank,
+        auto_empty_rank,
+        per_call_mismatch,
         empty_rank,
         non_finite,
         ctrl_c,

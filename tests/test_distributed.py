@@ -207,6 +207,35 @@ def test_failure_on_one_rank_surfaces_fast_everywhere(tmp_path: Path) -> None:
     assert results[1]["failure_surfaces_fast"]["cause"] == "OSError"
 
 
+def test_mistakes_on_one_rank_reach_every_rank_at_once(tmp_path: Path) -> None:
+    """Found by a hostile probe: each of these hung the other ranks until the process group's timeout,
+    gave a blank error, let one rank write alone, or surfaced only after the others' whole pass."""
+    names = ["recalibrate_argument_error", "auto_on_one_rank", "prior_fails_on_one_rank", "auto_empty_rank"]
+    names.append("per_call_mismatch")
+    results = run_ranks(2, names, tmp_path, timeout=100)
+    for res in results:
+        for option, expected in (
+            ("prior", "prior must be"),
+            ("adapt", "adapt must be"),
+            ("distributed", "distributed"),
+        ):
+            a = res["recalibrate_argument_error"][option]
+            assert a["error"] == "DistributedError" and a["failed_ranks"] == [1] and a["unchanged"], (option, a)
+            assert "rank 1: InvalidArgumentError" in a["message"] and expected in a["message"], (option, a)
+        m = res["auto_on_one_rank"]
+        assert m["error"] == "DistributedError" and m["unchanged"] and m["seconds"] < 30, m
+        assert "disagree on num_samples" in m["message"] and "rank 0 uses num_samples='auto'" in m["message"], m
+        p = res["prior_fails_on_one_rank"]
+        assert p["error"] == "DistributedError" and p["failed_ranks"] == [1] and p["unchanged"], p
+        assert "StatsMismatchError" in p["message"], p
+        e = res["auto_empty_rank"]
+        assert e["error"] == "DistributedError" and e["failed_ranks"] == [1] and e["unchanged"], e
+        assert "EmptyDataError" in e["message"] and e["seconds"] < 30, e
+        c = res["per_call_mismatch"]
+        assert c["error"] == "DistributedError" and "per_call=True" in c["message"], c
+        assert "different normalization layers" not in c["message"], c
+
+
 def test_no_process_group_is_a_no_op() -> None:
     assert distributed.RankContext.resolve("auto") is None
     assert distributed.RankContext.resolve(False) is None

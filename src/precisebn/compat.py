@@ -95,7 +95,7 @@ def update_bn_stats(
                     _mode="keep",
                     walk=walk,
                     writes=WRITTEN["both"],
-                )
+                )[0]
         except EmptyDataError as exc:
             raise ShortLoaderError(
                 f"update_bn_stats is meant to run for {num_iters} iterations, but the data loader is empty"

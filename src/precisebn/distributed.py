@@ -1,13 +1,13 @@
 """Exact statistics of the union of all ranks' data, over ``torch.distributed``.
 
 A no-op without an initialised process group of more than one rank. Otherwise, after
-each rank's own passes, three collective calls per recalibration, whatever the
-model's depth or the data's size — all of them after the batch loop:
+each rank's own passes, three collective calls per estimate (four per recalibration),
+whatever the model's depth or the data's size — all of them after the batch loop:
 
 1. ``all_reduce`` of a small status table (one row per rank: ok/failed, samples,
-   batches, a digest of the selected layers, seconds), so that every rank learns at
-   once whether any rank failed or selected other layers — and if so all raise the
-   same :class:`~precisebn.errors.DistributedError` before anything is written;
+   batches, digests of the selected layers and of their per-call statistics, seconds), so
+   that every rank learns at once whether any rank failed or selected other layers — and if
+   so all raise the same :class:`~precisebn.errors.DistributedError` before anything is written;
 2. ``all_reduce`` (sum) of one flat float64 buffer holding every channel's count
    ``n_r`` and ``n_r·μ_r`` per fold (and each layer's calls): gives the global count and
    mean of each fold (fold k of the union is fold k of every rank, so the standard errors
@@ -16,7 +16,10 @@ model's depth or the data's size — all of them after the batch loop:
 
 Step 3 sums squared deviations from the *global* mean, never raw sums of squares,
 so it is as stable as Chan's pairwise merge. Every rank computes the result from the
-same reduced buffers, so all ranks hold bit-identical statistics.
+same reduced buffers, so all ranks hold bit-identical statistics. A recalibration then
+checks what it will write into this rank's model (with a prior, pooled with that model's
+own statistics) and exchanges the status table once more (:meth:`RankContext.agree`): all
+ranks write, or none.
 
 A rank that fails during its passes (its data or model raises, Ctrl-C, non-finite
 statistics, no data) writes its error to the process group's key-value store and
@@ -29,6 +32,7 @@ batch, not at the process group's timeout. A rank that dies without raising
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import zlib
@@ -37,6 +41,7 @@ from typing import Any, ClassVar, NoReturn
 
 import torch
 
+from .calls import call_name
 from .capture import FOLDS
 from .errors import DistributedError, InvalidArgumentError
 from .measure import Measurement
@@ -44,8 +49,9 @@ from .stats import RunningMoments
 
 __all__ = ["COLLECTIVES", "LET_GO_SECONDS", "POLL_SECONDS", "RankContext"]
 
-COLLECTIVES = 3
-"""Collective calls per distributed recalibration (1 status + 2 statistics)."""
+COLLECTIVES = 4
+"""Collective calls per distributed recalibration (1 status + 2 statistics + 1 status before the
+writes); an estimate makes the first 3."""
 
 POLL_SECONDS = 0.5
 """How often, at most, a rank checks between batches whether another rank failed."""
@@ -55,7 +61,7 @@ LET_GO_SECONDS = 1.0
 the tensor it reduced (see :meth:`RankContext.all_reduce`)."""
 
 _OK, _FAILED, _STOPPED, _VOTE = 0.0, 1.0, 2.0, 3.0
-_ROW = 7  # status, samples, batches, layer digest, seconds, weighted precision, has data
+_ROW = 8  # status, samples, batches, layer digest, seconds, weighted precision, has data, per-call digest
 
 
 class _FailedAtVote(Exception):
@@ -165,6 +171,14 @@ class RankContext:
 
     def _failure_error(self, table: list[list[float]]) -> DistributedError:
         failed = tuple(r for r, row in enumerate(table) if row[0] == _FAILED)
+        if not failed:  # (every rank in a failure exchange stopped for another's failure: not expected)
+            stopped = [r for r, row in enumerate(table) if row[0] == _STOPPED]
+            return DistributedError(
+                f"recalibration stopped on rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} of "
+                f"{self.world_size} without an error of its own (see the other ranks' logs). No rank's model was "
+                "changed; call again on every rank.",
+                (),
+            )
         details = []
         for r in failed:
             message = "see that rank's log"
@@ -192,9 +206,10 @@ class RankContext:
         seconds: float,
         precision: float = 0.0,
         data: bool = False,
+        calls_digest: int = 0,
     ) -> list[list[float]]:
         table = torch.zeros(self.world_size, _ROW, dtype=torch.float64, device=self.device)
-        row = [status, samples, batches, digest, seconds, precision, float(data)]
+        row = [status, samples, batches, digest, seconds, precision, float(data), calls_digest]
         table[self.rank] = torch.tensor(row, dtype=torch.float64)
         self.all_reduce(table)  # collective 1 (and each vote)
         return table.tolist()
@@ -236,8 +251,10 @@ class RankContext:
         def vote(precision: float, samples: int, has_data: bool) -> bool:
             weighted = precision * math.sqrt(samples) if math.isfinite(precision) else float("inf")
             table = self._exchange(_VOTE, samples, 0, 0, 0.0, min(weighted, 1e300), has_data)
-            if any(row[0] == _FAILED for row in table):
+            if any(row[0] in (_FAILED, _STOPPED) for row in table):
                 raise _FailedAtVote(self._failure_error(table))
+            if any(row[0] != _VOTE for row in table):  # a rank not voting: this was its status exchange
+                raise _FailedAtVote(self._auto_mismatch(table))
             total = sum(row[1] for row in table)
             union = max(row[5] for row in table) / math.sqrt(max(total, 1.0))
             no_data = not any(row[6] for row in table)
@@ -245,19 +262,47 @@ class RankContext:
 
         return vote
 
-    def merge(self, local: Measurement) -> Measurement:
-        """Merges every rank's moments exactly; the same result on every rank."""
-        layout = "\n".join(f"{layer.name}:{layer.channels}" for layer in local.layers)
-        digest = zlib.crc32(layout.encode())
-        table = self._exchange(_OK, local.samples, local.batches, digest, local.seconds)
+    def _auto_mismatch(self, table: list[list[float]]) -> DistributedError:
+        voting = [r for r, row in enumerate(table) if row[0] == _VOTE]
+        others = [r for r, row in enumerate(table) if row[0] != _VOTE]
+        return DistributedError(
+            f"ranks disagree on num_samples: rank{'s' if len(voting) > 1 else ''} {', '.join(map(str, voting))} "
+            f"use{'' if len(voting) > 1 else 's'} num_samples='auto' (the ranks vote on when to stop), "
+            f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
+            f"{'do' if len(others) > 1 else 'does'} not. Pass the same num_samples and num_batches on every rank. "
+            "No rank's model was changed.",
+            (),
+        )
+
+    def agree(self) -> None:
+        """One more status exchange, after the merge: raises the same error on every rank if any
+        failed since (:meth:`fail` on that rank), so that none goes on alone."""
+        table = self._exchange(_OK, 0, 0, 0, 0.0)
         if any(row[0] != _OK for row in table):
             raise self._failure_error(table)
+
+    def merge(self, local: Measurement) -> Measurement:
+        """Merges every rank's moments exactly; the same result on every rank."""
+        digest = zlib.crc32(_layout(local).encode())
+        calls_digest = zlib.crc32("\n".join(layer.name for layer in local.layers).encode())
+        table = self._exchange(_OK, local.samples, local.batches, digest, local.seconds, calls_digest=calls_digest)
+        if any(row[0] in (_FAILED, _STOPPED) for row in table):
+            raise self._failure_error(table)
+        if any(row[0] != _OK for row in table):  # a rank voting: this was its stopping vote
+            raise self._auto_mismatch(table)
         digests = {int(row[3]) for row in table}
         if len(digests) > 1:
             per_rank = ", ".join(f"rank {r}: {int(row[3]):08x}" for r, row in enumerate(table))
             raise DistributedError(
                 f"ranks selected different normalization layers (layout digests {per_rank}); every rank must "
                 "pass the same model architecture and the same layers= selection. No model was changed."
+            )
+        if len({int(row[7]) for row in table}) > 1:
+            raise DistributedError(
+                "per_call=True: the ranks' forwards called some layer a different number of times per batch (or "
+                "never, on some rank), so their per-call statistics do not match up (call i of a layer is merged "
+                "with call i on every rank). Feed every rank's batches the same way, or estimate without "
+                "per_call to pool all calls. No model was changed."
             )
         moments = [_all_folds(m) for m in local.moments]  # a rank with few batches keeps fewer folds
         sizes = [m.mean.numel() for m in moments]
@@ -295,6 +340,19 @@ class RankContext:
             seconds=max(row[4] for row in table),
             world_size=self.world_size,
         )
+
+
+def _layout(local: Measurement) -> str:
+    """The selected layers, one line each (name and channels), a layer with per-call statistics
+    (consecutive entries of one module, ``call_name(layer, i)``) once, under its own name."""
+    lines = []
+    for _, run in itertools.groupby(local.layers, key=lambda layer: id(layer.module)):
+        entries = list(run)
+        name = entries[0].name
+        if len(entries) > 1:
+            name = name.removesuffix(call_name("", 0)).removesuffix(".")
+        lines.append(f"{name}:{entries[0].channels}")
+    return "\n".join(lines)
 
 
 def _all_folds(m: RunningMoments) -> RunningMoments:

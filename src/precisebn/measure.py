@@ -149,17 +149,17 @@ class Pass:
                 if self._precise_enough(collector, samples, batches):
                     limited = True
                     break
+            if batches == 0:  # (before the votes: the other ranks learn of it at their next one)
+                raise EmptyDataError(
+                    "the data yielded no batch, so there is nothing to measure; pass a non-empty "
+                    "iterable of batches (the model was left unchanged)."
+                )
             if self.vote is not None and not self._decided:  # out of data or at its cap: join the others' votes
                 while not self.vote(self._precision(collector), samples, False):
                     pass
         finally:
             if bar is not None:
                 bar.close()
-        if batches == 0:
-            raise EmptyDataError(
-                "the data yielded no batch, so there is nothing to measure; pass a non-empty "
-                "iterable of batches (the model was left unchanged)."
-            )
         if (
             self.warn_short
             and not limited

@@ -21,7 +21,7 @@ import contextlib
 import math
 import operator
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
@@ -36,7 +36,7 @@ from .measure import AUTO_MAX_SAMPLES, AUTO_MIN_SAMPLES, Pass
 from .population import PopulationStats
 from .report import Report
 from .state import exclusive
-from .writing import write_statistics
+from .writing import Writes, plan_writes, write_statistics
 
 __all__ = ["DEFAULT_NUM_SAMPLES", "DEFAULT_TOLERANCE", "apply", "check_options", "estimate", "recalibrate"]
 
@@ -247,7 +247,7 @@ def estimate(
             tolerance=tolerance,
             per_call=per_call,
             _mode=_mode,
-        )
+        )[0]
 
 
 def _estimate(
@@ -270,7 +270,9 @@ def _estimate(
     per_call: Any = False,
     walk: list[tuple[str, nn.Module]] | None = None,
     writes: tuple[str, ...] = (),
-) -> PopulationStats:
+    check: Callable[[], None] | None = None,
+    plan: Callable[[PopulationStats], Writes] | None = None,
+) -> tuple[PopulationStats, Writes | None]:
     """:func:`estimate`, holding the model in ``guard`` (so that :func:`recalibrate` can
     keep it until its statistics are written), and ``torch.inference_mode(False)`` with it:
     called inside ``torch.inference_mode()``, the passes' own tensors would be inference
@@ -280,10 +282,21 @@ def _estimate(
     ``walk``, if given, receives the unwrapped model's ``named_modules()`` (for
     :func:`~precisebn.writing.write_statistics`: the model is walked once per call). ``writes``: the buffers that the
     caller will write (``running_mean``, ``running_var``), refused before any pass if they
-    share memory across the selected layers (see :func:`~precisebn.writing.write_statistics`)."""
+    share memory across the selected layers (see :func:`~precisebn.writing.write_statistics`).
+    ``check``: the caller's own checks of its arguments, run first. ``plan``: what the caller
+    will write, checked (:func:`~precisebn.writing.plan_writes`), returned with the statistics;
+    with several ranks every rank then learns whether every other got that far, so that either
+    all write or none does."""
     guard.enter_context(torch.inference_mode(False))
-    ctx = _dist.RankContext.resolve(distributed, process_group)
     try:
+        ctx, mistake = _dist.RankContext.resolve(distributed, process_group), None
+    except InvalidArgumentError as exc:  # a wrong `distributed`: still reported to the other ranks, if any
+        ctx, mistake = _dist.RankContext.resolve("auto", process_group), exc
+    try:
+        if mistake is not None:
+            raise mistake
+        if check is not None:
+            check()
         check_options(
             num_samples=num_samples,
             num_batches=num_batches,
@@ -352,7 +365,18 @@ def _estimate(
             local = ctx.merge(local)
             local.per_forward = per_forward  # this rank's (the merge sums counts, not maxima)
             local.check()  # the same verdict on every rank: they all hold the same values
-        return local.to_population()
+        stats = local.to_population()
+        if plan is None:
+            return stats, None
+        if ctx is None:
+            return stats, plan(stats)
+        try:
+            planned = plan(stats)  # e.g. a prior pooled with this rank's own statistics: may fail here only
+        except BaseException as exc:
+            ctx.fail(exc)
+            raise
+        ctx.agree()  # raises on every rank if any failed to plan its writes
+        return stats, planned
     finally:
         if ctx is not None:
             ctx.release()  # no reference to the group outlives the call (see RankContext.release)
@@ -455,10 +479,17 @@ def recalibrate(
         >>> report.samples, report["1"].count  # 8 batches of 4 images, 14x14 positions each
         (32, 6272)
     """
-    checked_prior = check_adapt(prior, adapt)  # before any forward pass
     walk: list[tuple[str, nn.Module]] = []
+    checked: list[float | None] = []
+
+    def check() -> None:  # before any forward pass, inside the failure protocol: a mistake on one rank reaches all
+        checked.append(check_adapt(prior, adapt))
+
+    def plan(stats: PopulationStats) -> Writes:
+        return plan_writes(unwrap(model), stats, checked[0], adapt, walk, shared_checked=True)
+
     with contextlib.ExitStack() as guard:
-        stats = _estimate(
+        _, writes = _estimate(
             guard,
             model,
             data,
@@ -475,6 +506,9 @@ def recalibrate(
             tolerance=tolerance,
             _mode=None,
             walk=walk,
-            writes=WRITTEN[adapt],
+            writes=WRITTEN.get(adapt, ()),  # (a wrong adapt is refused by check())
+            check=check,
+            plan=plan,
         )
-        return write_statistics(unwrap(model), stats, checked_prior, adapt, walk, shared_checked=True)
+        assert writes is not None  # (plan was given)
+        return writes.commit()

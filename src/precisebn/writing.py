@@ -26,7 +26,7 @@ from .state import copy_all, restore_on_error
 
 logger = logging.getLogger("precisebn")
 
-__all__ = ["write_statistics"]
+__all__ = ["Writes", "plan_writes", "write_statistics"]
 
 _BUFFERS = ("running_mean", "running_var")
 
@@ -45,6 +45,46 @@ def write_statistics(
     the model's ``named_modules()``, if the caller has walked it already. ``shared_checked``:
     the caller has refused buffers that share memory already (``_estimate(writes=...)``; the
     passes put every buffer object back)."""
+    return plan_writes(model, stats, prior, adapt, modules, shared_checked).commit()
+
+
+class Writes:
+    """What :func:`plan_writes` checked and will write: :meth:`commit` writes it (a distributed
+    caller first makes sure that every rank got this far)."""
+
+    def __init__(
+        self, report: Report, targets: list[torch.Tensor], new: list[torch.Tensor], kept: list[tuple[str, int]]
+    ) -> None:
+        self.report, self._targets, self._new, self._kept = report, targets, new, kept
+
+    def commit(self) -> Report:
+        """Writes every value at once (the old values put back if that is interrupted)."""
+        with torch.no_grad(), restore_on_error(self._targets):
+            copy_all(self._targets, self._new)
+        for name, calls in self._kept:
+            logger.warning(
+                "precisebn: layer %r %s; its statistics were kept",
+                name,
+                f"was called {_times(calls)} but never normalised with its running buffers (or only empty inputs)"
+                if calls
+                else "was not reached by any forward pass",
+            )
+        return self.report
+
+
+def plan_writes(
+    model: nn.Module,
+    stats: PopulationStats,
+    prior: float | None = None,
+    adapt: Adapt = "both",
+    modules: list[tuple[str, nn.Module]] | None = None,
+    shared_checked: bool = False,
+) -> Writes:
+    """:func:`write_statistics` up to the writes: every check, the report; nothing written.
+
+    Raises:
+        StatsMismatchError: As :func:`~precisebn.apply`.
+    """
     problems = []
     entries = []
     found = dict(modules or model.named_modules())  # a name the walk does not give (an alias) is looked up
@@ -146,18 +186,7 @@ def write_statistics(
                 if w
             ]
         )
-    with torch.no_grad(), restore_on_error(targets):
-        copy_all(targets, new)
-    for name, _, s in entries:
-        if not s.reached:
-            logger.warning(
-                "precisebn: layer %r %s; its statistics were kept",
-                name,
-                f"was called {_times(s.calls)} but never normalised with its running buffers (or only empty inputs)"
-                if s.calls
-                else "was not reached by any forward pass",
-            )
-    return report
+    return Writes(report, targets, new, [(name, s.calls) for name, _, s in entries if not s.reached])
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:
