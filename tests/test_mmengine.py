@@ -157,6 +157,35 @@ def test_epoch_based_interval_validation_and_checkpoints(tmp_path: Path, float64
     assert list(history.data[0]) == [64, 64, 64]
 
 
+class AliasedNet(TinyNet):
+    """TinyNet whose BatchNorm is also registered as ``alias``: two names in every state_dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alias = self.net[1]
+
+
+def test_checkpoint_copies_get_the_statistics_under_every_name(tmp_path: Path, float64_truth: Any) -> None:
+    """Found by a hostile probe: with the checkpoint holding copies (a GPU model), only the layer's
+    first name was refreshed; the alias kept the old statistics, and loading the file (later key
+    wins) put them back."""
+    x, y = make_data()
+    hook = ExactPreciseBNHook(num_samples="all", interval=None, before_val=False)
+    run(
+        tmp_path,
+        AliasedNet(),
+        loader(x, y),
+        hooks=[hook, CopiedCheckpoints()],
+        train_cfg={"by_epoch": True, "max_epochs": 1},
+        checkpoint={"type": "CheckpointHook", "interval": 1},
+    )
+    assert hook.computations == 1
+    saved = torch.load(tmp_path / "epoch_1.pth", weights_only=False)["state_dict"]
+    for buffer in ("running_mean", "running_var"):
+        assert torch.equal(saved[f"alias.{buffer}"], saved[f"{BN}.{buffer}"]), buffer
+    assert_precise(float64_truth, {k: v for k, v in saved.items() if not k.startswith("alias.")}, x)
+
+
 def test_iteration_based_interval_validation_and_checkpoints(tmp_path: Path, float64_truth: Any) -> None:
     x, y = make_data()
     hook, probe = ExactPreciseBNHook(num_samples="all", interval=3), AtValidation()

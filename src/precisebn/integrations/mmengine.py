@@ -46,6 +46,7 @@ from typing import Any, Literal
 from torch import nn
 
 from .._optional import require
+from ..checkpoint import buffer_names
 from ..data import Forward
 from ..errors import InvalidArgumentError
 from ..layers import LayerSelection
@@ -236,15 +237,14 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
         if report is None or not isinstance(state, dict) or self._trigger.scheduler is None:
             return
         # The checkpoint's state_dict was taken before this computation; on CPU it holds
-        # the buffers themselves (written in place), elsewhere CPU copies: refresh those.
+        # the buffers themselves (written in place), elsewhere CPU copies: refresh those,
+        # under every name of a layer (one registered under two parents has two).
         model = self._trigger.scheduler.model
-        for name in report.updated:
-            layer = model.get_submodule(name)
-            for buffer in ("running_mean", "running_var"):
-                key = f"{name}.{buffer}"
-                value = getattr(layer, buffer, None)
-                if key in state and value is not None and state[key] is not value:
-                    state[key] = value.detach().cpu()
+        for key in buffer_names(model, report.updated, ("running_mean", "running_var")):
+            owner, _, buffer = key.rpartition(".")
+            value = getattr(model.get_submodule(owner), buffer, None)
+            if key in state and value is not None and state[key] is not value:
+                state[key] = value.detach().cpu()
 
     # -- computing --------------------------------------------------------------------
 
