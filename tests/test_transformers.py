@@ -147,6 +147,28 @@ def test_before_evaluation_and_save_once_per_step(tmp_path: Path, float64_truth:
     )
 
 
+def test_the_evaluation_on_start_is_precise_too(tmp_path: Path, float64_truth: Any) -> None:
+    """Found by a hostile probe: eval_on_start=True evaluated before any callback event that computes,
+    with the model's never-updated statistics."""
+    data = make_dataset()
+    batches = [collate(data[i : i + BATCH]) for i in range(0, N, BATCH)]
+    precise, snapshots = PreciseBNCallback(num_samples="all"), Snapshots()
+    args = arguments(tmp_path, eval_strategy="steps", eval_steps=4, eval_on_start=True, max_steps=4)
+    train(
+        SequentialTrainer,
+        ResNetForImageClassification(CONFIG),
+        args,
+        train_dataset=data,
+        eval_dataset=data[:32],
+        data_collator=collate,
+        callbacks=[precise, snapshots],
+    )
+    assert [step for step, _ in snapshots.evaluated] == [0, 4]
+    assert precise.computations == 2
+    for _, state in snapshots.evaluated:
+        assert_precise(float64_truth, state, batches)
+
+
 def test_epoch_strategies_and_the_end_of_training(tmp_path: Path, float64_truth: Any) -> None:
     data = make_dataset()
     batches = [collate(data[i : i + BATCH]) for i in range(0, N, BATCH)]

@@ -155,6 +155,8 @@ class PreciseBNCallback(TriggerState, _callback.TrainerCallback):  # type: ignor
         source = self._trigger.data if self._trigger.data is not None else loader
         progress = self._trigger.progress and state.is_world_process_zero
         self._trigger.bind(model, source, progress=progress)
+        if self.before_evaluate and getattr(args, "eval_on_start", False):  # evaluated next, with no step before
+            self._compute(state)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._maybe_compute(state, control)
