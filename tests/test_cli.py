@@ -162,6 +162,33 @@ def test_recalibrate_container_and_prefix_in_place(files, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.pth"]
 
 
+def test_other_state_dicts_are_named_and_reached_with_key(files, tmp_path, capsys):
+    """Found by a hostile probe: timm's checkpoints hold the EMA weights under "state_dict_ema"; they were
+    left with stale statistics without a word. Now the CLI says so, and --key reaches them."""
+    original = torch.load(files["ckpt"], weights_only=True)  # an OrderedDict with torch's _metadata
+    ema = {k: v + 0.01 if v.is_floating_point() and "running" not in k else v.clone() for k, v in original.items()}
+    path = tmp_path / "timm.pth.tar"
+    torch.save({"epoch": 3, "state_dict": original, "state_dict_ema": ema}, path)
+    args = _recalibrate_args(files, tmp_path / "unused.pth", "--num-samples", "all")
+    args[1] = str(path)
+    i = args.index("--out")
+    args[i : i + 2] = ["--in-place"]
+    assert main(args) == 0
+    assert "also holds the state_dict 'state_dict_ema'" in capsys.readouterr().err
+    first = torch.load(path, weights_only=True)
+    _check_against_direct(first["state_dict"], original, files["images"])
+    assert first["state_dict"]._metadata == original._metadata  # module versions kept
+    assert all(torch.equal(first["state_dict_ema"][k], v) for k, v in ema.items())
+    assert main([*args, "--key", "state_dict_ema"]) == 0
+    assert "also holds the state_dict 'state_dict'" in capsys.readouterr().err
+    second = torch.load(path, weights_only=True)
+    _check_against_direct(second["state_dict_ema"], ema, files["images"])
+    assert all(torch.equal(second["state_dict"][k], v) for k, v in first["state_dict"].items())
+    assert second["epoch"] == 3
+    assert main([*args, "--key", "model_ema"]) == 1
+    assert "no state_dict under 'model_ema'" in capsys.readouterr().err
+
+
 def test_recalibrate_with_data_function(files, tmp_path, monkeypatch):
     batches = [torch.randn(3, 3, SIZE, SIZE) * 2 + 1 for _ in range(3)]
     torch.save(batches, tmp_path / "batches.pt")

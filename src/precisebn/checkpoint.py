@@ -9,6 +9,7 @@ tensors replaced, in the same format and layout, atomically.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -62,8 +63,12 @@ class Checkpoint:
         format: ``"torch"`` or ``"safetensors"``.
         state_dict: The tensors, by name, as stored.
         container: The enclosing dict when the state_dict sat under ``key``.
-        key: ``"state_dict"`` or ``"model"``, or ``None``.
+        key: ``"state_dict"``, ``"model"`` or the key asked for, or ``None``.
         metadata: The safetensors header metadata (kept on save).
+        others: The enclosing dict's other keys that hold a state_dict (e.g. timm's
+            ``"state_dict_ema"``): left as they are.
+        versions: The state_dict's ``_metadata`` (module versions, which
+            ``load_state_dict`` reads), kept on save.
     """
 
     path: Path
@@ -72,6 +77,8 @@ class Checkpoint:
     container: dict[str, Any] | None = None
     key: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    others: list[str] = field(default_factory=list)
+    versions: Any = None
 
 
 def checkpoint_format(path: str | os.PathLike[str]) -> Format:
@@ -84,13 +91,15 @@ def checkpoint_format(path: str | os.PathLike[str]) -> Format:
     return "safetensors" if Path(path).suffix.lower() == ".safetensors" else "torch"
 
 
-def load_checkpoint(path: str | os.PathLike[str], *, trust: bool = False) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike[str], *, trust: bool = False, key: str | None = None) -> Checkpoint:
     """Reads a state_dict from a ``torch.save`` or safetensors file.
 
     Args:
         path: The file.
         trust: Unpickle arbitrary Python objects (``weights_only=False``). Only for
             files from a trusted source: unpickling can run code.
+        key: The key of the state_dict in the file's dict (e.g. ``"state_dict_ema"``);
+            default: the file itself, else its ``"state_dict"`` or ``"model"``.
 
     Raises:
         CheckpointError: The file is missing, unreadable, or holds no state_dict.
@@ -101,6 +110,10 @@ def load_checkpoint(path: str | os.PathLike[str], *, trust: bool = False) -> Che
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} is not a file; pass a .pt/.pth/.safetensors file.")
     if checkpoint_format(path) == "safetensors":
+        if key is not None:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} is a safetensors file, a flat state_dict: it has no {key!r}."
+            )
         return _load_safetensors(path)
     try:
         with warnings.catch_warnings():
@@ -108,8 +121,10 @@ def load_checkpoint(path: str | os.PathLike[str], *, trust: bool = False) -> Che
             obj = torch.load(path, map_location="cpu", weights_only=not trust)
     except Exception as exc:  # zip/pickle errors of every kind: UnpicklingError, EOFError, RuntimeError...
         raise _unreadable(path, exc, trust) from None
-    sd, container, key = _find_state_dict(obj, path)
-    return Checkpoint(path, "torch", sd, container, key)
+    sd, container, key = _find_state_dict(obj, path, key)
+    others = [k for k, v in (container or {}).items() if k != key and isinstance(k, str) and _is_state_dict(v)]
+    versions = getattr(obj if container is None else container[key], "_metadata", None)  # type: ignore[index]
+    return Checkpoint(path, "torch", sd, container, key, others=others, versions=versions)
 
 
 def _first_sentence(text: str, limit: int = 300) -> str:
@@ -174,7 +189,18 @@ def _is_state_dict(obj: Any) -> bool:
     )
 
 
-def _find_state_dict(obj: Any, path: Path) -> tuple[dict[str, Tensor], dict[str, Any] | None, str | None]:
+def _find_state_dict(
+    obj: Any, path: Path, key: str | None = None
+) -> tuple[dict[str, Tensor], dict[str, Any] | None, str | None]:
+    if key is not None:
+        if isinstance(obj, Mapping) and _is_state_dict(obj.get(key)):
+            return dict(obj[key]), dict(obj), key
+        found = [k for k, v in obj.items() if _is_state_dict(v)] if isinstance(obj, Mapping) else []
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has no state_dict under {key!r}"
+            + (f"; its state_dicts are under {', '.join(map(repr, found))}" if found else "")
+            + ". Pass one of those with --key, or none for the file's main state_dict."
+        )
     if _is_state_dict(obj):
         return dict(obj), None, None
     if isinstance(obj, Mapping):
@@ -213,6 +239,9 @@ def write_checkpoint(ckpt: Checkpoint, replace: Mapping[str, Tensor], path: str 
     path, for an atomic write.
     """
     sd = _replaced(ckpt, replace)
+    if ckpt.versions is not None:  # the state_dict's module versions, as torch.save wrote them
+        sd = collections.OrderedDict(sd)
+        sd._metadata = ckpt.versions  # type: ignore[attr-defined]
     if ckpt.format == "safetensors":
         st = require("safetensors.torch", "io", "writing .safetensors checkpoints")
         # save() to bytes, not save_file(): the latter recreates the file with mode 0600
@@ -241,7 +270,7 @@ def verify_written(
         CheckpointError: A replaced tensor (an alias, say) does not hold its new value.
     """
     if ckpt.format == "torch":
-        written = load_checkpoint(Path(path), trust=trust).state_dict
+        written = load_checkpoint(Path(path), trust=trust, key=ckpt.key).state_dict
     else:
         written = require("safetensors.torch", "io", "reading .safetensors checkpoints").load_file(str(path))
     expected = _replaced(ckpt, replace)

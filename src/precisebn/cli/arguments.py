@@ -22,6 +22,12 @@ exit codes:
 """
 
 
+KEY_HELP = (
+    "the key of the state_dict in the checkpoint's dict, e.g. state_dict_ema for timm's EMA weights "
+    "(default: the file itself, else its 'state_dict' or 'model'); the others are left as they are"
+)
+
+
 def _number(text: str, convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Any:
     """``convert(text)`` if it parses and passes ``ok``, else the argparse error "expected ..."."""
     try:
@@ -214,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1, mps... (default: cuda if available)")
     rec.add_argument("--report", type=Path, metavar="PATH", help="save the report as JSON, with a PNG next to it")
     rec.add_argument("--trust-checkpoint", action="store_true", help="allow full unpickling (trusted files only)")
+    rec.add_argument("--key", metavar="K", help=KEY_HELP)
     rec.add_argument("--no-progress", action="store_true", help="no progress bar")
     img = rec.add_argument_group(
         "image folders",
@@ -264,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="which statistics to write: both (default), the mean only or the variance only",
     )
     app.add_argument("--trust-checkpoint", action="store_true", help="allow full unpickling (trusted files only)")
+    app.add_argument("--key", metavar="K", help=KEY_HELP)
     app.set_defaults(func=commands.run_apply, check=commands.check_apply, parser=app)
 
     mrg = _sub(

@@ -211,6 +211,23 @@ def _layer_selection(patterns: list[str] | None) -> Any:
     return lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def _say_others(ckpt: Any) -> None:
+    """Names the checkpoint's other state_dicts (e.g. timm's EMA weights), which are left as they are."""
+    if ckpt.others:
+        names = ", ".join(map(repr, ckpt.others))
+        print(
+            f"precisebn: warning: the checkpoint also holds the state_dict{'s' if len(ckpt.others) > 1 else ''} "
+            f"{names}, left as {'they are' if len(ckpt.others) > 1 else 'it is'} (only {ckpt.key!r} is written); "
+            f"run again with --key {ckpt.others[0]} for {'those' if len(ckpt.others) > 1 else 'it'}"
+            + (
+                " (averaged weights need statistics of their own)."
+                if any("ema" in k.lower() for k in ckpt.others)
+                else "."
+            ),
+            file=sys.stderr,
+        )
+
+
 def run_recalibrate(args: argparse.Namespace) -> int:
     from .. import recalibrate
     from ..checkpoint import buffer_names, load_checkpoint, load_into
@@ -220,7 +237,8 @@ def run_recalibrate(args: argparse.Namespace) -> int:
     device = _device(args.device)
     if args.trust_checkpoint:
         print("precisebn: warning: --trust-checkpoint unpickles the file; that can run any code.", file=sys.stderr)
-    ckpt = load_checkpoint(args.checkpoint, trust=args.trust_checkpoint)
+    ckpt = load_checkpoint(args.checkpoint, trust=args.trust_checkpoint, key=args.key)
+    _say_others(ckpt)
     model = resolve_model(args.model, args.model_kwargs_parsed)
     prefix = load_into(model, ckpt)
     model.to(device)
@@ -339,7 +357,8 @@ def run_apply(args: argparse.Namespace) -> int:
 
     if args.trust_checkpoint:
         print("precisebn: warning: --trust-checkpoint unpickles the file; that can run any code.", file=sys.stderr)
-    ckpt = load_checkpoint(args.checkpoint, trust=args.trust_checkpoint)
+    ckpt = load_checkpoint(args.checkpoint, trust=args.trust_checkpoint, key=args.key)
+    _say_others(ckpt)
     if not args.stats.is_file():
         raise InvalidArgumentError(f"statistics file {str(args.stats)!r} does not exist; check the path.")
     stats = PopulationStats.load(args.stats)
