@@ -207,6 +207,36 @@ def test_a_batch_that_does_not_call_the_layer_is_allowed() -> None:
         assert_matches(stats[f"calls.{j}"], 8, x.mean(0), x.var(0, unbiased=False), TOL)
 
 
+def test_per_forward_is_the_most_calls_in_one_forward_even_when_some_batches_skip_the_layer() -> None:
+    """Found by a hostile probe: with 3 calls in 2 of 5 batches the report said 1 call per forward (the most
+    calls went into the wrong field, and calls // batches stood in), so the pooled layer was not flagged."""
+    g = torch.Generator().manual_seed(0)
+    data = [[torch.randn(4, 2, generator=g) + 3 * j for j in range(3)] if b in (1, 3) else [] for b in range(5)]
+    model = nn.Sequential(nn.BatchNorm1d(2))
+    report = precisebn.recalibrate(model, data, forward=lambda m, b: [m(x) for x in b], num_samples="all")
+    assert report["0"].calls == 6 and report["0"].per_forward == 3
+    assert report.pooled_calls == ["0"]
+    assert precisebn.estimate(model, data, forward=each, num_samples="all")["0"].per_forward == 3
+
+
+def test_untied_layer_keeps_the_output_dtype_of_the_tied_one() -> None:
+    """Found by a hostile probe: bfloat16 activations through a float32 layer came out float32 once untied
+    (the shared affine promoted them), and the next bfloat16 convolution failed."""
+    x = torch.randn(4, 3, 5, 5).bfloat16()
+    tied = nn.BatchNorm2d(3)
+    with torch.no_grad():
+        tied.weight.uniform_(0.5, 2)
+        tied.bias.uniform_(-1, 1)
+    model = nn.Sequential(copy.deepcopy(tied))
+    precisebn.untie_calls(model, {"0": 2})
+    for train in (True, False):
+        tied.train(train)
+        model.train(train)
+        expected, got = tied(x), model(x)
+        assert got.dtype == expected.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_auto_number_of_samples_watches_every_call() -> None:
     g = torch.Generator().manual_seed(0)
     data = [[torch.randn(32, 2, generator=g), torch.randn(32, 2, generator=g) * 3] for _ in range(40)]

@@ -110,6 +110,65 @@ def test_update_bn_uses_whole_loader_in_train_mode() -> None:
         assert max_rel_error(model.get_submodule(name).running_mean, t.mean, t.var.sqrt()) <= 1e-5
 
 
+def test_update_bn_runs_the_whole_model_in_training_mode_and_takes_batches_as_torch_does() -> None:
+    """Found by a hostile probe: an InstanceNorm with running statistics stayed in eval mode (torch's
+    update_bn calls model.train()), so the BatchNorm after it was measured on other inputs (90% off);
+    dict and other non-tuple batches were unpacked (torch passes them to the model as they are)."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.conv, self.inorm = nn.Conv1d(2, 3, 1), nn.InstanceNorm1d(3, track_running_stats=True)
+            self.bn = nn.BatchNorm1d(3)
+
+        def forward(self, x: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+            x = x["x"] if isinstance(x, dict) else x
+            return self.bn(self.inorm(self.conv(x)) * 2 + 1)
+
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 2, 5, generator=g) * 3 + 1 for _ in range(5)]
+    model = Net()
+    model.inorm.running_var.fill_(9.0)  # far from the instance statistics: eval mode would show
+    truth = compute_truth(model.train(), xs, mode="keep", select=lambda name, m: name == "bn")["bn"]
+    for batches in (xs, [{"x": x} for x in xs], [[x, 0] for x in xs]):
+        m = Net().eval()
+        m.inorm.running_var.fill_(9.0)
+        inorm_before = state_snapshot(m.inorm)
+        compat.update_bn(batches, m)
+        assert max_rel_error(m.bn.running_var, truth.var) <= 1e-5
+        assert max_rel_error(m.bn.running_mean, truth.mean, truth.var.sqrt()) <= 1e-5
+        assert_unchanged(m.inorm, inorm_before)  # its own statistics: restored with the rest
+        assert not m.training and not m.inorm.training
+
+
+def test_update_bn_stats_gives_the_model_the_loaders_own_objects() -> None:
+    """Found by a hostile probe: a defaultdict batch reached the model as a plain dict (KeyError where
+    fvcore works): batches with nothing to move were rebuilt."""
+    import collections
+
+    class DictModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(3)
+            self.seen: list[object] = []
+
+        def forward(self, batch: dict) -> torch.Tensor:
+            self.seen.append(batch)
+            return self.bn(batch["x"] * batch["scale"])
+
+    batches = []
+    for i in range(3):
+        b = collections.defaultdict(lambda: 1.0)
+        b["x"] = torch.randn(4, 3) + i
+        batches.append(b)
+    model = DictModel().train()
+    compat.update_bn_stats(model, batches, num_iters=3)
+    assert all(seen is b for seen, b in zip(model.seen, batches))
+    xs = torch.cat([b["x"] for b in batches]).double()
+    assert max_rel_error(model.bn.running_var, xs.var(0, unbiased=False)) <= 1e-5
+
+
 def test_update_bn_keeps_the_variance_of_batch_means() -> None:
     # torch averages per-batch variances; with shifted batches that misses most of the variance
     batches = [torch.randn(16, 2) + 10 * i for i in range(4)]

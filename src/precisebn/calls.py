@@ -168,7 +168,9 @@ class PerCallBatchNorm(nn.Module):
             out = out * self.weight.view(shape)
         if self.bias is not None:
             out = out + self.bias.view(shape)
-        return out  # type: ignore[no-any-return]
+        # the tied layer's output dtype: its input's (bfloat16 activations with float32 parameters stay
+        # bfloat16; the affine above would promote them)
+        return out if out.dtype == input.dtype else out.to(input.dtype)  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, calls={len(self.calls)}, eps={self.eps}, momentum={self.momentum}"

@@ -25,7 +25,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .adapt import WRITTEN
 from .errors import EmptyDataError, InvalidArgumentError, ShortDataWarning
 from .layers import find_norm_layers, unwrap
-from .recalibrate import _estimate, recalibrate
+from .recalibrate import _estimate
 from .writing import write_statistics
 
 __all__ = ["ShortLoaderError", "update_bn", "update_bn_stats"]
@@ -128,6 +128,31 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
     def selected(name: str, module: nn.Module) -> bool:
         return isinstance(module, _BatchNorm)
 
+    def forward(m: nn.Module, batch: Any) -> Any:  # torch's: the first element of a tuple/list, else the batch
+        x = batch[0] if isinstance(batch, (list, tuple)) else batch
+        return m(x.to(device) if device is not None and hasattr(x, "to") else x)
+
     if not find_norm_layers(model, selected, require=False):
         return
-    recalibrate(model, loader, num_samples="all", layers=selected, device=device, mode="train", distributed=False)
+    walk: list[tuple[str, nn.Module]] = []
+    with contextlib.ExitStack() as guard:  # one hold on the model from the passes to the writes
+        stats = _estimate(
+            guard,
+            model,
+            loader,
+            num_samples="all",
+            num_batches=None,
+            forward=forward,
+            mode="train",
+            layers=selected,
+            device=device,
+            progress=False,
+            distributed=False,
+            process_group=None,
+            capture="auto",
+            tolerance=None,
+            _mode="all",  # model.train(), as torch's: InstanceNorm layers with running statistics too
+            walk=walk,
+            writes=WRITTEN["both"],
+        )[0]
+        write_statistics(unwrap(model), stats, modules=walk, shared_checked=True)

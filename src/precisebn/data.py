@@ -72,17 +72,27 @@ def batch_size(batch: Any) -> int | None:
 
 
 def to_device(batch: Any, device: torch.device | None) -> Any:
-    """Moves every tensor in a (nested) tuple/list/dict batch to ``device`` without blocking."""
+    """Moves every tensor in a (nested) tuple/list/dict batch to ``device`` without blocking.
+
+    A batch with nothing to move is returned as it is (the very object: a ``defaultdict`` or
+    a list subclass is not rebuilt); otherwise the containers on the way to a moved tensor
+    are rebuilt as their type (a plain dict where a mapping's type cannot be built from one).
+    """
     if device is None:
         return batch
     if isinstance(batch, Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(to_device(b, device) for b in batch))
+        return batch.to(device, non_blocking=True)  # (itself when already there)
     if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(b, device) for b in batch)
+        items = [to_device(b, device) for b in batch]
+        if all(a is b for a, b in zip(items, batch)):
+            return batch
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+            return type(batch)(*items)
+        return type(batch)(items)
     if isinstance(batch, Mapping):
         moved = {k: to_device(v, device) for k, v in batch.items()}
+        if all(moved[k] is v for k, v in batch.items()):
+            return batch
         try:
             return type(batch)(moved)  # type: ignore[call-arg]
         except TypeError:

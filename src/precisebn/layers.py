@@ -43,7 +43,7 @@ __all__ = [
     "unwrap",
 ]
 
-Mode = Literal["norm", "train", "keep"]
+Mode = Literal["norm", "train", "keep", "all"]
 Capture = Literal["auto", "float64"]
 Path = Literal["fast", "float64"]
 LayerSelection = str | type | tuple[type, ...] | Callable[[str, nn.Module], bool] | Iterable[str] | None
@@ -422,7 +422,9 @@ def recalibration_state(
     * ``mode="norm"``: the selected layers are in training mode, every other module in
       eval mode; ``"train"``: every module in training mode except unselected
       normalization layers, which stay in eval mode so that nothing updates them;
-      ``"keep"``: training flags are left as they are.
+      ``"keep"``: training flags are left as they are; ``"all"``: every module in training
+      mode, unselected normalization layers too (``torch.optim.swa_utils.update_bn``'s
+      ``model.train()``; their buffers change during the passes and are restored with the rest).
     * Each selected layer's ``running_mean``/``running_var`` are replaced by views of
       one flat scratch buffer per device and dtype and its ``num_batches_tracked`` by a
       fresh counter (``RecalibrationState.counters``), so the layer's own updates never
@@ -519,7 +521,7 @@ def _set_modes(modules: list[nn.Module], selected: set[int], mode: Mode) -> None
     if mode == "keep":
         return
     for m in modules:
-        if id(m) in selected:
+        if id(m) in selected or mode == "all":
             _set_flag(m, True)
         elif isinstance(m, _NormBase) and m.track_running_stats:
             _set_flag(m, False)

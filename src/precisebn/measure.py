@@ -108,7 +108,9 @@ class Pass:
                 part = NormLayer(call_name(layer.name, j), layer.module, layer.path)
                 entries.append((part, m, collector.calls[i] // k, values[j], path, 1))
         layers, moments, calls, counts, paths, most = (list(column) for column in zip(*entries))
-        result = Measurement(layers, moments, calls, counts, samples, batches, self.mode, paths, most, pooled=pooled)
+        result = Measurement(
+            layers, moments, calls, counts, samples, batches, self.mode, paths, per_forward=most, pooled=pooled
+        )
         result.check()
         result.seconds = time.perf_counter() - start
         logger.info(
