@@ -42,6 +42,22 @@ def test_table_lists_every_layer_and_totals() -> None:
     assert lines[-1].startswith("±var: median standard error of the new variance")
 
 
+def test_totals_tell_unused_buffers_from_unreached_layers_and_unwritten_errors_are_unknown() -> None:
+    """Found by a hostile probe: a layer called but never normalising with its buffers was counted as "not
+    reached", and with adapt="mean" the table showed the standard error of a variance never written."""
+
+    class Skip(torch.nn.BatchNorm1d):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x  # never normalises with its running buffers
+
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(2), Skip(2), torch.nn.Sequential(torch.nn.BatchNorm1d(2)))
+    data = [torch.randn(8, 2) for _ in range(3)]
+    r = precisebn.recalibrate(model, data, forward=lambda m, b: m[1](m[0](b)), adapt="mean")
+    assert "1 layers updated, 2 kept (1 not reached, 1 buffers never used)" in str(r)
+    assert r["0"].se_var is None and r["0"].se_mean is not None and torch.equal(r["0"].new_var, r["0"].old_var)
+    assert "±var: median" not in str(r)  # (the column header stays; its cells show "–")
+
+
 def test_to_dict_is_json_serialisable_and_complete(tmp_path) -> None:
     r = report()
     d = json.loads(json.dumps(r.to_dict()))

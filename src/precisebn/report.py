@@ -279,9 +279,15 @@ class Report(Mapping[str, LayerReport]):
             for r in self.layers
         ]
         kept = len(self.not_reached)
+        unused = sum(1 for r in self.layers if not r.updated and r.calls)  # called, never normalised with buffers
+        how = (
+            f"{kept} not reached"
+            if not unused
+            else f"{kept} kept ({kept - unused} not reached, {unused} buffers never used)"
+        )
         lines = [format_table(header, rows, right={2, 3, 4, 6, 7, 8, 9})]
         lines.append(
-            f"{len(self.layers) - kept} layers updated, {kept} not reached; {self.samples} samples in "
+            f"{len(self.layers) - kept} layers updated, {how}; {self.samples} samples in "
             f"{self.batches} batches, {self.seconds:.2f} s, mode={self.mode!r}"
             + (f", {self.world_size} ranks" if self.world_size > 1 else "")
         )

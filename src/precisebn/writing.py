@@ -168,8 +168,8 @@ def plan_writes(
             float(m.eps),
             s.reached,
             s.path,
-            s.se_mean,
-            s.se_var,
+            s.se_mean if write[0] else None,  # (a buffer not written keeps its value: its error is unknown)
+            s.se_var if write[1] else None,
             s.per_forward,
         )
         for (name, m, s), (rm, _) in zip(entries, buffers)
