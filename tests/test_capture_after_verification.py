@@ -317,3 +317,61 @@ def test_what_a_call_that_raises_wrote_into_the_buffers_is_taken_back(capture: s
     report = precisebn.recalibrate(model, batches, num_samples="all", capture=capture)
     assert report["bn"].count == flat.shape[1] and report["bn"].calls == len(taken)
     assert_exact(model, "bn", flat.mean(1), flat.var(1, unbiased=False))
+
+
+def test_buffers_replaced_after_verification_are_refused_and_the_model_kept() -> None:
+    """Found by a hostile probe: a pre-hook that gives the layer fresh buffers from some batch on (data-dependent)
+    sent torch's figures there; precisebn summed its reset scratch instead, 'updated' with the old statistics."""
+    from conftest import assert_unchanged, state_snapshot
+
+    batches = [torch.randn(8, 4) * (1 + i) + i for i in range(6)]
+    model = nn.BatchNorm1d(4)
+
+    def swap(module: nn.Module, args: tuple[torch.Tensor]) -> None:
+        if args[0].mean() > 2.5:  # batches 3 on
+            module.running_mean = module.running_mean.clone()
+            module.running_var = module.running_var.clone()
+
+    model.register_forward_pre_hook(swap)
+    before = state_snapshot(model)
+    with pytest.raises(UnsupportedLayerError, match="running_mean/running_var replaced"):
+        precisebn.recalibrate(model, batches)
+    assert_unchanged(model, before)
+    report = precisebn.recalibrate(model, batches, capture="float64")  # measured from what it normalises
+    x = torch.cat(batches).double()
+    assert report[""].updated
+    assert max_rel_error(model.running_var, x.var(0, unbiased=False)) <= 1e-7
+
+
+def test_submodules_a_forward_adds_or_replaces_are_undone() -> None:
+    """Found by a hostile probe: a forward that added a submodule left it in the model after a failed call."""
+    from conftest import assert_unchanged, state_snapshot
+
+    class Grow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(1)
+            self.conv, self.bn, self.calls = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if self.calls == 2:
+                self.extra = nn.BatchNorm2d(4)
+                self.conv = nn.Conv2d(3, 4, 3)  # replaced too
+            y = self.bn(self.conv(x))
+            return self.extra(y) if hasattr(self, "extra") else y
+
+    batches = [torch.randn(4, 3, 6, 6) + i for i in range(6)]
+    batches[4][0, 0, 0, 0] = float("nan")
+    for data in (batches, batches[:4]):  # a failing pass (NaN in batch 5), a passing one
+        model = Grow()
+        conv, before = model.conv, state_snapshot(model)
+        try:
+            precisebn.recalibrate(model, data)
+        except precisebn.PreciseBNError:
+            assert len(data) == 6
+        else:
+            assert len(data) == 4
+        assert list(model._modules) == ["conv", "bn"] and model.conv is conv
+        if len(data) == 6:
+            assert_unchanged(model, before)

@@ -194,6 +194,16 @@ class Collector:
             "(every layer measured in float64 as it is called, whatever its momentum). The model was left unchanged."
         )
 
+    def _buffers_replaced(self, i: int) -> UnsupportedLayerError:
+        layer = self.layers[i]
+        return UnsupportedLayerError(
+            f"layer {layer.name!r} ({layer.type_name}) had its running_mean/running_var replaced by other tensors "
+            "during the passes (by the model's forward or a hook), after precisebn had verified that it leaves each "
+            "batch's figures in the buffers precisebn gave it: its later figures went elsewhere. Leave the layers' "
+            "buffers in place during forward passes, or pass capture='float64' (every layer measured in float64 as "
+            "it is called, whatever its buffers). The model was left unchanged."
+        )
+
     def _initial_pair(self, i: int) -> Tensor:
         """Layer ``i``'s own statistics as its scratch holds them before its first call of a batch, ``(2, C)``."""
         for scratch in self._scratch:
@@ -630,10 +640,22 @@ class _LayerCall:
         try:
             if path == "fast":
                 x = args[0] if args else None
-                if type(x) is not Tensor or not module.training or module.momentum != 1.0:
+                buffers = module._buffers
+                if (
+                    type(x) is not Tensor
+                    or not module.training
+                    or module.momentum != 1.0
+                    or buffers.get("running_mean") is not self.mean_view
+                    or buffers.get("running_var") is not self.var_view
+                ):
                     x = c._check(i, args, kwargs)  # the full checks (which raise)
                     if module.momentum != 1.0:
                         raise c._momentum_changed(i)
+                    if (
+                        buffers.get("running_mean") is not self.mean_view
+                        or buffers.get("running_var") is not self.var_view
+                    ):
+                        raise c._buffers_replaced(i)
                 n = x.numel() // self.channels
                 row = c._row
                 unusual = n == 1 or row[i] or c.per_call  # too few values, a second call in this batch, per call
