@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import precisebn
+from conftest import max_rel_error
 from precisebn.errors import EmptyDataError, InvalidArgumentError
 
 
@@ -141,6 +142,25 @@ def test_persistent_workers_do_not_restart_the_training_epoch() -> None:
     seen += [b[0] for b in epoch]
     assert torch.equal(torch.cat(seen), x)
     assert scheduler.last_report.samples == 12
+
+
+def test_persistent_workers_without_batching_keep_the_loaders_sampler() -> None:
+    """Found by a hostile probe: with batch_size=None the twin loader of a persistent-workers loader dropped
+    its sampler, so batches the sampler never gives (here 4-7, mean 10) were measured too."""
+    batches = torch.stack([torch.randn(8, 2) + (10.0 if i >= 4 else 0.0) for i in range(8)])
+    loader = torch.utils.data.DataLoader(
+        batches,
+        batch_size=None,
+        sampler=torch.utils.data.SubsetRandomSampler([0, 1, 2, 3], generator=torch.Generator().manual_seed(0)),
+        num_workers=1,
+        persistent_workers=True,
+    )
+    model = nn.Sequential(nn.BatchNorm1d(2))
+    scheduler = precisebn.PreciseBNScheduler(model, loader, num_samples="all")
+    scheduler.update(1)
+    x = batches[:4].reshape(-1, 2).double()
+    assert scheduler.last_report.samples == 32
+    assert max_rel_error(model[0].running_var, x.var(0, unbiased=False)) <= 1e-5
 
 
 def test_bad_arguments_are_refused_at_construction() -> None:

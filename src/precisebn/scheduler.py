@@ -420,10 +420,12 @@ def _twin_loader(loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLo
         "persistent_workers": False,
         "generator": loader.generator,  # as the loader would seed its workers (put back afterwards)
     }
-    if isinstance(loader.dataset, torch.utils.data.IterableDataset) or loader.batch_sampler is None:
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
         return torch.utils.data.DataLoader(
             loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **common
         )
+    if loader.batch_sampler is None:  # batch_size=None: each item a batch, in the loader's own sampler's order
+        return torch.utils.data.DataLoader(loader.dataset, batch_size=None, sampler=loader.sampler, **common)
     return torch.utils.data.DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **common)
 
 
