@@ -251,6 +251,18 @@ def test_diff_two_checkpoints(files, tmp_path, capsys):
     assert "34 layers compared, 34 identical" in capsys.readouterr().out
 
 
+def test_diff_of_a_file_with_nan_against_itself_is_identical(files, tmp_path, capsys):
+    """Found by a hostile probe: NaN (a diverged run) made identical tensors 'differ'."""
+    state = torch.load(files["ckpt"], weights_only=True)
+    state["features.0.0.weight"].view(-1)[0] = float("nan")
+    state["features.0.1.running_var"][1] = float("nan")
+    path = tmp_path / "nan.pt"
+    torch.save(state, path)
+    assert main(["diff", str(path), str(path)]) == 0
+    n_other = sum(not k.endswith(("running_mean", "running_var", "num_batches_tracked")) for k in state)
+    assert f"34 layers compared, 34 identical; other tensors: {n_other} identical, 0 differ" in capsys.readouterr().out
+
+
 def _write(path: Path, content: bytes) -> Path:
     path.write_bytes(content)
     return path

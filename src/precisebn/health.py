@@ -182,7 +182,7 @@ def diff_stats(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> StatsDiff:
         rows.append(LayerReport(name, "", x.channels, 0, 0, x.mean, x.var, y.mean, y.var, DEFAULT_EPS, True, ""))
     stat_keys = {buffer_key(n, s) for n in {*ea, *eb} for s in ("running_mean", "running_var")}
     others = [k for k in a if k in b and k not in stat_keys and not k.endswith("num_batches_tracked")]
-    same = sum(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in others)
+    same = sum(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and _same_bits(a[k], b[k]) for k in others)
     dtypes = [
         f"{k}: {a[k].dtype} vs {b[k].dtype}".replace("torch.", "") for k in a if k in b and a[k].dtype != b[k].dtype
     ]
@@ -231,7 +231,7 @@ def format_diff(diff: StatsDiff, name_a: str = "A", name_b: str = "B") -> str:
         lines.append(f"dtypes differ: {'; '.join(diff.dtype_differ[:10])}{more}")
     retyped = {d.split(":")[0] for d in diff.dtype_differ}
     identical = sum(
-        bool(torch.equal(r.old_mean, r.new_mean) and torch.equal(r.old_var, r.new_var))
+        bool(_same_values(r.old_mean, r.new_mean) and _same_values(r.old_var, r.new_var))
         and not {
             f"{r.name}.running_mean" if r.name else "running_mean",
             f"{r.name}.running_var" if r.name else "running_var",
@@ -244,3 +244,16 @@ def format_diff(diff: StatsDiff, name_a: str = "A", name_b: str = "B") -> str:
         f"{diff.other_same} identical, {diff.other_differ} differ"
     )
     return "\n".join(lines)
+
+
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bits (a NaN equals itself)."""
+    try:
+        return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    except RuntimeError:  # dtypes without a byte view
+        return torch.equal(a, b)
+
+
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors hold the same values, NaN where the other has NaN."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
