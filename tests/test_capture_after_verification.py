@@ -375,3 +375,60 @@ def test_submodules_a_forward_adds_or_replaces_are_undone() -> None:
         assert list(model._modules) == ["conv", "bn"] and model.conv is conv
         if len(data) == 6:
             assert_unchanged(model, before)
+
+
+class ClampedVariance1d(nn.BatchNorm1d):
+    """Floors its running variance after each update (from call ``start`` on): wrong figures on the
+    channels whose variance is below the floor only."""
+
+    def __init__(self, channels: int, start: int = 0) -> None:
+        super().__init__(channels)
+        self.start, self.seen = start, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        self.seen += 1
+        if self.seen > self.start:
+            with torch.no_grad():
+                self.running_var.clamp_(min=0.01)
+        return out
+
+
+def nearly_constant_channel(channel: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    scale = torch.ones(8)
+    scale[channel] = 0.01
+    return [torch.randn(16, 8, generator=g) * scale + 1 for _ in range(6)]
+
+
+@pytest.mark.parametrize("channel", [0, 1])
+def test_buffers_changed_in_place_on_unchecked_channels_are_seen(channel: int) -> None:
+    """Found by a hostile probe: the CPU check of a layer's figures covers a few channels; a layer wrong on
+    another channel (a floor on its variance, 75x off) stayed on the fast path. Any in-place change of the
+    buffers precisebn gave a layer now shows in their version counter (torch's kernels leave it alone)."""
+    from conftest import assert_unchanged, state_snapshot
+
+    data = nearly_constant_channel(channel)
+    x = torch.cat(data).double()
+    model = nn.Sequential(ClampedVariance1d(8))  # changes them in its forward: measured in float64 at once
+    report = precisebn.recalibrate(model, data)
+    assert report["0"].path == "float64"
+    assert max_rel_error(model[0].running_var, x.var(0, unbiased=False)) <= 1e-6
+
+    late = nn.Sequential(ClampedVariance1d(8, start=2))  # from its third call on, after verification: refused
+    before = state_snapshot(late)
+    with pytest.raises(UnsupportedLayerError, match=r"'0'.*changed in place in its forward.*capture='float64'"):
+        precisebn.recalibrate(late, data)
+    assert_unchanged(late, before)
+
+    masked = nn.Sequential(nn.BatchNorm1d(8))  # a pruning mask applied by a forward hook
+    mask = torch.ones(8)
+    mask[channel] = 0
+    masked[0].register_forward_hook(lambda module, args, out: module.running_mean.mul_(mask))
+    before = state_snapshot(masked)
+    with pytest.raises(UnsupportedLayerError, match=r"'0'.*changed in place after its call"):
+        precisebn.recalibrate(masked, data)
+    assert_unchanged(masked, before)
+    assert not hasattr(masked[0], "forward") or "forward" not in masked[0].__dict__
+    precisebn.recalibrate(masked, data, capture="float64")
+    assert max_rel_error(masked[0].running_mean, x.mean(0), x.var(0, unbiased=False).sqrt()) <= 1e-5  # float32 buffer

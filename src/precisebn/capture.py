@@ -158,6 +158,16 @@ class Collector:
                 self._pairs[i] = pair
         for i, layer in enumerate(self.layers):
             state.wrap_forward(layer.module, _LayerCall(self, i))  # looks at the forward before it is wrapped
+        # In-place changes of the scratch buffers by anything but torch's normalization kernels (which leave
+        # version counters alone): the flat buffers' version counters are read at every call's start and end
+        # (see _LayerCall.__call__); where the kernels bump them (checked once per device type), not at all.
+        self._scratch_buffers = [g.buffer for g in state.groups]
+        self._guard = bool(self._scratch_buffers) and not any(
+            _kernels_bump_versions(b.device) for b in self._scratch_buffers
+        )
+        self._seen = self._version()
+        self._stack: list[int] = []  # layers whose call is running (a call may run inside another's)
+        self._last = -1  # the layer whose call returned last
 
     # -- calls -------------------------------------------------------------------------
 
@@ -194,6 +204,37 @@ class Collector:
             "(every layer measured in float64 as it is called, whatever its momentum). The model was left unchanged."
         )
 
+    def _version(self) -> int:
+        return sum(b._version for b in self._scratch_buffers)
+
+    def _changed(self) -> bool:
+        """Whether the scratch buffers were changed in place since the last look (and looks again)."""
+        now = self._version()
+        if now == self._seen:
+            return False
+        self._seen = now
+        return True
+
+    def _enter(self, i: int) -> None:
+        """At the start of a call of layer ``i``: a change of the scratch since the last call started
+        or ended belongs to the enclosing call, else to the last call's forward hooks or the code after
+        it; refused if that layer is read through its own figures."""
+        owner = self._stack[-1] if self._stack else self._last
+        self._stack.append(i)
+        if self._changed() and owner >= 0 and self.paths[owner] in ("fast", "verify"):
+            raise self._modified_in_place(owner, during=bool(self._stack[:-1]))
+
+    def _modified_in_place(self, i: int, during: bool) -> UnsupportedLayerError:
+        layer = self.layers[i]
+        when = "in its forward" if during else "after its call (by a forward hook, or the model's code after it)"
+        return UnsupportedLayerError(
+            f"layer {layer.name!r} ({layer.type_name}): the running buffers precisebn gave it were changed in place "
+            f"{when}, after precisebn had verified that it leaves each batch's own figures in them; the figures "
+            "read would not be those of what it normalised. Pass capture='float64' (every layer measured in "
+            "float64 from what it normalises, whatever is done to its buffers), or exclude the layer with "
+            "layers=. The model was left unchanged."
+        )
+
     def _buffers_replaced(self, i: int) -> UnsupportedLayerError:
         layer = self.layers[i]
         return UnsupportedLayerError(
@@ -219,6 +260,7 @@ class Collector:
         counter, taken off the check in :meth:`finish`."""
         if self._in_batch[i] == j + 1:
             self._in_batch[i] = j
+        self._seen = self._version()  # (unstash wrote the scratch)
         counter = self._counters[i]
         if counter is not None:
             self._lost[i] = counter._version - self.calls[i] - self._resets
@@ -240,6 +282,8 @@ class Collector:
         """
         if self._refused is not None:
             raise self._refused
+        if self._guard and self._changed() and self._last >= 0 and self.paths[self._last] in ("fast", "verify"):
+            raise self._modified_in_place(self._last, during=False)
         if self.per_call:
             self._check_calls_per_batch()
         self._in_batch = [0] * len(self.layers)
@@ -260,6 +304,7 @@ class Collector:
             for buffers, counter in self._counter_homes:  # (host only) also to one that replaces its counter
                 if buffers.get("num_batches_tracked") is not counter:
                     buffers["num_batches_tracked"] = counter
+        self._seen = self._version()  # (the resets wrote the scratch)
         self._batch += 1
 
     def _sum_figures(self, fold: int) -> None:
@@ -637,7 +682,10 @@ class _LayerCall:
         j = in_batch[i]  # this call's index within the batch
         in_batch[i] = j + 1
         module = self.module
+        guard = c._guard
         try:
+            if guard:
+                c._enter(i)
             if path == "fast":
                 x = args[0] if args else None
                 buffers = module._buffers
@@ -665,6 +713,8 @@ class _LayerCall:
                 except BaseException:
                     self.unstash(stashed)
                     raise
+                if guard and c._changed():
+                    raise c._modified_in_place(i, during=True)
                 if unusual:
                     self.count(x, j)
                 else:  # count() for the usual call, inline: this runs for every layer in every batch
@@ -687,11 +737,17 @@ class _LayerCall:
                         if c.per_call:
                             c._count_call(i, j, n)
                         c._keep((i, j if c.per_call else 0), moments_of(seen), n)  # type: ignore[arg-type]
+                if guard:
+                    c._changed()  # (its buffers are not read: whatever its forward did to them is its own)
         except BaseException as exc:
             c._failed(i, j)
             if isinstance(exc, UnsupportedLayerError):
                 c._refused = exc
             raise
+        finally:
+            if guard:
+                c._stack.pop()
+                c._last = i
         if j >= c.most[i]:
             c.most[i] = j + 1
         return out
@@ -713,12 +769,31 @@ class _LayerCall:
             raise
         trial = c._trials.get(i) or c._trials.setdefault(i, Trial(c.counts[i]))
         n = self.count(x, j)
+        if c._guard and c._changed():  # its forward changed its buffers in place after normalising: not its figures
+            figures = False
         if figures and x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads: free
             c._check_on_cpu(i, trial, seen, x, n, self.pair)
         else:  # (no figures of this call in its buffers, whatever they hold: the float64 path)
             trial.add(seen, x, self.channels, n, figures)
         trial.counted &= counter is not None and counter._version == before + 1
         return out
+
+
+_BUMPS: dict[str, bool] = {}
+
+
+def _kernels_bump_versions(device: torch.device) -> bool:
+    """Whether torch's BatchNorm kernels on ``device``'s type bump the version counters of the running
+    buffers they update (they do not on the CPU): checked once per device type, with a tiny call."""
+    if device.type not in _BUMPS:
+        with torch.no_grad():
+            flat = torch.zeros(2, 2, device=device)
+            before = flat._version
+            torch.nn.functional.batch_norm(
+                torch.randn(3, 2, device=device), flat[0], flat[1], training=True, momentum=1.0
+            )
+            _BUMPS[device.type] = flat._version != before
+    return _BUMPS[device.type]
 
 
 def times(k: int) -> str:
