@@ -113,3 +113,14 @@ def test_report_is_a_read_only_mapping_of_layer_names() -> None:
     assert r.updated == names and r.not_reached == [] and r.samples == 12 and r.batches == 3
     assert [row["name"] for row in r.to_dict()["layers"]] == names
     assert any(line.startswith("3 layers updated") for line in str(r).splitlines()[-2:])
+
+
+def test_medians_are_the_usual_median() -> None:
+    """Found by a hostile probe: torch's median is the lower one, so a 2-channel layer's "median" error
+    was its better channel's (and num_samples="auto" stopped on it)."""
+    z = torch.zeros(2, dtype=torch.float64)
+    row = precisebn.report.LayerReport(
+        "bn", "BatchNorm1d", 2, 10, 1, z, z + 1, z, z + 1, 1e-5, True, "fast",
+        torch.tensor([0.01, 0.03], dtype=torch.float64), torch.tensor([0.019, 0.369], dtype=torch.float64),
+    )  # fmt: skip
+    assert row.se_var_median == pytest.approx(0.194) and row.se_mean_median == pytest.approx(0.02)

@@ -588,7 +588,7 @@ class Collector:
         for i, (parts, count) in enumerate(zip(self.finish(), self.counts)):
             for folds in parts if count else ():
                 se_mean, se_var = self.pooled[i][2:] if i in self.pooled else fold_errors(folds)[1:]
-                worst = torch.maximum(se_mean.nanmedian(), se_var.nanmedian())
+                worst = torch.maximum(se_mean.nanquantile(0.5), se_var.nanquantile(0.5))  # (nanmedian: the lower)
                 by_device.setdefault(worst.device, []).append(worst)
         values = [v for group in by_device.values() for v in torch.stack(group).tolist()]
         return max((v if v == v else float("inf") for v in values), default=float("inf"))

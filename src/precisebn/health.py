@@ -106,7 +106,7 @@ def health_flags(entry: NormEntry, collapse_ratio: float = 1e-4) -> list[str]:
         flags.append(f"var<=0: {int((var <= 0).sum())} ch")
     positive = var[var > 0]
     if positive.numel():
-        collapsed = int((positive < collapse_ratio * positive.median()).sum())
+        collapsed = int((positive < collapse_ratio * positive.double().quantile(0.5)).sum())
         if collapsed:
             flags.append(f"collapsed: {collapsed} ch")
     if entry.channels and bool((entry.mean == 0).all()) and bool((entry.var == 1).all()):
@@ -125,7 +125,9 @@ def format_health(entries: list[NormEntry], collapse_ratio: float = 1e-4) -> tup
         flags = health_flags(e, collapse_ratio)
         flagged += bool(flags)
         finite_var = e.var[e.var.isfinite()]
-        var_stats = (finite_var.min(), finite_var.median(), finite_var.max()) if finite_var.numel() else ()
+        var_stats = (
+            (finite_var.min(), finite_var.double().quantile(0.5), finite_var.max()) if finite_var.numel() else ()
+        )
         finite_mean = e.mean[e.mean.isfinite()]
         rows.append(
             [

@@ -68,7 +68,7 @@ class LayerReport:
     def _se(self, values: Tensor | None, how: str) -> float:
         if values is None or not self.updated or values.numel() == 0:
             return float("nan")
-        return float(values.median() if how == "median" else values.max())
+        return float(values.double().quantile(0.5) if how == "median" else values.max())  # (torch's median: the lower)
 
     @property
     def se_mean_median(self) -> float:
