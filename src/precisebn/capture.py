@@ -205,7 +205,8 @@ class Collector:
         )
 
     def _version(self) -> int:
-        return sum(b._version for b in self._scratch_buffers)
+        buffers = self._scratch_buffers
+        return buffers[0]._version if len(buffers) == 1 else sum(b._version for b in buffers)
 
     def _changed(self) -> bool:
         """Whether the scratch buffers were changed in place since the last look (and looks again)."""
@@ -215,14 +216,13 @@ class Collector:
         self._seen = now
         return True
 
-    def _enter(self, i: int) -> None:
-        """At the start of a call of layer ``i``: a change of the scratch since the last call started
-        or ended belongs to the enclosing call, else to the last call's forward hooks or the code after
-        it; refused if that layer is read through its own figures."""
-        owner = self._stack[-1] if self._stack else self._last
-        self._stack.append(i)
-        if self._changed() and owner >= 0 and self.paths[owner] in ("fast", "verify"):
-            raise self._modified_in_place(owner, during=bool(self._stack[:-1]))
+    def _entered(self, owner: int, nested: bool) -> None:
+        """At the start of a call, the scratch changed since the last call started or ended: the change
+        belongs to the enclosing call (``nested``), else to the last call's forward hooks or the code after
+        it (``owner``); refused if that layer is read through its own figures."""
+        self._seen = self._version()
+        if owner >= 0 and self.paths[owner] in ("fast", "verify"):
+            raise self._modified_in_place(owner, during=nested)
 
     def _modified_in_place(self, i: int, during: bool) -> UnsupportedLayerError:
         layer = self.layers[i]
@@ -684,8 +684,12 @@ class _LayerCall:
         module = self.module
         guard = c._guard
         try:
-            if guard:
-                c._enter(i)
+            if guard:  # (inline: this runs for every layer in every batch)
+                stack = c._stack
+                owner = stack[-1] if stack else c._last
+                stack.append(i)
+                if c._version() != c._seen:
+                    c._entered(owner, len(stack) > 1)
             if path == "fast":
                 x = args[0] if args else None
                 buffers = module._buffers
