@@ -187,6 +187,22 @@ def test_other_state_dicts_are_named_and_reached_with_key(files, tmp_path, capsy
     assert second["epoch"] == 3
     assert main([*args, "--key", "model_ema"]) == 1
     assert "no state_dict under 'model_ema'" in capsys.readouterr().err
+    assert main(["inspect", str(path), "--key", "state_dict_ema"]) == 0  # inspect and diff take --key too
+    captured = capsys.readouterr()
+    assert "also holds the state_dict 'state_dict'" in captured.err and "features.0.1" in captured.out
+    assert main(["diff", str(path), str(path), "--key", "state_dict_ema"]) == 0
+    assert "34 layers compared, 34 identical" in capsys.readouterr().out
+
+
+def test_inspect_says_a_statistics_file_is_one(files, tmp_path, capsys):
+    """Found by a hostile probe: a stats.save() file was 'no normalization statistics... is it a model?'."""
+    stats = precisebn.PopulationStats(
+        {"bn": precisebn.population.LayerStats(torch.zeros(3), torch.ones(3), 10, 1, "BatchNorm2d")}, 10, 1, "norm"
+    )
+    path = tmp_path / "bn.safetensors"
+    stats.save(path)
+    assert main(["inspect", str(path)]) == 1
+    assert "is a precisebn statistics file (PopulationStats.save)" in capsys.readouterr().err
 
 
 def test_recalibrate_with_data_function(files, tmp_path, monkeypatch):

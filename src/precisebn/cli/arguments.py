@@ -306,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--strict", action="store_true", help=f"exit with {commands.EXIT_FLAGGED} when any layer is flagged"
     )
     ins.add_argument("--trust-checkpoint", action="store_true", help="allow full unpickling (trusted files only)")
+    ins.add_argument("--key", metavar="K", help=KEY_HELP)
     ins.set_defaults(func=commands.run_inspect, check=None, parser=ins)
 
     diff = _sub(
@@ -322,5 +323,6 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("b", type=Path, metavar="B")
     diff.add_argument("--plot", type=Path, metavar="PATH", help="save a PNG of the per-layer shifts")
     diff.add_argument("--trust-checkpoint", action="store_true", help="allow full unpickling (trusted files only)")
+    diff.add_argument("--key", metavar="K", help=KEY_HELP + " (in both files)")
     diff.set_defaults(func=commands.run_diff, check=commands.check_diff, parser=diff)
     return parser

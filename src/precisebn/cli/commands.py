@@ -217,7 +217,7 @@ def _say_others(ckpt: Any) -> None:
         names = ", ".join(map(repr, ckpt.others))
         print(
             f"precisebn: warning: the checkpoint also holds the state_dict{'s' if len(ckpt.others) > 1 else ''} "
-            f"{names}, left as {'they are' if len(ckpt.others) > 1 else 'it is'} (only {ckpt.key!r} is written); "
+            f"{names}, left as {'they are' if len(ckpt.others) > 1 else 'it is'} (only {ckpt.key!r} is used); "
             f"run again with --key {ckpt.others[0]} for {'those' if len(ckpt.others) > 1 else 'it'}"
             + (
                 " (averaged weights need statistics of their own)."
@@ -460,8 +460,15 @@ def run_inspect(args: argparse.Namespace) -> int:
     from ..checkpoint import CheckpointError, load_checkpoint
     from ..health import format_health, norm_entries
 
-    ckpt = load_checkpoint(args.checkpoint, trust=args.trust_checkpoint)
+    ckpt = load_checkpoint(args.checkpoint, trust=args.trust_checkpoint, key=args.key)
+    _say_others(ckpt)
     entries = norm_entries(ckpt.state_dict)
+    if not entries and ckpt.metadata.get("format", "").startswith("precisebn."):
+        raise CheckpointError(
+            f"{str(args.checkpoint)!r} is a precisebn statistics file (PopulationStats.save), not a checkpoint; "
+            "inspect reads checkpoints. Read it with precisebn.PopulationStats.load(path), or write it into a "
+            "checkpoint with: precisebn apply CHECKPOINT " + str(args.checkpoint) + " --out OUT"
+        )
     if not entries:
         raise CheckpointError(
             f"checkpoint {str(args.checkpoint)!r} holds no normalization statistics (no '*.running_mean' with "
@@ -487,8 +494,11 @@ def run_diff(args: argparse.Namespace) -> int:
     from ..checkpoint import CheckpointMismatchError, load_checkpoint
     from ..health import diff_stats, format_diff, norm_entries
 
-    a = load_checkpoint(args.a, trust=args.trust_checkpoint)
-    b = load_checkpoint(args.b, trust=args.trust_checkpoint)
+    a = load_checkpoint(args.a, trust=args.trust_checkpoint, key=args.key)
+    b = load_checkpoint(args.b, trust=args.trust_checkpoint, key=args.key)
+    _say_others(a)
+    if b.path.resolve() != a.path.resolve():
+        _say_others(b)
     diff = diff_stats(a.state_dict, b.state_dict)
     if not diff.report.layers:
         na, nb = len(norm_entries(a.state_dict)), len(norm_entries(b.state_dict))
