@@ -8,6 +8,8 @@ now exact against the float64 truth, or refused by name with the model unchanged
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -432,3 +434,33 @@ def test_buffers_changed_in_place_on_unchecked_channels_are_seen(channel: int) -
     assert not hasattr(masked[0], "forward") or "forward" not in masked[0].__dict__
     precisebn.recalibrate(masked, data, capture="float64")
     assert max_rel_error(masked[0].running_mean, x.mean(0), x.var(0, unbiased=False).sqrt()) <= 1e-5  # float32 buffer
+
+
+def test_reads_after_a_layers_call_see_the_models_statistics() -> None:
+    """Found by a hostile probe: code reading a layer's running buffers after the layer's call in the same
+    batch (a forward hook here; a QAT ConvBn2d called twice) saw that call's batch figures, so the layers
+    after it were measured on inputs the model never produces. Between its calls a layer now holds its
+    own statistics; each call is lent its scratch."""
+    batches = [torch.randn(4, 3, 6, 6) * (1 + i) + (i if i % 2 else -i) for i in range(6)]
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 5, 1), nn.BatchNorm2d(5))
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    rescale = lambda m, a, out: out * m.running_var.sqrt().view(1, -1, 1, 1) + m.running_mean.view(1, -1, 1, 1)  # noqa: E731
+    model[1].register_forward_hook(rescale)
+    # the truth: both layers normalise with their batch figures, the hook reads layer 1's own statistics
+    truth = copy.deepcopy(model)
+    truth[1].momentum = 0.0  # (training mode: batch figures; its running statistics stay as they are)
+    seen: list[torch.Tensor] = []
+    truth[3].register_forward_pre_hook(lambda m, a: seen.append(a[0].double().clone()))
+    with torch.no_grad():
+        for b in batches:
+            truth.train()(b)
+    x = torch.cat([s.transpose(0, 1).reshape(5, -1) for s in seen], 1)
+    for capture in ("auto", "float64"):
+        m = copy.deepcopy(model)
+        report = precisebn.recalibrate(m, batches, capture=capture)
+        assert report["3"].updated
+        assert max_rel_error(m[3].running_var, x.var(1, unbiased=False)) <= 1e-5, capture
+        assert max_rel_error(m[3].running_mean, x.mean(1), x.var(1, unbiased=False).sqrt()) <= 1e-5, capture

@@ -156,12 +156,30 @@ class Collector:
         for scratch in state.groups:
             for i, pair in zip(scratch.layer_ids, scratch.slices(scratch.buffer)):
                 self._pairs[i] = pair
+        # Each layer's own statistics (the scratch's starting point), as (2, C) and as (mean, var) views: what
+        # the layer's buffers are between its calls, so that code reading them outside the layer's own call (a
+        # QAT ConvBn scaling its conv's weight by them, a forward hook) sees the model's statistics, not the
+        # figures of a call earlier in the batch; each call is lent its scratch (see _LayerCall.__call__).
+        self._initial_pairs: list[Tensor | None] = [None] * n
+        self._initial_views: list[tuple[Tensor, Tensor] | None] = [None] * n
+        for scratch in state.groups:
+            initial = scratch.initial if scratch.initial is not None else scratch.buffer.clone()
+            scratch.initial = initial
+            parts = zip(
+                scratch.layer_ids, scratch.slices(initial), scratch.slices(initial[0]), scratch.slices(initial[1])
+            )
+            for i, pair, mean, var in parts:
+                self._initial_pairs[i] = pair
+                self._initial_views[i] = (mean, var)
         for i, layer in enumerate(self.layers):
             state.wrap_forward(layer.module, _LayerCall(self, i))  # looks at the forward before it is wrapped
-        # In-place changes of the scratch buffers by anything but torch's normalization kernels (which leave
-        # version counters alone): the flat buffers' version counters are read at every call's start and end
-        # (see _LayerCall.__call__); where the kernels bump them (checked once per device type), not at all.
-        self._scratch_buffers = [g.buffer for g in state.groups]
+            buffers = layer.module._buffers
+            buffers["running_mean"], buffers["running_var"] = self._initial_views[i]  # type: ignore[misc]
+        # In-place changes of the scratch buffers (and of the statistics the layers hold between calls) by
+        # anything but torch's normalization kernels (which leave version counters alone): their version
+        # counters are read at every call's start and end (see _LayerCall.__call__); where the kernels bump
+        # them (checked once per device type), not at all.
+        self._scratch_buffers = [t for g in state.groups for t in (g.buffer, g.initial)]
         self._guard = bool(self._scratch_buffers) and not any(
             _kernels_bump_versions(b.device) for b in self._scratch_buffers
         )
@@ -206,7 +224,7 @@ class Collector:
 
     def _version(self) -> int:
         buffers = self._scratch_buffers
-        return buffers[0]._version if len(buffers) == 1 else sum(b._version for b in buffers)
+        return buffers[0]._version + buffers[1]._version if len(buffers) == 2 else sum(b._version for b in buffers)
 
     def _changed(self) -> bool:
         """Whether the scratch buffers were changed in place since the last look (and looks again)."""
@@ -247,11 +265,9 @@ class Collector:
 
     def _initial_pair(self, i: int) -> Tensor:
         """Layer ``i``'s own statistics as its scratch holds them before its first call of a batch, ``(2, C)``."""
-        for scratch in self._scratch:
-            if i in scratch.layer_ids:
-                initial = scratch.initial if scratch.initial is not None else scratch.buffer
-                return scratch.slices(initial)[scratch.layer_ids.index(i)]
-        raise KeyError(i)
+        pair = self._initial_pairs[i]
+        assert pair is not None  # (every layer is in a group)
+        return pair
 
     def _failed(self, i: int, j: int) -> None:
         """Takes back the call of layer ``i`` (index ``j`` in the batch) that raised: nothing of it was
@@ -599,7 +615,18 @@ class _LayerCall:
     records it in the collector. One small object per layer (rather than closures: a
     pass makes few objects for the garbage collector to track)."""
 
-    __slots__ = ("c", "channels", "i", "mean_view", "module", "own_forward", "pair", "var_view")
+    __slots__ = (
+        "c",
+        "channels",
+        "i",
+        "init_mean",
+        "init_var",
+        "mean_view",
+        "module",
+        "own_forward",
+        "pair",
+        "var_view",
+    )
 
     def __init__(self, collector: Collector, i: int) -> None:
         self.c = collector
@@ -607,6 +634,7 @@ class _LayerCall:
         self.channels = collector.layers[i].channels
         self.mean_view, self.var_view = collector._views[i]
         self.pair = collector._pairs[i]
+        self.init_mean, self.init_var = collector._initial_views[i]  # type: ignore[misc]
         self.module = collector.layers[i].module
         self.own_forward = normalises_its_input(self.module)  # torch's own forward: what it normalises is its input
 
@@ -648,6 +676,9 @@ class _LayerCall:
         if not c._row[i]:
             return None
         c._extras.append((i, j - 1, c._row[i], self.mean_view.clone(), self.var_view.clone()))
+        self.pair.copy_(c._initial_pair(i))  # what this call reads in its buffers: the model's statistics
+        if c._guard:
+            c._seen = c._version()
         return len(c._extras) - 1
 
     def unstash(self, stashed: int | None) -> None:
@@ -683,6 +714,8 @@ class _LayerCall:
         in_batch[i] = j + 1
         module = self.module
         guard = c._guard
+        buffers = module._buffers
+        lent = False
         try:
             if guard:  # (inline: this runs for every layer in every batch)
                 stack = c._stack
@@ -690,24 +723,19 @@ class _LayerCall:
                 stack.append(i)
                 if c._version() != c._seen:
                     c._entered(owner, len(stack) > 1)
+            # lend the layer its scratch for this call (between calls it holds its own statistics)
+            held = buffers.get("running_mean")
+            if held is self.init_mean and buffers.get("running_var") is self.init_var:
+                buffers["running_mean"], buffers["running_var"] = self.mean_view, self.var_view
+                lent = True
+            elif path == "fast" and (held is not self.mean_view or buffers.get("running_var") is not self.var_view):
+                raise c._buffers_replaced(i)  # (the scratch already: a call inside its own call)
             if path == "fast":
                 x = args[0] if args else None
-                buffers = module._buffers
-                if (
-                    type(x) is not Tensor
-                    or not module.training
-                    or module.momentum != 1.0
-                    or buffers.get("running_mean") is not self.mean_view
-                    or buffers.get("running_var") is not self.var_view
-                ):
+                if type(x) is not Tensor or not module.training or module.momentum != 1.0:
                     x = c._check(i, args, kwargs)  # the full checks (which raise)
                     if module.momentum != 1.0:
                         raise c._momentum_changed(i)
-                    if (
-                        buffers.get("running_mean") is not self.mean_view
-                        or buffers.get("running_var") is not self.var_view
-                    ):
-                        raise c._buffers_replaced(i)
                 n = x.numel() // self.channels
                 row = c._row
                 unusual = n == 1 or row[i] or c.per_call  # too few values, a second call in this batch, per call
@@ -717,6 +745,8 @@ class _LayerCall:
                 except BaseException:
                     self.unstash(stashed)
                     raise
+                if buffers.get("running_mean") is not self.mean_view or buffers.get("running_var") is not self.var_view:
+                    raise c._buffers_replaced(i)  # its forward put other tensors there: its figures went there
                 if guard and c._changed():
                     raise c._modified_in_place(i, during=True)
                 if unusual:
@@ -749,6 +779,11 @@ class _LayerCall:
                 c._refused = exc
             raise
         finally:
+            if lent:  # its own statistics again, unless its forward put other tensors there
+                if buffers.get("running_mean") is self.mean_view:
+                    buffers["running_mean"] = self.init_mean
+                if buffers.get("running_var") is self.var_view:
+                    buffers["running_var"] = self.init_var
             if guard:
                 c._stack.pop()
                 c._last = i
