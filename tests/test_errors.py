@@ -19,6 +19,7 @@ EXPECTED = {
     "NonFiniteError": FloatingPointError,
     "StatsMismatchError": ValueError,
     "MissingDependencyError": ImportError,
+    "MissingFileError": FileNotFoundError,
     "DistributedError": RuntimeError,
 }
 

@@ -80,6 +80,53 @@ def test_load_rejects_other_files(tmp_path) -> None:
         precisebn.PopulationStats.load(tmp_path / "missing.safetensors")
 
 
+def _damaged(tmp_path, tensors=None, **header_changes):
+    """A saved statistics file with its tensors or header edited by hand."""
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    good = tmp_path / "good.safetensors"
+    precisebn.estimate(net(), batches(), forward=forward).save(good)
+    with safe_open(str(good), "pt") as f:
+        metadata, content = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    header = json.loads(metadata["precisebn"])
+    for key, value in header_changes.items():
+        if key.startswith("layer_"):
+            header["layers"]["1"][key.removeprefix("layer_")] = value
+        else:
+            header[key] = value
+    content.update(tensors or {})
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(save(content, metadata={**metadata, "precisebn": json.dumps(header)}))
+    return bad
+
+
+DAMAGE = {
+    "negative variance": ({"1.var": -torch.ones(5, dtype=torch.float64)}, {}, "negative variances"),
+    "NaN variance": ({"1.var": torch.full((5,), float("nan"), dtype=torch.float64)}, {}, "NaN/Inf"),
+    "Inf mean": ({"1.mean": torch.full((5,), float("inf"), dtype=torch.float64)}, {}, "NaN/Inf"),
+    "integer mean": ({"1.mean": torch.zeros(5, dtype=torch.int64)}, {}, "not floating point"),
+    "standard error of another shape": ({"1.se_var": torch.ones(7, dtype=torch.float64)}, {}, "se_var has shape"),
+    "negative count": ({}, {"layer_count": -5}, "count is -5"),
+    "fractional count": ({}, {"layer_count": 3.7}, "count is 3.7"),
+    "unknown path": ({}, {"layer_path": "banana"}, "path is 'banana'"),
+    "unknown mode": ({}, {"mode": "banana"}, "mode is 'banana'"),
+    "no world size": ({}, {"world_size": 0}, "world_size is 0"),
+    "NaN seconds": ({}, {"seconds": float("nan")}, "seconds is nan"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_a_damaged_file_is_refused_by_name(tmp_path, case) -> None:
+    """Found by a hostile probe: negative, NaN and Inf variances, negative or fractional counts, unknown
+    modes... loaded without a word, and the CLI's apply then wrote them into a checkpoint (exit 0)."""
+    tensors, header, phrase = DAMAGE[case]
+    bad = _damaged(tmp_path, tensors, **header)
+    with pytest.raises((StatsMismatchError, InvalidArgumentError), match=phrase) as raised:
+        precisebn.PopulationStats.load(bad)
+    assert str(bad) in str(raised.value)
+
+
 def test_failed_save_leaves_no_file(tmp_path, monkeypatch) -> None:
     import safetensors.torch
 

@@ -15,6 +15,7 @@ not know precisebn::
     ├── NonFiniteError (FloatingPointError)    NaN/Inf statistics in a layer
     ├── StatsMismatchError (ValueError)        statistics that do not fit the model
     ├── MissingDependencyError (ImportError)   an optional extra is not installed
+    ├── MissingFileError (FileNotFoundError)   a file to read does not exist
     └── DistributedError (RuntimeError)        ranks disagree, or one of them failed
 
 Messages say what was wrong, where (the layer's qualified name, the rank) and what to
@@ -33,6 +34,7 @@ __all__ = [
     "InvalidArgumentError",
     "LayerNotFoundError",
     "MissingDependencyError",
+    "MissingFileError",
     "ModelChangedWarning",
     "NonFiniteError",
     "PreciseBNError",
@@ -86,6 +88,10 @@ class StatsMismatchError(PreciseBNError, ValueError):
 
 class MissingDependencyError(PreciseBNError, ImportError):
     """An optional dependency is missing; the message gives the ``pip install`` line."""
+
+
+class MissingFileError(PreciseBNError, FileNotFoundError):
+    """A file to read (statistics, a checkpoint) does not exist; the message names it."""
 
 
 class DistributedError(PreciseBNError, RuntimeError):

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ._optional import require
 from ._version import __version__
-from .errors import InvalidArgumentError, StatsMismatchError
+from .errors import InvalidArgumentError, MissingFileError, StatsMismatchError
 from .files import atomic_path
 from .stats import RunningMoments
 
@@ -286,6 +288,12 @@ class PopulationStats(Mapping[str, LayerStats]):
         require("safetensors.torch", "io", "PopulationStats.load()")
         from safetensors import safe_open
 
+        if not os.path.exists(path):
+            raise MissingFileError(f"statistics file {os.fspath(path)!r} does not exist; check the path.")
+        if os.path.isdir(path):
+            raise InvalidArgumentError(
+                f"{os.fspath(path)!r} is a folder; pass a statistics file written by PopulationStats.save()."
+            )
         try:
             with safe_open(str(path), framework="pt") as f:
                 metadata = f.metadata() or {}
@@ -297,38 +305,61 @@ class PopulationStats(Mapping[str, LayerStats]):
                     )
                 header = json.loads(metadata["precisebn"])
                 keys = set(f.keys())
+                batches = _whole(header["batches"], "batches")
                 layers = {
                     name: LayerStats(
                         f.get_tensor(f"{name}.mean"),
                         f.get_tensor(f"{name}.var"),
-                        int(info["count"]),
-                        int(info["calls"]),
+                        _whole(info["count"], f"layer {name!r}'s count"),
+                        _whole(info["calls"], f"layer {name!r}'s calls"),
                         str(info["type"]),
-                        str(info.get("path", "fast")),
+                        _one_of(info.get("path", "fast"), ("fast", "float64", "none"), f"layer {name!r}'s path"),
                         f.get_tensor(f"{name}.se_mean") if f"{name}.se_mean" in keys else None,
                         f.get_tensor(f"{name}.se_var") if f"{name}.se_var" in keys else None,
-                        int(info.get("per_forward", _per_forward(int(info["calls"]), int(header["batches"])))),
+                        _whole(info.get("per_forward", _per_forward(int(info["calls"]), batches)), "per_forward"),
                     )
                     for name, info in header["layers"].items()
                 }
             for name, layer in layers.items():
                 _check_layer(path, name, layer)
-        except (InvalidArgumentError, StatsMismatchError, FileNotFoundError):
+            seconds = float(header["seconds"])
+            if not (math.isfinite(seconds) and seconds >= 0):
+                raise ValueError(f"seconds is {seconds!r}")
+            world_size = _whole(header["world_size"], "world_size")
+            if world_size < 1:
+                raise ValueError(f"world_size is {world_size}")
+            versions = header["versions"]
+            if not isinstance(versions, dict):
+                raise ValueError(f"versions is a {type(versions).__name__}")
+            return cls(
+                layers,
+                _whole(header["samples"], "samples"),
+                batches,
+                _one_of(header["mode"], ("norm", "train", "keep", "all"), "mode"),
+                seconds,
+                world_size,
+                dict(versions),
+            )
+        except (InvalidArgumentError, StatsMismatchError):
             raise
-        except Exception as exc:  # safetensors' own error type, bad JSON, missing keys
+        except Exception as exc:  # safetensors' own error type, bad JSON, missing keys or wrong values
             raise InvalidArgumentError(
-                f"cannot read precisebn statistics from {os.fspath(path)!r}: {exc}. "
-                "Is it a file written by PopulationStats.save()?"
+                f"cannot read precisebn statistics from {os.fspath(path)!r}: {type(exc).__name__}: {exc}. "
+                "Is it a file written by PopulationStats.save(), undamaged?"
             ) from exc
-        return cls(
-            layers,
-            int(header["samples"]),
-            int(header["batches"]),
-            str(header["mode"]),
-            float(header["seconds"]),
-            int(header["world_size"]),
-            dict(header["versions"]),
-        )
+
+
+def _whole(value: Any, what: str) -> int:
+    """``value`` if it is a whole number >= 0 (a JSON integer), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} is {value!r}, not a whole number >= 0")
+    return value
+
+
+def _one_of(value: Any, allowed: tuple[str, ...], what: str) -> str:
+    if value not in allowed:
+        raise ValueError(f"{what} is {value!r}, not one of {', '.join(map(repr, allowed))}")
+    return str(value)
 
 
 def _merge_layer(name: str, parts: list[LayerStats]) -> LayerStats:
@@ -386,3 +417,20 @@ def _check_layer(path: str | os.PathLike[str], name: str, layer: LayerStats) -> 
             f"{where}: {layer.mean.shape[0]} means but {layer.var.shape[0]} variances; each channel needs one "
             "of each. The file is damaged; measure it again."
         )
+    problems = []
+    for what, t in (("mean", layer.mean), ("var", layer.var), ("se_mean", layer.se_mean), ("se_var", layer.se_var)):
+        if t is None:
+            continue
+        if not t.is_floating_point():
+            problems.append(f"{what} is {str(t.dtype).removeprefix('torch.')}, not floating point")
+        elif t.shape != layer.mean.shape:
+            problems.append(f"{what} has shape {tuple(t.shape)}, not {tuple(layer.mean.shape)}")
+        elif what.startswith("se_") and bool((t < 0).any()):
+            problems.append(f"{what} has negative values")
+    if not problems and layer.count > 0:  # measured: finite, variances >= 0 (unreached layers hold NaN)
+        if not bool(layer.mean.isfinite().all()) or not bool(layer.var.isfinite().all()):
+            problems.append("its statistics hold NaN/Inf")
+        elif bool((layer.var < 0).any()):
+            problems.append("it has negative variances")
+    if problems:
+        raise StatsMismatchError(f"{where}: {'; '.join(problems)}. The file is damaged; measure it again.")
