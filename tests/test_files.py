@@ -123,6 +123,31 @@ def test_all_or_none_when_a_commit_fails(tmp_path, monkeypatch) -> None:
     assert _names(tmp_path) == ["a.txt"]
 
 
+def test_a_failed_commit_never_deletes_an_existing_file_without_hard_links(tmp_path, monkeypatch) -> None:
+    """Found by a hostile probe: where the old file's backup hard link could not be made (a file system
+    without hard links, a file at its link limit), a later failure's rollback deleted the existing output.
+    The error named the hidden temporary file, not the output."""
+    import precisebn.files as files
+
+    (tmp_path / "a.txt").write_text("old a")
+    (tmp_path / "b.txt").mkdir()
+    (tmp_path / "b.txt" / "x").write_text("")  # the second output is a non-empty folder by the time of the commit
+    plan = OutputPlan()
+    plan.add("a", tmp_path / "a.txt")
+    plan.add("b", tmp_path / "c.txt")
+
+    def no_links(src, dst):
+        raise OSError(31, "Too many links")
+
+    monkeypatch.setattr(files.os, "link", no_links)
+    plan.outputs["b"] = (plan.outputs["b"][0], tmp_path / "b.txt")  # (after the plan's own checks)
+    with pytest.raises(OSError, match=r"b\.txt"), plan.staged() as tmp:
+        tmp["a"].write_text("new a")
+        tmp["b"].write_text("new b")
+    assert (tmp_path / "a.txt").read_text() == "old a"  # put back from a copy
+    assert _names(tmp_path) == ["a.txt", "b.txt"]
+
+
 def test_interrupt_leaves_no_temporary_and_removes_created_folders(tmp_path) -> None:
     plan = OutputPlan()
     plan.add("out", tmp_path / "new" / "deeper" / "out.txt")

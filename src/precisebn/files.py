@@ -26,6 +26,7 @@ import contextlib
 import os
 import re
 import secrets
+import shutil
 import signal
 import stat
 import threading
@@ -222,30 +223,37 @@ class OutputPlan:
         return exc
 
     def _commit(self, temps: dict[str, Path]) -> None:
-        done: list[tuple[Path, Path | None]] = []  # (target, backup of its old content or None)
+        # (target, a copy of its old content or None, whether it existed): what a rollback puts back
+        done: list[tuple[Path, Path | None, bool]] = []
         try:
             for label, tmp in temps.items():
                 target = self.outputs[label][1]
                 os.chmod(tmp, _mode_for(target))  # the writer may have recreated the file
-                backup = None
-                if target.exists():
+                existed, backup = target.exists(), None
+                if existed:
                     backup = tmp.with_name(tmp.name[:-4] + ".old.tmp")
                     try:
                         os.link(target, backup)
-                    except OSError:
-                        backup = None
-                os.replace(tmp, target)
-                done.append((target, backup))
+                    except OSError:  # a file system without hard links: a copy, else no way back for this one
+                        try:
+                            shutil.copy2(target, backup)
+                        except OSError:
+                            backup = None
+                try:
+                    os.replace(tmp, target)
+                except OSError as exc:  # named by the output, not by the hidden temporary file
+                    raise OSError(exc.errno, exc.strerror, str(target)) from exc
+                done.append((target, backup, existed))
         except BaseException:
-            for target, backup in reversed(done):  # put the old contents back
+            for target, backup, existed in reversed(done):  # put the old contents back
                 with contextlib.suppress(OSError):
-                    if backup is None:
-                        target.unlink()
-                    else:
+                    if backup is not None:
                         os.replace(backup, target)
+                    elif not existed:  # (an existing file without a copy is left as written, never deleted)
+                        target.unlink()
             raise
         finally:
-            for _, backup in done:
+            for _, backup, _ in done:
                 if backup is not None:
                     with contextlib.suppress(OSError):
                         backup.unlink()
