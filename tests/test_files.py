@@ -141,9 +141,14 @@ def test_a_failed_commit_never_deletes_an_existing_file_without_hard_links(tmp_p
 
     monkeypatch.setattr(files.os, "link", no_links)
     plan.outputs["b"] = (plan.outputs["b"][0], tmp_path / "b.txt")  # (after the plan's own checks)
-    with pytest.raises(OSError, match=r"b\.txt"), plan.staged() as tmp:
-        tmp["a"].write_text("new a")
-        tmp["b"].write_text("new b")
+
+    def write_both() -> None:
+        with plan.staged() as tmp:
+            tmp["a"].write_text("new a")
+            tmp["b"].write_text("new b")
+
+    with pytest.raises(OSError, match=r"b\.txt"):
+        write_both()
     assert (tmp_path / "a.txt").read_text() == "old a"  # put back from a copy
     assert _names(tmp_path) == ["a.txt", "b.txt"]
 
