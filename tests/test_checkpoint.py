@@ -267,3 +267,21 @@ def test_write_alias_names_and_verify(tmp_path):
     verify_written(ckpt, replace, tmp_path / "out.pt")
     with pytest.raises(CheckpointError, match="does not hold the new values"):
         verify_written(ckpt, {**replace, "module.2.0.running_var": torch.zeros(4)}, tmp_path / "out.pt")
+
+
+def test_a_failed_torch_save_is_an_os_error_naming_the_file(tmp_path, monkeypatch) -> None:
+    """Found by a hostile probe: a full disk while writing a .pt came out of the CLI as "unexpected
+    RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos ..."."""
+    from precisebn import checkpoint
+
+    path = tmp_path / "in.pt"
+    torch.save({"bn.running_mean": torch.zeros(2)}, path)
+    ckpt = checkpoint.load_checkpoint(path)
+
+    def full(obj, f):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1133248 vs 1133144")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    with pytest.raises(OSError, match="a full disk") as raised:
+        checkpoint.write_checkpoint(ckpt, {}, tmp_path / "out.pt")
+    assert raised.value.filename == str(tmp_path / "out.pt")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import os
 import re
 import warnings
@@ -248,7 +249,11 @@ def write_checkpoint(ckpt: Checkpoint, replace: Mapping[str, Tensor], path: str 
         Path(path).write_bytes(st.save({k: v.contiguous() for k, v in sd.items()}, metadata=ckpt.metadata or None))
     else:
         obj: Any = sd if ckpt.container is None else {**ckpt.container, ckpt.key: sd}
-        torch.save(obj, path)
+        try:
+            torch.save(obj, path)
+        except RuntimeError as exc:  # torch's zip writer reports a failed write as "enforce fail ... unexpected pos"
+            why = f"torch.save failed ({_first_sentence(str(exc)).strip()}): a full disk, or a file size limit"
+            raise OSError(errno.EIO, why, str(path)) from exc
 
 
 def save_checkpoint(ckpt: Checkpoint, replace: Mapping[str, Tensor], path: str | os.PathLike[str]) -> None:

@@ -273,8 +273,11 @@ class PopulationStats(Mapping[str, LayerStats]):
                 if value is not None:
                     tensors[f"{name}.{key}"] = value.detach().to("cpu", torch.float64).contiguous()
         metadata = {"format": FORMAT, "precisebn": json.dumps(self._header())}
-        with atomic_path(path) as tmp:  # save() to bytes: save_file() would recreate tmp as 0600
-            tmp.write_bytes(st.save(tensors, metadata=metadata))
+        try:
+            with atomic_path(path) as tmp:  # save() to bytes: save_file() would recreate tmp as 0600
+                tmp.write_bytes(st.save(tensors, metadata=metadata))
+        except OSError as exc:  # named by the file asked for (a full disk names no file, the temporary one is gone)
+            raise OSError(exc.errno, exc.strerror or str(exc), os.fspath(path)) from exc
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> PopulationStats:
