@@ -180,6 +180,7 @@ class Collector:
         # counters are read at every call's start and end (see _LayerCall.__call__); where the kernels bump
         # them (checked once per device type), not at all.
         self._scratch_buffers = [t for g in state.groups for t in (g.buffer, g.initial)]
+        self._two = tuple(self._scratch_buffers) if len(self._scratch_buffers) == 2 else None
         self._guard = bool(self._scratch_buffers) and not any(
             _kernels_bump_versions(b.device) for b in self._scratch_buffers
         )
@@ -223,8 +224,11 @@ class Collector:
         )
 
     def _version(self) -> int:
-        buffers = self._scratch_buffers
-        return buffers[0]._version + buffers[1]._version if len(buffers) == 2 else sum(b._version for b in buffers)
+        """The sum of the version counters of the scratch buffers and of the statistics held between calls."""
+        if self._two is not None:  # (one device and dtype: this runs twice per call)
+            a, b = self._two
+            return a._version + b._version  # type: ignore[no-any-return]
+        return sum(t._version for t in self._scratch_buffers)
 
     def _changed(self) -> bool:
         """Whether the scratch buffers were changed in place since the last look (and looks again)."""
@@ -747,7 +751,11 @@ class _LayerCall:
                     raise
                 if buffers.get("running_mean") is not self.mean_view or buffers.get("running_var") is not self.var_view:
                     raise c._buffers_replaced(i)  # its forward put other tensors there: its figures went there
-                if guard and c._changed():
+                if lent:  # (here rather than in finally: the identities are checked already)
+                    buffers["running_mean"], buffers["running_var"] = self.init_mean, self.init_var
+                    lent = False
+                if guard and c._version() != c._seen:
+                    c._seen = c._version()
                     raise c._modified_in_place(i, during=True)
                 if unusual:
                     self.count(x, j)
