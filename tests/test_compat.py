@@ -142,9 +142,9 @@ def test_update_bn_runs_the_whole_model_in_training_mode_and_takes_batches_as_to
         assert not m.training and not m.inorm.training
 
 
-def test_update_bn_stats_gives_the_model_the_loaders_own_objects() -> None:
+def test_update_bn_stats_gives_the_model_batches_of_their_own_type() -> None:
     """Found by a hostile probe: a defaultdict batch reached the model as a plain dict (KeyError where
-    fvcore works): batches with nothing to move were rebuilt."""
+    fvcore works). Batches are copied (a forward may change them) as their own type."""
     import collections
 
     class DictModel(nn.Module):
@@ -164,7 +164,8 @@ def test_update_bn_stats_gives_the_model_the_loaders_own_objects() -> None:
         batches.append(b)
     model = DictModel().train()
     compat.update_bn_stats(model, batches, num_iters=3)
-    assert all(seen is b for seen, b in zip(model.seen, batches))
+    assert all(type(seen) is collections.defaultdict and seen["other"] == 1.0 for seen in model.seen)
+    assert all(set(b) == {"x"} for b in batches)  # (the model's reads added "scale" to its copies only)
     xs = torch.cat([b["x"] for b in batches]).double()
     assert max_rel_error(model.bn.running_var, xs.var(0, unbiased=False)) <= 1e-5
 

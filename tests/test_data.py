@@ -49,3 +49,20 @@ def test_model_device() -> None:
     assert model_device(nn.Linear(2, 2)) == torch.device("cpu")
     assert model_device(nn.BatchNorm1d(2, affine=False)) == torch.device("cpu")
     assert model_device(nn.ReLU()) is None
+
+
+def test_a_forward_that_changes_its_batch_leaves_the_data_as_it_was() -> None:
+    """Found by a regression probe: batches with nothing to move were handed over as the data's own objects
+    for a while, so a forward popping the label emptied the user's list for the next pass."""
+    import precisebn
+
+    data = [{"x": torch.randn(4, 3), "label": torch.zeros(4)} for _ in range(3)]
+
+    def forward(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        batch.pop("label")
+        return model(batch["x"])
+
+    model = torch.nn.BatchNorm1d(3)
+    for _ in range(2):
+        precisebn.recalibrate(model, data, forward=forward)
+    assert all(set(b) == {"x", "label"} for b in data)

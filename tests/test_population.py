@@ -127,6 +127,18 @@ def test_a_damaged_file_is_refused_by_name(tmp_path, case) -> None:
     assert str(bad) in str(raised.value)
 
 
+def test_merged_statistics_of_both_paths_load_again(tmp_path) -> None:
+    """Found by a regression probe: a merge of capture="auto" and capture="float64" statistics (path "mixed")
+    saved, but the stricter load refused it."""
+    merged = precisebn.estimate(net(), batches(), forward=forward).merge(
+        precisebn.estimate(net(), batches(), forward=forward, capture="float64")
+    )
+    assert "mixed" in {s.path for s in merged.values()}
+    merged.save(tmp_path / "m.safetensors")
+    loaded = precisebn.PopulationStats.load(tmp_path / "m.safetensors")
+    assert {k: s.path for k, s in loaded.items()} == {k: s.path for k, s in merged.items()}
+
+
 def test_failed_save_leaves_no_file(tmp_path, monkeypatch) -> None:
     import safetensors.torch
 

@@ -175,12 +175,11 @@ class Collector:
             state.wrap_forward(layer.module, _LayerCall(self, i))  # looks at the forward before it is wrapped
             buffers = layer.module._buffers
             buffers["running_mean"], buffers["running_var"] = self._initial_views[i]  # type: ignore[misc]
-        # In-place changes of the scratch buffers (and of the statistics the layers hold between calls) by
-        # anything but torch's normalization kernels (which leave version counters alone): their version
-        # counters are read at every call's start and end (see _LayerCall.__call__); where the kernels bump
-        # them (checked once per device type), not at all.
-        self._scratch_buffers = [t for g in state.groups for t in (g.buffer, g.initial)]
-        self._two = tuple(self._scratch_buffers) if len(self._scratch_buffers) == 2 else None
+        # In-place changes of the scratch buffers by anything but torch's normalization kernels (which leave
+        # version counters alone): their version counters are read at every call's start and end (see
+        # _LayerCall.__call__); where the kernels bump them (checked once per device type), not at all. (The
+        # statistics a layer holds between its calls are not watched: nothing written there is read.)
+        self._scratch_buffers = [g.buffer for g in state.groups]  # (what is held between calls is not read)
         self._guard = bool(self._scratch_buffers) and not any(
             _kernels_bump_versions(b.device) for b in self._scratch_buffers
         )
@@ -224,11 +223,9 @@ class Collector:
         )
 
     def _version(self) -> int:
-        """The sum of the version counters of the scratch buffers and of the statistics held between calls."""
-        if self._two is not None:  # (one device and dtype: this runs twice per call)
-            a, b = self._two
-            return a._version + b._version  # type: ignore[no-any-return]
-        return sum(t._version for t in self._scratch_buffers)
+        """The sum of the scratch buffers' version counters."""
+        buffers = self._scratch_buffers
+        return buffers[0]._version if len(buffers) == 1 else sum(t._version for t in buffers)  # type: ignore[no-any-return]
 
     def _changed(self) -> bool:
         """Whether the scratch buffers were changed in place since the last look (and looks again)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -74,29 +75,38 @@ def batch_size(batch: Any) -> int | None:
 def to_device(batch: Any, device: torch.device | None) -> Any:
     """Moves every tensor in a (nested) tuple/list/dict batch to ``device`` without blocking.
 
-    A batch with nothing to move is returned as it is (the very object: a ``defaultdict`` or
-    a list subclass is not rebuilt); otherwise the containers on the way to a moved tensor
-    are rebuilt as their type (a plain dict where a mapping's type cannot be built from one).
+    Containers are copied, so that a ``forward`` that changes its batch (``batch.pop("label")``)
+    leaves the data as it was, and keep their type: a shallow copy of the batch's own object
+    (a ``defaultdict`` keeps its default, a list subclass its attributes), else one built from
+    the items, else a plain dict or list.
     """
     if device is None:
         return batch
     if isinstance(batch, Tensor):
-        return batch.to(device, non_blocking=True)  # (itself when already there)
-    if isinstance(batch, (tuple, list)):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple):
         items = [to_device(b, device) for b in batch]
-        if all(a is b for a, b in zip(items, batch)):
-            return batch
-        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-            return type(batch)(*items)
-        return type(batch)(items)
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)  # (a namedtuple)
+    if isinstance(batch, list):
+        items = [to_device(b, device) for b in batch]
+        try:
+            copied = copy.copy(batch)
+            copied[:] = items
+            return copied
+        except Exception:
+            return items
     if isinstance(batch, Mapping):
         moved = {k: to_device(v, device) for k, v in batch.items()}
-        if all(moved[k] is v for k, v in batch.items()):
-            return batch
         try:
-            return type(batch)(moved)  # type: ignore[call-arg]
-        except TypeError:
-            return moved
+            copied = copy.copy(batch)
+            for k, v in moved.items():
+                copied[k] = v
+            return copied
+        except Exception:
+            try:
+                return type(batch)(moved)  # type: ignore[call-arg]
+            except TypeError:
+                return moved
     return batch
 
 

@@ -316,7 +316,9 @@ class PopulationStats(Mapping[str, LayerStats]):
                         _whole(info["count"], f"layer {name!r}'s count"),
                         _whole(info["calls"], f"layer {name!r}'s calls"),
                         str(info["type"]),
-                        _one_of(info.get("path", "fast"), ("fast", "float64", "none"), f"layer {name!r}'s path"),
+                        _one_of(
+                            info.get("path", "fast"), ("fast", "float64", "none", "mixed"), f"layer {name!r}'s path"
+                        ),
                         f.get_tensor(f"{name}.se_mean") if f"{name}.se_mean" in keys else None,
                         f.get_tensor(f"{name}.se_var") if f"{name}.se_var" in keys else None,
                         _whole(info.get("per_forward", _per_forward(int(info["calls"]), batches)), "per_forward"),

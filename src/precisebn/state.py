@@ -2,8 +2,7 @@
 as values, and the guard that lets one pass at a time work on a model.
 
 :class:`StateSnapshot` records, for every module, which tensor objects its
-``_buffers`` and ``_parameters`` hold and which submodules its ``_modules`` (a forward
-that adds or replaces one is undone), and copies of what the passes can change: every
+``_buffers`` and ``_parameters`` hold, and copies of what the passes can change: every
 buffer's values (the whole stretch of storage it can reach, so views, expanded and
 non-contiguous buffers restore exactly) and the weights that torch's own modules
 renormalise in place (``Embedding``/``EmbeddingBag`` with ``max_norm``). On restore the
@@ -152,7 +151,6 @@ class StateSnapshot:
         self._modules: list[nn.Module] = []
         self._buffers: list[dict[str, Any] | None] = []
         self._params: list[dict[str, Any] | None] = []
-        self._children: list[dict[str, Any] | None] = []  # submodules (a forward may add or replace some)
         self._non_persistent: list[set[str] | None] = []
         self._saved: list[_Saved] = []  # tensors whose values are copied
         # parameters not copied, whose version counters tell whether they changed (parallel lists)
@@ -172,7 +170,6 @@ class StateSnapshot:
                 self._modules.append(module)
                 self._buffers.append(dict(buffers) if buffers else None)
                 self._params.append(dict(params) if params else None)
-                self._children.append(dict(module._modules) if module._modules else None)
                 self._non_persistent.append(set(non_persistent) if non_persistent else None)
                 copy_params = isinstance(module, _RENORMALISED) and module.max_norm is not None
                 for tensors, copy in ((buffers, True), (params, copy_params)):
@@ -207,10 +204,10 @@ class StateSnapshot:
             The names of parameters that the passes changed in place and that could not
             be restored (not copied); empty when the model is bitwise as it was.
         """
-        for module, buffers, params, children, non_persistent in zip(
-            self._modules, self._buffers, self._params, self._children, self._non_persistent
+        for module, buffers, params, non_persistent in zip(
+            self._modules, self._buffers, self._params, self._non_persistent
         ):
-            for now, saved in ((module._buffers, buffers), (module._parameters, params), (module._modules, children)):
+            for now, saved in ((module._buffers, buffers), (module._parameters, params)):
                 if saved is None:
                     if now:
                         now.clear()
