@@ -599,3 +599,16 @@ def test_a_device_this_machine_cannot_allocate_on_is_refused_before_any_batch(de
         precisebn.compat.update_bn(batches(), model, device=device)
     assert not drawn
     assert_unchanged(model, before)
+
+
+def test_a_pass_without_random_layers_draws_no_random_numbers(monkeypatch) -> None:
+    """The check of torch's kernels (once per device type, see capture._kernels_bump_versions) used a random
+    input: the first pass of a process moved torch's global generator."""
+    import precisebn.capture as capture
+
+    monkeypatch.setattr(capture, "_BUMPS", {})
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    state = torch.get_rng_state()
+    precisebn.recalibrate(model, [torch.ones(4, 3) * torch.arange(4.0)[:, None] for _ in range(2)])
+    assert capture._BUMPS == {"cpu": False}
+    assert torch.equal(torch.get_rng_state(), state)
