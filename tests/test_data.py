@@ -66,3 +66,36 @@ def test_a_forward_that_changes_its_batch_leaves_the_data_as_it_was() -> None:
     for _ in range(2):
         precisebn.recalibrate(model, data, forward=forward)
     assert all(set(b) == {"x", "label"} for b in data)
+
+
+def test_a_mapping_that_keeps_its_items_elsewhere_is_not_written_into() -> None:
+    """Found by a regression probe: a shallow copy of a MutableMapping holding its items in an inner dict shares
+    that dict, so filling the copy wrote the moved tensors into the user's own batch."""
+    from collections.abc import MutableMapping
+
+    class Store(MutableMapping):
+        def __init__(self, items: dict | None = None) -> None:
+            self._d = dict(items or {})
+
+        def __getitem__(self, k):
+            return self._d[k]
+
+        def __setitem__(self, k, v) -> None:
+            self._d[k] = v
+
+        def __delitem__(self, k) -> None:
+            del self._d[k]
+
+        def __iter__(self):
+            return iter(self._d)
+
+        def __len__(self) -> int:
+            return len(self._d)
+
+    x = torch.randn(2, 3)
+    batch = Store({"x": x})
+    moved = to_device(batch, torch.device("meta"))
+    assert type(moved) is Store and moved["x"].is_meta
+    assert batch["x"] is x  # the user's batch as it was
+    d = OrderedDict(x=x)
+    assert to_device(d, torch.device("meta"))["x"].is_meta and d["x"] is x

@@ -89,25 +89,33 @@ def to_device(batch: Any, device: torch.device | None) -> Any:
         return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)  # (a namedtuple)
     if isinstance(batch, list):
         items = [to_device(b, device) for b in batch]
-        try:
-            copied = copy.copy(batch)
-            copied[:] = items
-            return copied
-        except Exception:
-            return items
+        return _copied(batch, lambda c: c.__setitem__(slice(None), items), lambda: items)
     if isinstance(batch, Mapping):
         moved = {k: to_device(v, device) for k, v in batch.items()}
-        try:
-            copied = copy.copy(batch)
-            for k, v in moved.items():
-                copied[k] = v
-            return copied
-        except Exception:
+
+        def built() -> Any:
             try:
                 return type(batch)(moved)  # type: ignore[call-arg]
             except TypeError:
                 return moved
+
+        if not isinstance(batch, dict):  # (a copy of another mapping may share its storage with the original)
+            return built()
+        return _copied(batch, lambda c: c.update(moved), built)
     return batch
+
+
+def _copied(batch: Any, fill: Callable[[Any], None], otherwise: Callable[[], Any]) -> Any:
+    """A shallow copy of a ``list``/``dict`` (subclass) ``batch`` (its own storage: copies of these
+    are rebuilt item by item) with ``fill`` applied, else ``otherwise()``."""
+    try:
+        copied = copy.copy(batch)
+        if copied is batch:  # (a __copy__ that returns the object itself)
+            return otherwise()
+        fill(copied)
+        return copied
+    except Exception:
+        return otherwise()
 
 
 def model_device(model: nn.Module) -> torch.device | None:
