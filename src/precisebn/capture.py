@@ -163,14 +163,10 @@ class Collector:
         self._initial_pairs: list[Tensor | None] = [None] * n
         self._initial_views: list[tuple[Tensor, Tensor] | None] = [None] * n
         for scratch in state.groups:
-            initial = scratch.initial if scratch.initial is not None else scratch.buffer.clone()
-            scratch.initial = initial
-            parts = zip(
-                scratch.layer_ids, scratch.slices(initial), scratch.slices(initial[0]), scratch.slices(initial[1])
-            )
-            for i, pair, mean, var in parts:
+            assert scratch.initial is not None  # (_allocate_scratch fills it)
+            for i, pair in zip(scratch.layer_ids, scratch.slices(scratch.initial)):
                 self._initial_pairs[i] = pair
-                self._initial_views[i] = (mean, var)
+                self._initial_views[i] = (pair[0], pair[1])
         for i, layer in enumerate(self.layers):
             state.wrap_forward(layer.module, _LayerCall(self, i))  # looks at the forward before it is wrapped
             buffers = layer.module._buffers
@@ -212,14 +208,22 @@ class Collector:
             )
         return x
 
-    def _momentum_changed(self, i: int) -> UnsupportedLayerError:
+    def _refusal(self, i: int, what: str, remedy: str) -> UnsupportedLayerError:
+        """Layer ``i`` refused during the passes, after its verification: ``what`` happened, ``remedy``."""
         layer = self.layers[i]
         return UnsupportedLayerError(
-            f"layer {layer.name!r} ({layer.type_name}) had its momentum set to {layer.module.momentum!r} during the "
-            "passes (by the model's forward or a hook), after precisebn had verified that, with momentum 1.0, it "
-            "leaves each batch's own mean and variance in its buffers: its later figures would be a mix of "
-            "batches. Leave the layers' momentum as it is during forward passes, or pass capture='float64' "
-            "(every layer measured in float64 as it is called, whatever its momentum). The model was left unchanged."
+            f"layer {layer.name!r} ({layer.type_name}) {what}, after precisebn had verified that {remedy} "
+            "The model was left unchanged."
+        )
+
+    def _momentum_changed(self, i: int) -> UnsupportedLayerError:
+        return self._refusal(
+            i,
+            f"had its momentum set to {self.layers[i].module.momentum!r} during the passes (by the model's forward "
+            "or a hook)",
+            "with momentum 1.0 it leaves each batch's own mean and variance in its buffers: its later figures "
+            "would be a mix of batches. Leave the layers' momentum as it is during forward passes, or pass "
+            "capture='float64' (every layer measured in float64 as it is called, whatever its momentum).",
         )
 
     def _version(self) -> int:
@@ -239,29 +243,27 @@ class Collector:
         """At the start of a call, the scratch changed since the last call started or ended: the change
         belongs to the enclosing call (``nested``), else to the last call's forward hooks or the code after
         it (``owner``); refused if that layer is read through its own figures."""
-        self._seen = self._version()
         if owner >= 0 and self.paths[owner] in ("fast", "verify"):
             raise self._modified_in_place(owner, during=nested)
 
     def _modified_in_place(self, i: int, during: bool) -> UnsupportedLayerError:
-        layer = self.layers[i]
         when = "in its forward" if during else "after its call (by a forward hook, or the model's code after it)"
-        return UnsupportedLayerError(
-            f"layer {layer.name!r} ({layer.type_name}): the running buffers precisebn gave it were changed in place "
-            f"{when}, after precisebn had verified that it leaves each batch's own figures in them; the figures "
-            "read would not be those of what it normalised. Pass capture='float64' (every layer measured in "
-            "float64 from what it normalises, whatever is done to its buffers), or exclude the layer with "
-            "layers=. The model was left unchanged."
+        return self._refusal(
+            i,
+            f"had the running buffers precisebn gave it changed in place {when}",
+            "it leaves each batch's own figures in them; the figures read would not be those of what it "
+            "normalised. Pass capture='float64' (every layer measured in float64 from what it normalises, "
+            "whatever is done to its buffers), or exclude the layer with layers=.",
         )
 
     def _buffers_replaced(self, i: int) -> UnsupportedLayerError:
-        layer = self.layers[i]
-        return UnsupportedLayerError(
-            f"layer {layer.name!r} ({layer.type_name}) had its running_mean/running_var replaced by other tensors "
-            "during the passes (by the model's forward or a hook), after precisebn had verified that it leaves each "
-            "batch's figures in the buffers precisebn gave it: its later figures went elsewhere. Leave the layers' "
-            "buffers in place during forward passes, or pass capture='float64' (every layer measured in float64 as "
-            "it is called, whatever its buffers). The model was left unchanged."
+        return self._refusal(
+            i,
+            "had its running_mean/running_var replaced by other tensors during the passes (by the model's forward "
+            "or a hook)",
+            "it leaves each batch's figures in the buffers precisebn gave it: its later figures went elsewhere. "
+            "Leave the layers' buffers in place during forward passes, or pass capture='float64' (every layer "
+            "measured in float64 as it is called, whatever its buffers).",
         )
 
     def _initial_pair(self, i: int) -> Tensor:
@@ -299,8 +301,8 @@ class Collector:
         """
         if self._refused is not None:
             raise self._refused
-        if self._guard and self._changed() and self._last >= 0 and self.paths[self._last] in ("fast", "verify"):
-            raise self._modified_in_place(self._last, during=False)
+        if self._guard and self._changed():
+            self._entered(self._last, nested=False)  # (as if the next call started: after the last one)
         if self.per_call:
             self._check_calls_per_batch()
         self._in_batch = [0] * len(self.layers)
@@ -722,7 +724,7 @@ class _LayerCall:
                 stack = c._stack
                 owner = stack[-1] if stack else c._last
                 stack.append(i)
-                if c._version() != c._seen:
+                if c._changed():
                     c._entered(owner, len(stack) > 1)
             # lend the layer its scratch for this call (between calls it holds its own statistics)
             held = buffers.get("running_mean")
@@ -751,8 +753,7 @@ class _LayerCall:
                 if lent:  # (here rather than in finally: the identities are checked already)
                     buffers["running_mean"], buffers["running_var"] = self.init_mean, self.init_var
                     lent = False
-                if guard and c._version() != c._seen:
-                    c._seen = c._version()
+                if guard and c._changed():
                     raise c._modified_in_place(i, during=True)
                 if unusual:
                     self.count(x, j)

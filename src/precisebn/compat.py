@@ -77,25 +77,19 @@ def update_bn_stats(
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", ShortDataWarning)
-                stats = _estimate(
+                stats = _measure(
                     guard,
+                    walk,
                     model,
                     data_loader,
                     num_samples=None,
                     num_batches=num_iters,
                     forward=lambda m, b: m(b),
-                    mode="norm",
                     layers=selected,
                     device=None,
                     progress=progress == "tqdm",
-                    distributed=False,
-                    process_group=None,
-                    capture="auto",
-                    tolerance=None,
                     _mode="keep",
-                    walk=walk,
-                    writes=WRITTEN["both"],
-                )[0]
+                )
         except EmptyDataError as exc:
             raise ShortLoaderError(
                 f"update_bn_stats is meant to run for {num_iters} iterations, but the data loader is empty"
@@ -136,23 +130,34 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
         return
     walk: list[tuple[str, nn.Module]] = []
     with contextlib.ExitStack() as guard:  # one hold on the model from the passes to the writes
-        stats = _estimate(
+        stats = _measure(
             guard,
+            walk,
             model,
             loader,
             num_samples="all",
             num_batches=None,
             forward=forward,
-            mode="train",
             layers=selected,
             device=device,
             progress=False,
-            distributed=False,
-            process_group=None,
-            capture="auto",
-            tolerance=None,
             _mode="all",  # model.train(), as torch's: InstanceNorm layers with running statistics too
-            walk=walk,
-            writes=WRITTEN["both"],
-        )[0]
+        )
         write_statistics(unwrap(model), stats, modules=walk, shared_checked=True)
+
+
+def _measure(guard: contextlib.ExitStack, walk: list[tuple[str, nn.Module]], *args: Any, **options: Any) -> Any:
+    """The drop-ins' statistics: :func:`~precisebn.recalibrate._estimate` with this process's data only,
+    exact capture, both buffers to be written, the model held in ``guard`` until the caller writes."""
+    return _estimate(
+        guard,
+        *args,
+        mode="norm",  # (the flags come from _mode)
+        distributed=False,
+        process_group=None,
+        capture="auto",
+        tolerance=None,
+        walk=walk,
+        writes=WRITTEN["both"],
+        **options,
+    )[0]

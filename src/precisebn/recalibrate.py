@@ -480,13 +480,12 @@ def recalibrate(
         (32, 6272)
     """
     walk: list[tuple[str, nn.Module]] = []
-    checked: list[float | None] = []
 
     def check() -> None:  # before any forward pass, inside the failure protocol: a mistake on one rank reaches all
-        checked.append(check_adapt(prior, adapt))
+        check_adapt(prior, adapt)
 
     def plan(stats: PopulationStats) -> Writes:
-        return plan_writes(unwrap(model), stats, checked[0], adapt, walk, shared_checked=True)
+        return plan_writes(unwrap(model), stats, check_adapt(prior, adapt), adapt, walk, shared_checked=True)
 
     with contextlib.ExitStack() as guard:
         _, writes = _estimate(
