@@ -37,6 +37,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks import common
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -172,4 +174,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    common.with_allocator_env(["-m", "benchmarks.ab", *sys.argv[1:]])  # (its measuring processes inherit it)
     raise SystemExit(main())

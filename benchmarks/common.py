@@ -552,6 +552,38 @@ def _version(module: str) -> str:
         return "not installed"
 
 
+# glibc's heap trimming, held off for every run alike (the floor's as much as the tools'): by
+# default, free() hands the top of the heap back to the kernel once more than a threshold is
+# free there (twice the largest tensor freed so far), and whether a pass's activations end up
+# there depends on where earlier allocations landed. Measured on timm efficientnet_b0 (8x3x64x64,
+# 32 batches, one process): in one layout the floor ran with no page faults and the next tool with
+# ~3,200 per batch (+15% time); in another, the floor had them. A pad of 64 MiB left on the heap
+# when it is trimmed keeps those pages mapped; nothing else about the allocator changes.
+# PRECISEBN_BENCH_ALLOCATOR=default runs with glibc's defaults instead (to compare).
+ALLOCATOR_ENV = {"MALLOC_TOP_PAD_": str(64 * 2**20)}
+
+
+def with_allocator_env(argv: Sequence[str]) -> None:
+    """Re-executes this process (``python`` + ``argv``) with :data:`ALLOCATOR_ENV` set, unless
+    it is set already, ``PRECISEBN_BENCH_ALLOCATOR=default`` or this is not Linux (the variables
+    are glibc's)."""
+    if (
+        not sys.platform.startswith("linux")
+        or os.environ.get("PRECISEBN_BENCH_ALLOCATOR") == "default"
+        or all(os.environ.get(k) == v for k, v in ALLOCATOR_ENV.items())
+    ):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *argv], {**os.environ, **ALLOCATOR_ENV})
+
+
+def allocator() -> str:
+    """How glibc's allocator was set up for this process (see :data:`ALLOCATOR_ENV`)."""
+    set_ = [f"{k}={os.environ[k]}" for k in ALLOCATOR_ENV if k in os.environ]
+    return "glibc heap trimming padded (" + ", ".join(set_) + ")" if set_ else "allocator defaults"
+
+
 def machine(device: torch.device, num_threads: int) -> dict[str, Any]:
     """What the numbers were measured on."""
     info: dict[str, Any] = {
@@ -569,6 +601,7 @@ def machine(device: torch.device, num_threads: int) -> dict[str, Any]:
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "git_dirty": bool(_git("status", "--porcelain", "--", "src")),
         "device": str(device),
+        "allocator": allocator(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -586,6 +619,7 @@ def describe_machine(info: dict[str, Any]) -> str:
         f"Python {info['python']}, torch {info['torch']}, torchvision {info['torchvision']}, fvcore {info['fvcore']}",
         f"precisebn {info['precisebn']} (git {info['git_commit']}{', src modified' if info['git_dirty'] else ''})",
         f"{info['date']}",
+        info.get("allocator", ""),
     ]
     load = info.get("load_average_start")
     if load:

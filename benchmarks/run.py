@@ -694,4 +694,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    common.with_allocator_env(["-m", "benchmarks.run", *sys.argv[1:]])
     sys.exit(main())
