@@ -477,3 +477,60 @@ def test_reads_after_a_layers_call_see_the_models_statistics() -> None:
         assert report["3"].updated
         assert max_rel_error(m[3].running_var, x.var(1, unbiased=False)) <= 1e-5, capture
         assert max_rel_error(m[3].running_mean, x.mean(1), x.var(1, unbiased=False).sqrt()) <= 1e-5, capture
+
+
+class CallsItself(nn.BatchNorm2d):
+    """Normalises ``2x + 1`` in a call of its own forward, then normalises that call's output: two
+    normalizations per call of the layer, one inside the other (``nested``: from which batch on)."""
+
+    def __init__(self, channels: int, nested_from: int = 0) -> None:
+        super().__init__(channels)
+        self.nested_from = nested_from
+        self.calls = 0
+        self.record: list[torch.Tensor] | None = None  # the truth's copy: everything it normalises
+
+    def forward(self, x: torch.Tensor, inner: bool = False) -> torch.Tensor:
+        if not inner:
+            self.calls += 1
+            if self.calls > self.nested_from:
+                x = self.forward(x * 2 + 1, inner=True)
+        if self.record is not None:
+            self.record.append(x.detach().double().transpose(0, 1).reshape(x.shape[1], -1))
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("batches", [1, 5])
+def test_a_layer_that_calls_itself_is_measured_in_float64_exactly(batches: int) -> None:
+    """Found by a regression probe: a layer whose forward calls itself (a call inside its own call) made the
+    batch that verifies it fail with an IndexError; the inner call's figures are overwritten by the
+    enclosing call's, so neither can be read through them. Both are now measured in float64."""
+    data = images([4, 6, 3, 5, 4][:batches], seed=3)
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), CallsItself(3))
+    truth = copy.deepcopy(model)
+    truth[1].record = []
+    with torch.no_grad():
+        for x in data:
+            truth(x)
+    values = torch.cat(truth[1].record, dim=1)
+    assert values.shape[1] == 2 * sum(x.numel() // 3 for x in data)  # both normalizations of every batch
+    report = precisebn.recalibrate(model, data, num_batches=batches)
+    assert report["1"].path == "float64"
+    assert_exact(model, "1", values.mean(1), values.var(1, unbiased=False))
+
+
+def test_a_layer_that_starts_calling_itself_after_verification_is_refused(snapshot, unchanged) -> None:
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), CallsItself(3, nested_from=2))
+    before = snapshot(model)
+    with pytest.raises(UnsupportedLayerError, match=r"'1' \(CallsItself\) was called inside its own call"):
+        precisebn.recalibrate(model, images([4, 4, 4, 4]), num_batches=4)
+    model[1].calls = 0  # (the layer's own call counter, outside precisebn's reach)
+    unchanged(model, before)
+
+
+def test_per_call_refuses_a_layer_that_calls_itself(snapshot, unchanged) -> None:
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), CallsItself(3))
+    before = snapshot(model)
+    with pytest.raises(UnsupportedLayerError, match=r"per_call=True: layer '1' .*inside its own call"):
+        precisebn.estimate(model, images([4, 4]), num_batches=2, per_call=True)
+    model[1].calls = 0
+    unchanged(model, before)

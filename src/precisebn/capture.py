@@ -226,6 +226,23 @@ class Collector:
             "capture='float64' (every layer measured in float64 as it is called, whatever its momentum).",
         )
 
+    def _called_inside_itself(self, i: int) -> UnsupportedLayerError:
+        if self.per_call:
+            layer = self.layers[i]
+            return UnsupportedLayerError(
+                f"per_call=True: layer {layer.name!r} ({layer.type_name}) was called inside its own call (its "
+                "forward calls itself), so its calls have no order to number them by. Estimate without per_call, "
+                "or exclude the layer with layers=. The model was left unchanged."
+            )
+        return self._refusal(
+            i,
+            "was called inside its own call (its forward calls itself) in a later batch",
+            "its calls in the first batch that called it were not nested, and that it leaves each call's "
+            "figures in its buffers; a call inside another has its figures overwritten by the enclosing one. "
+            "Pass capture='float64' (every layer measured in float64 as it is called), or exclude the layer "
+            "with layers=.",
+        )
+
     def _version(self) -> int:
         """The sum of the scratch buffers' version counters."""
         buffers = self._scratch_buffers
@@ -619,6 +636,7 @@ class _LayerCall:
     pass makes few objects for the garbage collector to track)."""
 
     __slots__ = (
+        "active",
         "c",
         "channels",
         "i",
@@ -626,6 +644,7 @@ class _LayerCall:
         "init_var",
         "mean_view",
         "module",
+        "nested",
         "own_forward",
         "pair",
         "var_view",
@@ -640,6 +659,8 @@ class _LayerCall:
         self.init_mean, self.init_var = collector._initial_views[i]  # type: ignore[misc]
         self.module = collector.layers[i].module
         self.own_forward = normalises_its_input(self.module)  # torch's own forward: what it normalises is its input
+        self.active = 0  # calls of the layer running now (more than one: a call inside its own call)
+        self.nested = False  # a call ran inside the outermost call running now
 
     def watched(
         self, forward: Callable[..., Any], x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -719,6 +740,9 @@ class _LayerCall:
         guard = c._guard
         buffers = module._buffers
         lent = False
+        inside = self.active  # > 0: a call inside the layer's own call
+        self.active = inside + 1
+        self.nested = inside > 0  # (an outermost call clears it, a call inside it sets it)
         try:
             if guard:  # (inline: this runs for every layer in every batch)
                 stack = c._stack
@@ -726,6 +750,8 @@ class _LayerCall:
                 stack.append(i)
                 if c._changed():
                     c._entered(owner, len(stack) > 1)
+            if inside and (path == "fast" or c.per_call):
+                raise c._called_inside_itself(i)
             # lend the layer its scratch for this call (between calls it holds its own statistics)
             held = buffers.get("running_mean")
             if held is self.init_mean and buffers.get("running_var") is self.init_var:
@@ -762,7 +788,7 @@ class _LayerCall:
                     c.counts[i] += n
                     c.calls[i] += 1
             elif path == "verify":
-                out = self.verify(forward, args, kwargs, j)
+                out = self.verify(forward, args, kwargs, j, inside > 0)
             else:
                 x = c._check(i, args, kwargs)
                 if path == "none":  # verified never to normalise with its running buffers: nothing to watch
@@ -785,6 +811,7 @@ class _LayerCall:
                 c._refused = exc
             raise
         finally:
+            self.active = inside
             if lent:  # its own statistics again, unless its forward put other tensors there
                 if buffers.get("running_mean") is self.mean_view:
                     buffers["running_mean"] = self.init_mean
@@ -797,9 +824,13 @@ class _LayerCall:
             c.most[i] = j + 1
         return out
 
-    def verify(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], j: int) -> Any:
+    def verify(
+        self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], j: int, inside: bool
+    ) -> Any:
         """A call in the batch that verifies the layer: runs it watched, then counts it and
-        records what it normalised (checked against its figures, see :class:`~precisebn.trial.Trial`)."""
+        records what it normalised (checked against its figures, see :class:`~precisebn.trial.Trial`).
+        A call inside the layer's own call (``inside``), and one that enclosed such a call, leave no
+        figures of their own (the enclosing call overwrites the inner one's): the float64 path."""
         c, i = self.c, self.i
         x = c._check(i, args, kwargs)
         if c._spots is not None and i in c._spots.layers:  # its waiting figures are about to be overwritten
@@ -815,6 +846,8 @@ class _LayerCall:
         trial = c._trials.get(i) or c._trials.setdefault(i, Trial(c.counts[i]))
         n = self.count(x, j)
         if c._guard and c._changed():  # its forward changed its buffers in place after normalising: not its figures
+            figures = False
+        if inside or self.nested:
             figures = False
         if figures and x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads: free
             c._check_on_cpu(i, trial, seen, x, n, self.pair)
