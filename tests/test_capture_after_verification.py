@@ -534,3 +534,80 @@ def test_per_call_refuses_a_layer_that_calls_itself(snapshot, unchanged) -> None
         precisebn.estimate(model, images([4, 4]), num_batches=2, per_call=True)
     model[1].calls = 0
     unchanged(model, before)
+
+
+class Nesting(nn.BatchNorm2d):
+    """``forward(x, depth, fail)``: first calls itself ``depth`` levels deep on ``2x + 1``, then normalises
+    ``x`` (and raises after normalising with ``fail``). ``record``: what every call that returned normalised."""
+
+    record: list[torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor, depth: int = 0, fail: bool = False) -> torch.Tensor:
+        if depth:
+            self.forward(x * 2 + 1, depth - 1)
+        out = super().forward(x)
+        if fail:
+            raise RuntimeError("fails after normalising")
+        if self.record is not None:
+            self.record.append(x.detach().double().transpose(0, 1).reshape(x.shape[1], -1))
+        return out
+
+
+class Calls(nn.Module):
+    """Calls ``bn`` once per (scale, offset, depth, fail) of ``plan``, in order, catching what fails."""
+
+    def __init__(self, plan: list[tuple[float, float, int, bool]]) -> None:
+        super().__init__()
+        self.conv, self.bn, self.plan = nn.Conv2d(3, 3, 1), Nesting(3), plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        for scale, offset, depth, fail in self.plan:
+            try:
+                self.bn(y * scale + offset, depth, fail)
+            except RuntimeError:
+                pass
+        return y
+
+
+PLANS = {
+    "nested, then on its own": [(1, 0, 1, False), (3, -5, 0, False)],
+    "nested, then on its own far off (its figures fail their check)": [(1, 0, 1, False), (100, 2500, 0, False)],
+    "on its own, then nested, the enclosing call raising (caught)": [(1, 0, 0, False), (2, -1, 1, True)],
+    "alternating": [(1, 0, 1, False), (1, 1, 0, False), (2, 0, 1, False), (1, -1, 0, False)],
+    "deep, then on its own twice": [(1, 0, 2, False), (1, 3, 0, False), (0.5, 0, 0, False)],
+}
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["checked on the CPU", "compared at the end of the batch"])
+@pytest.mark.parametrize("batches", [1, 3])
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_calls_inside_and_outside_its_own_call_in_one_batch_are_exact(
+    plan: str, batches: int, deferred: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a hostile probe of the fix above: with calls inside the layer's own call and calls on their
+    own in the verifying batch, a call whose own figures had passed their check read the figures of another
+    call (an IndexError, or silently wrong: the mean 2× off), and a call inside the layer's call kept the
+    model's statistics as if they were an earlier call's figures (the mean 0.46 off). Each call's figures
+    are now found by where they were kept, and a call inside the layer's own call keeps nothing. (Deferred:
+    every call reduced in float64 and compared with its figures at the end of the batch, as on accelerators.)"""
+    if deferred:
+        from precisebn.capture import Collector
+
+        monkeypatch.setattr(
+            Collector,
+            "_check_on_cpu",
+            lambda self, i, trial, seen, x, n, pair: trial.add(seen, x, self.layers[i].channels, n),
+        )
+    data = images([4, 6, 5][:batches], seed=7)
+    model = Calls(PLANS[plan])
+    truth = copy.deepcopy(model)
+    truth.bn.record = []
+    with torch.no_grad():
+        for x in data:
+            truth(x)
+    values = torch.cat(truth.bn.record, dim=1)
+    report = precisebn.recalibrate(model, data, num_batches=batches)
+    assert report["bn"].path == "float64"
+    assert report["bn"].count == values.shape[1]
+    assert_exact(model, "bn", values.mean(1), values.var(1, unbiased=False))

@@ -237,8 +237,8 @@ class Collector:
         return self._refusal(
             i,
             "was called inside its own call (its forward calls itself) in a later batch",
-            "its calls in the first batch that called it were not nested, and that it leaves each call's "
-            "figures in its buffers; a call inside another has its figures overwritten by the enclosing one. "
+            "it leaves each call's figures in its buffers, in the first batch that called it, where no call "
+            "inside its own call returned; a call inside another has its figures overwritten by the enclosing one. "
             "Pass capture='float64' (every layer measured in float64 as it is called), or exclude the layer "
             "with layers=.",
         )
@@ -391,7 +391,7 @@ class Collector:
         if not spots.room(n, nbytes, channels):
             self._run_spot_checks()
         version = version_of(t)  # None: an inference tensor, checked at once (nothing can have changed it yet)
-        trial.calls.append((n, None, n, True))  # passed, unless the check says otherwise
+        trial.calls.append((n, None, n, trial.slot))  # passed, unless the check says otherwise
         spots.add((i, trial, len(trial.calls) - 1, seen, x, n, version), i, t, pair, eps, nbytes)
         if version is None:
             self._run_spot_checks()
@@ -447,7 +447,7 @@ class Collector:
             if trial.fits and not trial.off:
                 calls = [*figures.get(i, []), self._views[i]]
                 eps = float(self.layers[i].module.eps)
-                items += [(*calls[j], ref, eps) for j, ref in trial.refs]
+                items += [(*calls[slot], ref, eps) for slot, ref in trial.refs]
                 owners += [i] * len(trial.refs)
         worst = dict.fromkeys(trials, 0.0)
         for i, value in zip(owners, discrepancies(items)):
@@ -689,15 +689,16 @@ class _LayerCall:
             )
         return out, watch.seen, not watch.frozen
 
-    def stash(self, x: Tensor, j: int) -> int | None:
+    def stash(self, x: Tensor, j: int, inside: bool = False) -> int | None:
         """Before a call on the fast path (or verifying it) that is not the layer's usual first call
         of a batch: refuses too few values, and keeps the previous call's figures if the layer was
-        called earlier in this batch (the call is about to overwrite them). Returns where they are
-        kept, for :meth:`unstash`."""
+        called earlier in this batch (the call is about to overwrite them) — unless the call runs
+        inside the layer's own call (``inside``): the enclosing call kept them already, and the
+        scratch holds nothing of a call's since. Returns where they are kept, for :meth:`unstash`."""
         c, i = self.c, self.i
         if x.numel() // self.channels == 1:
             raise c._too_few(i, x)
-        if not c._row[i]:
+        if not c._row[i] or inside:
             return None
         c._extras.append((i, j - 1, c._row[i], self.mean_view.clone(), self.var_view.clone()))
         self.pair.copy_(c._initial_pair(i))  # what this call reads in its buffers: the model's statistics
@@ -837,7 +838,7 @@ class _LayerCall:
             c._run_spot_checks()
         counter = c._counters[i]
         before = counter._version if counter is not None else -1
-        stashed = self.stash(x, j)
+        stashed = self.stash(x, j, inside)
         try:
             out, seen, figures = self.watched(forward, x, args, kwargs)
         except BaseException:
@@ -849,6 +850,7 @@ class _LayerCall:
             figures = False
         if inside or self.nested:
             figures = False
+        trial.slot = sum(1 for e in c._extras if e[0] == i)  # this call's figures: kept next, else in its buffers
         if figures and x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads: free
             c._check_on_cpu(i, trial, seen, x, n, self.pair)
         else:  # (no figures of this call in its buffers, whatever they hold: the float64 path)

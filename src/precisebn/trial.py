@@ -37,19 +37,24 @@ def fitting(seen: list[Tensor], x: Tensor, channels: int) -> Tensor | None:
 class Trial:
     """What one layer's calls showed in the batch that verifies its fast path."""
 
-    __slots__ = ("calls", "counted", "counts", "fits", "off", "refs")
+    __slots__ = ("calls", "counted", "counts", "fits", "off", "refs", "slot")
 
     def __init__(self, counts: int) -> None:
         self.counts = counts  # the layer's count before this batch
         self.fits = True  # one normalised tensor per call, of the input's size and channels
         self.off = False  # a call's own figures were checked at once, and were off
         self.counted = True  # each call incremented the layer's num_batches_tracked once
-        # (call index, float64 moments of what it normalised): compared with its figures in _settle
+        # where the figures of the call being recorded are found at the end of the batch: their index
+        # among the layer's figures then (the figures kept when it was called again, in order, then what
+        # its buffers hold); set by the caller before each call is recorded (calls inside the layer's own
+        # call, which have no figures of their own, make it differ from the call's index)
+        self.slot = 0
+        # (figures' slot, float64 moments of what the call normalised): compared with its figures in _settle
         self.refs: list[tuple[int, RunningMoments]] = []
         # per call: (values per channel counted from its input, float64 moments of what it normalised
-        # or None if nothing, their values per channel, whether its own figures passed the check made
-        # at once: its moments are then those figures, built by resolve() only if needed)
-        self.calls: list[tuple[int, RunningMoments | None, int, bool]] = []
+        # or None if nothing, their values per channel, the slot of its own figures if they passed the
+        # check made at once — its moments are then those figures, built by resolve() only if needed)
+        self.calls: list[tuple[int, RunningMoments | None, int, int | None]] = []
 
     def add_checked(self, t: Tensor, x: Tensor, channels: int, n: int, pair: Tensor, eps: float) -> None:
         """On the CPU, for float64 figures (held to 1e-10): checks this call's figures (``pair``:
@@ -72,7 +77,7 @@ class Trial:
     def checked(self, ok: bool, seen: list[Tensor], x: Tensor, channels: int, n: int) -> None:
         """Records a call whose own figures were checked at once: kept as its moments if they
         passed (``ok``), else what it normalised (``seen``) is reduced in float64 now."""
-        self.calls.append((n, None, n, True))
+        self.calls.append((n, None, n, self.slot))
         if not ok:
             self.off = True
             self.redo(len(self.calls) - 1, seen, x, channels, n)
@@ -80,7 +85,7 @@ class Trial:
     def redo(self, k: int, seen: list[Tensor], x: Tensor, channels: int, n: int) -> None:
         """Call ``k``, whose own figures failed their check: its moments are those of what it
         normalised (``seen``), reduced in float64 whole."""
-        self.calls[k] = (n, moments_of(seen), sum(t.numel() // channels for t in seen), False)
+        self.calls[k] = (n, moments_of(seen), sum(t.numel() // channels for t in seen), None)
 
     def add(self, seen: list[Tensor], x: Tensor, channels: int, n: int, figures: bool = True) -> None:
         """Records a call by the float64 moments of what it normalised (``seen``), to be compared
@@ -88,23 +93,23 @@ class Trial:
         normalization did not overwrite the buffers with figures (``figures=False``)."""
         moments = moments_of(seen)
         values = sum(t.numel() // channels for t in seen)
-        self.calls.append((n, moments, values, False))
+        self.calls.append((n, moments, values, None))
         if moments is None or not figures or fitting(seen, x, channels) is None:
             self.fits = False
         else:
-            self.refs.append((len(self.calls) - 1, moments))
+            self.refs.append((self.slot, moments))
 
     def resolve(self, figures: list[tuple[Tensor, Tensor]]) -> RunningMoments | None:
         """float64 moments of everything the layer normalised in this batch (None if nothing),
         each call's own figures standing for a call whose figures passed the check at once;
-        ``figures`` holds each call's (mean, unbiased variance), in call order."""
+        ``figures`` holds the layer's figures (mean, unbiased variance) by slot (see :attr:`slot`)."""
         total = None
-        for j, (n, moments, values, checked) in enumerate(self.calls):
-            if checked:
-                mean, var = figures[j]
+        for j, (n, moments, values, slot) in enumerate(self.calls):
+            if slot is not None:
+                mean, var = figures[slot]
                 count = torch.full_like(mean, float(n), dtype=torch.float64)
                 moments = RunningMoments(count, mean.to(torch.float64, copy=True), var.double() * (n - 1))
-                self.calls[j] = (n, moments, values, False)
+                self.calls[j] = (n, moments, values, None)
             if moments is None:
                 continue
             if total is None:
