@@ -552,15 +552,16 @@ def _version(module: str) -> str:
         return "not installed"
 
 
-# glibc's heap trimming, held off for every run alike (the floor's as much as the tools'): by
-# default, free() hands the top of the heap back to the kernel once more than a threshold is
-# free there (twice the largest tensor freed so far), and whether a pass's activations end up
-# there depends on where earlier allocations landed. Measured on timm efficientnet_b0 (8x3x64x64,
-# 32 batches, one process): in one layout the floor ran with no page faults and the next tool with
-# ~3,200 per batch (+15% time); in another, the floor had them. A pad of 64 MiB left on the heap
-# when it is trimmed keeps those pages mapped; nothing else about the allocator changes.
-# PRECISEBN_BENCH_ALLOCATOR=default runs with glibc's defaults instead (to compare).
-ALLOCATOR_ENV = {"MALLOC_TOP_PAD_": str(64 * 2**20)}
+# glibc's allocator, set alike for every run (the floor's as much as the tools'): all memory from the
+# heap, never handed back. By default free() returns the top of the heap to the kernel once more than a
+# threshold is free there, and large blocks come from (and go back to) mmap below another, both moving
+# with the sizes freed so far — so whether a pass's activations are refaulted after every batch depends
+# on where earlier allocations landed. Measured (one process each): timm efficientnet_b0, 8x3x64x64, 32
+# batches: in one layout the floor ran with no page faults and precisebn with ~3,200 per batch (+15%), in
+# another the floor had them. Padding the heap instead (MALLOC_TOP_PAD_=64 MiB) slowed resnet50's floor
+# from 97 to 162 ms per batch (16x3x64x64); with these settings it is 88, efficientnet_b0's 31 as with
+# the defaults. PRECISEBN_BENCH_ALLOCATOR=default runs with glibc's defaults instead (to compare).
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
 
 
 def with_allocator_env(argv: Sequence[str]) -> None:
@@ -581,7 +582,7 @@ def with_allocator_env(argv: Sequence[str]) -> None:
 def allocator() -> str:
     """How glibc's allocator was set up for this process (see :data:`ALLOCATOR_ENV`)."""
     set_ = [f"{k}={os.environ[k]}" for k in ALLOCATOR_ENV if k in os.environ]
-    return "glibc heap trimming padded (" + ", ".join(set_) + ")" if set_ else "allocator defaults"
+    return "glibc allocator: heap only, never trimmed (" + ", ".join(set_) + ")" if set_ else "allocator defaults"
 
 
 def machine(device: torch.device, num_threads: int) -> dict[str, Any]:
