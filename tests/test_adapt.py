@@ -115,6 +115,21 @@ def test_fractional_prior_matches_the_closed_form() -> None:
         assert max_rel_error(layer.running_var, var) < 1e-12, name
 
 
+@pytest.mark.parametrize("prior", [1e300, 1e306, 1e308, sys.float_info.max])
+def test_a_huge_prior_gives_the_prior_back(prior: float) -> None:
+    """Found by a hostile probe: prior=1e306 (finite, so accepted) overflowed the pooling's product of the
+    counts, and the call was refused with advice about the architecture. The pooled statistics are now
+    computed from the two groups' shares: a prior this heavy gives the model's statistics back (to the
+    float64 rounding of a share of 1 - 1e-300 and less)."""
+    model, batches = net(), data()
+    old = {n: (model.get_submodule(n).running_mean.clone(), model.get_submodule(n).running_var.clone()) for n in "15"}
+    precisebn.recalibrate(model, batches, prior=prior, capture="float64")
+    for name, (mean, var) in old.items():
+        layer = model.get_submodule(name)
+        assert max_rel_error(layer.running_mean, mean, var.sqrt()) < 1e-12, name
+        assert max_rel_error(layer.running_var, var) < 1e-12, name
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     split=st.integers(min_value=2, max_value=18),

@@ -42,7 +42,6 @@ from torch import Tensor
 
 from .errors import InvalidArgumentError
 from .population import LayerStats
-from .stats import chan_merge
 
 __all__ = ["ADAPT", "WRITTEN", "Adapt", "check_adapt", "pool_with_prior", "prior_values", "with_prior"]
 
@@ -95,7 +94,9 @@ def pool_with_prior(
 ) -> tuple[Tensor, Tensor]:
     """The mean and population variance of ``weight`` pseudo-values with ``prior_mean``/
     ``prior_var`` and ``count`` values with ``mean``/``var``, per channel, in float64
-    (Chan's merge; the between-group term included).
+    (Chan's merge, the between-group term included, written with the two groups' shares
+    ``a = w / (w + n)`` and ``b = n / (w + n)``: no product of the counts, which overflowed
+    for a prior of ~1e306 samples; an infinite weight gives the prior back).
 
     Example:
         >>> one = torch.tensor([1.0], dtype=torch.float64)
@@ -106,8 +107,10 @@ def pool_with_prior(
     mean, var = mean.detach().to("cpu", f64), var.detach().to("cpu", f64)
     prior_mean, prior_var = prior_mean.detach().to("cpu", f64), prior_var.detach().to("cpu", f64)
     w, n = torch.tensor(float(weight), dtype=f64), torch.tensor(float(count), dtype=f64)
-    total, pooled_mean, m2 = chan_merge(w, prior_mean, w * prior_var, n, mean, n * var)
-    return pooled_mean, m2 / total
+    a = 1 / (1 + n / w)  # the prior's share (w = 0: n / w = inf, a = 0)
+    b = 1 / (1 + w / n)  # the data's (w = inf: b = 0)
+    delta = mean - prior_mean
+    return prior_mean + b * delta, a * prior_var + b * var + (a * b) * delta.square()
 
 
 def with_prior(
