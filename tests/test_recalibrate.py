@@ -567,11 +567,13 @@ def test_data_parallel_wrapper_is_looked_through() -> None:
         assert torch.equal(v, w)
 
 
-def test_single_value_per_channel_is_a_clear_error() -> None:
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+def test_single_value_per_channel_is_a_clear_error(capture: str) -> None:
+    """(capture="float64": torch's own ValueError, without the layer's name, before a hostile probe.)"""
     model = small_net()
     before = state_snapshot(model)
     with pytest.raises(InvalidArgumentError, match=r"layer '9' \(BatchNorm1d\) received one value per channel"):
-        precisebn.recalibrate(model, [*images(2), torch.randn(1, 3, 8, 8)])
+        precisebn.recalibrate(model, [*images(2), torch.randn(1, 3, 8, 8)], capture=capture)
     assert_unchanged(model, before)
 
 

@@ -86,7 +86,9 @@ class PerCallBatchNorm(nn.Module):
 
     The position restarts at 0 whenever the model given to :func:`untie_calls` starts a
     forward pass, so an interrupted forward cannot shift the calls of the next one; it
-    also wraps around after the last call.
+    also wraps around after the last call. A call that raises (and that the model catches)
+    takes no position, as it takes no index in :func:`~precisebn.estimate`'s per-call
+    statistics.
 
     State dict: ``weight`` and ``bias`` (when affine), and
     ``calls.<i>.running_mean``, ``calls.<i>.running_var``,
@@ -159,8 +161,9 @@ class PerCallBatchNorm(nn.Module):
 
     def forward(self, input: Tensor) -> Tensor:
         i = self.position
-        self.position = i + 1 if i + 1 < len(self.calls) else 0
         out = self.calls[i](input)
+        # (after the call: one that raises, and that the model catches, takes no index, as in estimate())
+        self.position = i + 1 if i + 1 < len(self.calls) else 0
         if self.weight is None and self.bias is None:
             return out  # type: ignore[no-any-return]
         shape = (1, -1) + (1,) * (out.dim() - 2)

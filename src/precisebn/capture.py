@@ -792,6 +792,8 @@ class _LayerCall:
                 out = self.verify(forward, args, kwargs, j, inside > 0)
             else:
                 x = c._check(i, args, kwargs)
+                if self.own_forward and x.numel() // self.channels == 1:  # (torch would say so without the name)
+                    raise c._too_few(i, x)
                 if path == "none":  # verified never to normalise with its running buffers: nothing to watch
                     out = forward(*args, **kwargs)
                     c.calls[i] += 1
