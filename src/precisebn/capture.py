@@ -48,8 +48,10 @@ them: each layer's scratch ``num_batches_tracked`` is set back to 0 after every 
 back in the layer if its forward replaced it (a forward that counts its calls sees the verified
 counts again); a fast-path call whose layer's momentum is no longer 1.0 is refused; a call that
 raises counts for nothing, and what it wrote into the scratch is taken back
-(:meth:`_LayerCall.unstash`, :meth:`Collector._failed`); :meth:`Collector.finish` refuses a
-layer whose forward computed figures fewer times than it was called.
+(:meth:`_LayerCall.unstash`, :meth:`Collector._failed`); a call inside the layer's own call (whose
+figures the enclosing call overwrites) is refused — in the verifying batch such calls, and the calls
+enclosing them, go to the float64 path; :meth:`Collector.finish` refuses a layer whose forward computed
+figures fewer times than it was called.
 
 Outside the verifying batch nothing here reads a device value on the host; the only
 host-to-device traffic is the per-channel count vector of each distinct combination
