@@ -197,6 +197,32 @@ def auto_empty_rank(rank: int, world_size: int) -> Result:
     return {**expect_failure(data, num_samples="auto", tolerance=1e-9), "seconds": time.time() - start}
 
 
+class _Unprintable(RuntimeError):
+    def __str__(self) -> str:
+        raise ValueError("no message")
+
+
+def unprintable_errors(rank: int, world_size: int) -> Result:
+    """Rank 0's data raises at batch 2 an error whose message UTF-8 cannot encode (a lone surrogate, as
+    os.fsdecode makes of an undecodable file name), then one whose __str__ raises: every rank raises at once
+    (both used to wait for the message until the group's timeout), the message escaped or described."""
+    out = {}
+    for name, error in (
+        ("surrogate", RuntimeError("cannot decode " + os.fsdecode(b"/data/img_\xff.jpg"))),
+        ("unprintable", _Unprintable()),
+    ):
+
+        def data(error: BaseException = error) -> Iterator[torch.Tensor]:
+            for i, batch in enumerate(_stream(rank)):
+                if rank == 0 and i == 2:
+                    raise error
+                yield batch
+
+        start = time.time()
+        out[name] = {**expect_failure(data(), num_batches=6), "seconds": time.time() - start}
+    return out
+
+
 def per_call_mismatch(rank: int, world_size: int) -> Result:
     """per_call=True, every layer called once per batch on rank 0 and twice on the others."""
 
@@ -357,6 +383,7 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         prior_fails_on_one_rank,
         auto_empty_rank,
         per_call_mismatch,
+        unprintable_errors,
         empty_rank,
         non_finite,
         ctrl_c,

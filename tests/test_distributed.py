@@ -236,6 +236,19 @@ def test_mistakes_on_one_rank_reach_every_rank_at_once(tmp_path: Path) -> None:
         assert "different normalization layers" not in c["message"], c
 
 
+def test_an_error_whose_message_cannot_be_stored_still_reaches_every_rank_at_once(tmp_path: Path) -> None:
+    """Found by a hostile probe: a rank's error whose message held a lone surrogate (an undecodable file name
+    through os.fsdecode), or whose __str__ raised, could not be stored; the other ranks learnt of the failure
+    only at the status exchange and then waited for the message until the group's timeout (60 s here, 30 min
+    by default), every rank, with no message."""
+    results = run_ranks(2, ["unprintable_errors"], tmp_path, timeout=100)
+    for res in results:
+        for name, expected in (("surrogate", "img_\\udcff.jpg"), ("unprintable", "could not be formatted")):
+            e = res["unprintable_errors"][name]
+            assert e["error"] == "DistributedError" and e["failed_ranks"] == [0] and e["unchanged"], (name, e)
+            assert expected in e["message"] and e["seconds"] < 20, (name, e)
+
+
 def test_no_process_group_is_a_no_op() -> None:
     assert distributed.RankContext.resolve("auto") is None
     assert distributed.RankContext.resolve(False) is None

@@ -84,6 +84,17 @@ def _default_store() -> Any:
         return None
 
 
+def _describe(exc: BaseException) -> str:
+    """``"Type: message"`` of a rank's error, at most 2,000 characters, always storable: a message that
+    cannot be formatted, or holds what UTF-8 cannot encode (a lone surrogate from an undecodable file
+    name), is described or escaped rather than lost (the others would wait for it until the timeout)."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception:
+        text = f"{type(exc).__name__} (its message could not be formatted)"
+    return text[:2000].encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class RankContext:
     """This rank's part in one distributed recalibration."""
 
@@ -150,8 +161,11 @@ class RankContext:
             raise exc.error from None
         peer = isinstance(exc, _PeerFailed)
         if not peer and self.store is not None:
-            try:
-                self.store.set(f"{self.prefix}/error/{self.rank}", f"{type(exc).__name__}: {exc}"[:2000])
+            try:  # (before the flag: a rank that reads the flag may read the message)
+                self.store.set(f"{self.prefix}/error/{self.rank}", _describe(exc))
+            except Exception:
+                pass
+            try:  # (apart: a message the store refused must not keep the others from stopping early)
                 self.store.set(f"{self.prefix}/failed", str(self.rank))
             except Exception:
                 pass
@@ -174,7 +188,7 @@ class RankContext:
         if not failed:  # (every rank in a failure exchange stopped for another's failure: not expected)
             stopped = [r for r, row in enumerate(table) if row[0] == _STOPPED]
             return DistributedError(
-                f"recalibration stopped on rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} of "
+                f"precisebn stopped on rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} of "
                 f"{self.world_size} without an error of its own (see the other ranks' logs). No rank's model was "
                 "changed; call again on every rank.",
                 (),
@@ -182,14 +196,16 @@ class RankContext:
         details = []
         for r in failed:
             message = "see that rank's log"
+            key = f"{self.prefix}/error/{r}"
             if self.store is not None:
-                try:
-                    message = self.store.get(f"{self.prefix}/error/{r}").decode()
+                try:  # (set before that rank's exchange, which has ended: a key missing now never comes, and
+                    if self.store.check([key]):  # get() would wait for it until the group's timeout)
+                        message = self.store.get(key).decode("utf-8", "backslashreplace")
                 except Exception:
                     pass
             details.append(f"rank {r}: {message}")
         return DistributedError(
-            f"recalibration failed on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} "
+            f"precisebn failed on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} "
             f"of {self.world_size} ({'; '.join(details)}). No rank's model was changed; fix the cause "
             "on that rank and call again on every rank.",
             failed,
