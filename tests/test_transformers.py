@@ -115,19 +115,30 @@ def assert_precise(float64_truth: Any, state: dict[str, torch.Tensor], batches: 
         assert mean_error < 1e-5 and var_error < 1e-5, (name, mean_error, var_error)
 
 
-def test_before_evaluation_and_save_once_per_step(tmp_path: Path, float64_truth: Any) -> None:
+def train_precise(
+    tmp_path: Path, callbacks: list[Any], **kwargs: Any
+) -> tuple[Trainer, torch.nn.Module, list[dict[str, torch.Tensor]]]:
+    """A SequentialTrainer on the shared dataset (evaluated on its first 32 records) with ``callbacks`` and
+    ``arguments(tmp_path, **kwargs)``; returns the trainer, its model and the batches the sequential sampler
+    gives (what the float64 truth is computed from)."""
     data = make_dataset()
-    batches = [collate(data[i : i + BATCH]) for i in range(0, N, BATCH)]  # what the sequential sampler gives
-    precise, snapshots = PreciseBNCallback(num_samples="all"), Snapshots()
-    args = arguments(tmp_path, eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=2)
+    model = ResNetForImageClassification(CONFIG)
     trainer = train(
         SequentialTrainer,
-        ResNetForImageClassification(CONFIG),
-        args,
+        model,
+        arguments(tmp_path, **kwargs),
         train_dataset=data,
         eval_dataset=data[:32],
         data_collator=collate,
-        callbacks=[precise, snapshots],
+        callbacks=callbacks,
+    )
+    return trainer, model, [collate(data[i : i + BATCH]) for i in range(0, N, BATCH)]
+
+
+def test_before_evaluation_and_save_once_per_step(tmp_path: Path, float64_truth: Any) -> None:
+    precise, snapshots = PreciseBNCallback(num_samples="all"), Snapshots()
+    trainer, _, batches = train_precise(
+        tmp_path, [precise, snapshots], eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=2
     )
     # 8 steps; saves at 2, 4, 6, 8 and evaluations at 4, 8: four distinct steps, four
     # computations (the end of training, at step 8, shares the last one).
@@ -150,18 +161,9 @@ def test_before_evaluation_and_save_once_per_step(tmp_path: Path, float64_truth:
 def test_the_evaluation_on_start_is_precise_too(tmp_path: Path, float64_truth: Any) -> None:
     """Found by a hostile probe: eval_on_start=True evaluated before any callback event that computes,
     with the model's never-updated statistics."""
-    data = make_dataset()
-    batches = [collate(data[i : i + BATCH]) for i in range(0, N, BATCH)]
     precise, snapshots = PreciseBNCallback(num_samples="all"), Snapshots()
-    args = arguments(tmp_path, eval_strategy="steps", eval_steps=4, eval_on_start=True, max_steps=4)
-    train(
-        SequentialTrainer,
-        ResNetForImageClassification(CONFIG),
-        args,
-        train_dataset=data,
-        eval_dataset=data[:32],
-        data_collator=collate,
-        callbacks=[precise, snapshots],
+    _, _, batches = train_precise(
+        tmp_path, [precise, snapshots], eval_strategy="steps", eval_steps=4, eval_on_start=True, max_steps=4
     )
     assert [step for step, _ in snapshots.evaluated] == [0, 4]
     assert precise.computations == 2
@@ -170,19 +172,9 @@ def test_the_evaluation_on_start_is_precise_too(tmp_path: Path, float64_truth: A
 
 
 def test_epoch_strategies_and_the_end_of_training(tmp_path: Path, float64_truth: Any) -> None:
-    data = make_dataset()
-    batches = [collate(data[i : i + BATCH]) for i in range(0, N, BATCH)]
     precise = PreciseBNCallback(num_samples="all", on_evaluate=False)  # only before saves and at the end
-    model = ResNetForImageClassification(CONFIG)
-    args = arguments(tmp_path, eval_strategy="epoch", save_strategy="epoch", max_steps=6, num_train_epochs=3)
-    trainer = train(
-        SequentialTrainer,
-        model,
-        args,
-        train_dataset=data,
-        eval_dataset=data[:32],
-        data_collator=collate,
-        callbacks=[precise],
+    trainer, model, batches = train_precise(
+        tmp_path, [precise], eval_strategy="epoch", save_strategy="epoch", max_steps=6, num_train_epochs=3
     )
     # Saves at the ends of epoch 1 (step 4) and at the last step (6); the end of training shares step 6.
     assert trainer.state.global_step == 6

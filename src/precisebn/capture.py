@@ -662,7 +662,7 @@ class _LayerCall:
         self.module = collector.layers[i].module
         self.own_forward = normalises_its_input(self.module)  # torch's own forward: what it normalises is its input
         self.active = 0  # calls of the layer running now (more than one: a call inside its own call)
-        self.nested = False  # a call ran inside the outermost call running now
+        self.nested = False  # verifying batch: a call ran inside the outermost call running now
 
     def watched(
         self, forward: Callable[..., Any], x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -745,7 +745,8 @@ class _LayerCall:
         lent = False
         inside = self.active  # > 0: a call inside the layer's own call
         self.active = inside + 1
-        self.nested = inside > 0  # (an outermost call clears it, a call inside it sets it)
+        if inside:
+            self.nested = True  # (read by the enclosing call in the verifying batch; it cleared it)
         try:
             if guard:  # (inline: this runs for every layer in every batch)
                 stack = c._stack
@@ -842,6 +843,8 @@ class _LayerCall:
             c._run_spot_checks()
         counter = c._counters[i]
         before = counter._version if counter is not None else -1
+        if not inside:
+            self.nested = False  # (a call inside this one sets it)
         stashed = self.stash(x, j, inside)
         try:
             out, seen, figures = self.watched(forward, x, args, kwargs)

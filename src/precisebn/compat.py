@@ -26,7 +26,7 @@ from .adapt import WRITTEN
 from .errors import EmptyDataError, InvalidArgumentError, ShortDataWarning
 from .layers import find_norm_layers, unwrap
 from .recalibrate import _estimate
-from .writing import write_statistics
+from .writing import plan_writes
 
 __all__ = ["ShortLoaderError", "update_bn", "update_bn_stats"]
 
@@ -99,7 +99,7 @@ def update_bn_stats(
                 f"update_bn_stats is meant to run for {num_iters} iterations, but the data loader stops at "
                 f"{stats.batches} iterations; the model was left unchanged."
             )
-        write_statistics(unwrap(model), stats, modules=walk, shared_checked=True)
+        plan_writes(unwrap(model), stats, modules=walk, shared_checked=True).commit()
 
 
 def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | str | None = None) -> None:
@@ -143,7 +143,7 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
             progress=False,
             _mode="all",  # model.train(), as torch's: InstanceNorm layers with running statistics too
         )
-        write_statistics(unwrap(model), stats, modules=walk, shared_checked=True)
+        plan_writes(unwrap(model), stats, modules=walk, shared_checked=True).commit()
 
 
 def _measure(guard: contextlib.ExitStack, walk: list[tuple[str, nn.Module]], *args: Any, **options: Any) -> Any:

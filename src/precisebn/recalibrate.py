@@ -36,7 +36,7 @@ from .measure import AUTO_MAX_SAMPLES, AUTO_MIN_SAMPLES, Pass
 from .population import PopulationStats
 from .report import Report
 from .state import exclusive
-from .writing import Writes, plan_writes, write_statistics
+from .writing import Writes, plan_writes
 
 __all__ = ["DEFAULT_NUM_SAMPLES", "DEFAULT_TOLERANCE", "apply", "check_options", "estimate", "recalibrate"]
 
@@ -280,9 +280,9 @@ def _estimate(
     Every check runs on every rank inside the distributed failure protocol, so a mistake on
     one rank reaches all of them.
     ``walk``, if given, receives the unwrapped model's ``named_modules()`` (for
-    :func:`~precisebn.writing.write_statistics`: the model is walked once per call). ``writes``: the buffers that the
+    :func:`~precisebn.writing.plan_writes`: the model is walked once per call). ``writes``: the buffers that the
     caller will write (``running_mean``, ``running_var``), refused before any pass if they
-    share memory across the selected layers (see :func:`~precisebn.writing.write_statistics`).
+    share memory across the selected layers (see :func:`~precisebn.writing.plan_writes`).
     ``check``: the caller's own checks of its arguments, run first. ``plan``: what the caller
     will write, checked (:func:`~precisebn.writing.plan_writes`), returned with the statistics;
     with several ranks every rank then learns whether every other got that far, so that either
@@ -436,7 +436,7 @@ def apply(model: nn.Module, stats: PopulationStats, *, prior: float | None = Non
     checked_prior = check_adapt(prior, adapt)
     model = unwrap(model)
     with exclusive(model), torch.inference_mode(False):
-        return write_statistics(model, stats, checked_prior, adapt)
+        return plan_writes(model, stats, checked_prior, adapt).commit()
 
 
 def recalibrate(

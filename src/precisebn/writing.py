@@ -1,11 +1,11 @@
 """Writing statistics into a model's running buffers: every check first, then the writes.
 
-:func:`write_statistics` is what :func:`~precisebn.apply` and :func:`~precisebn.recalibrate`
-end with: it matches each layer's statistics to the model (names, shapes, dtypes, the meta
+``plan_writes(...).commit()`` is what :func:`~precisebn.apply` and :func:`~precisebn.recalibrate`
+end with: :func:`plan_writes` matches each layer's statistics to the model (names, shapes, dtypes, the meta
 device), pools them with a prior if asked (:mod:`~precisebn.adapt`), checks that they are
 finite also after the cast to each buffer's dtype and that no two written buffers share
-memory, builds the report, and only then writes — putting the old values back if the writes
-are interrupted.
+memory and builds the report; :meth:`Writes.commit` then writes — putting the old values back
+if the writes are interrupted.
 """
 
 from __future__ import annotations
@@ -26,26 +26,9 @@ from .state import copy_all, restore_on_error
 
 logger = logging.getLogger("precisebn")
 
-__all__ = ["Writes", "plan_writes", "write_statistics"]
+__all__ = ["Writes", "plan_writes"]
 
 _BUFFERS = ("running_mean", "running_var")
-
-
-def write_statistics(
-    model: nn.Module,
-    stats: PopulationStats,
-    prior: float | None = None,
-    adapt: Adapt = "both",
-    modules: list[tuple[str, nn.Module]] | None = None,
-    shared_checked: bool = False,
-) -> Report:
-    """:func:`~precisebn.apply` on an unwrapped model that the caller holds: checks everything and
-    builds the report first, then writes, restoring the old values if the writes are
-    interrupted. ``prior`` is checked (:func:`~precisebn.adapt.check_adapt`). ``modules``:
-    the model's ``named_modules()``, if the caller has walked it already. ``shared_checked``:
-    the caller has refused buffers that share memory already (``_estimate(writes=...)``; the
-    passes put every buffer object back)."""
-    return plan_writes(model, stats, prior, adapt, modules, shared_checked).commit()
 
 
 class Writes:
@@ -80,7 +63,12 @@ def plan_writes(
     modules: list[tuple[str, nn.Module]] | None = None,
     shared_checked: bool = False,
 ) -> Writes:
-    """:func:`write_statistics` up to the writes: every check, the report; nothing written.
+    """:func:`~precisebn.apply` on an unwrapped model that the caller holds, up to the writes: every
+    check, the report; nothing written (:meth:`Writes.commit` writes, restoring the old values if
+    that is interrupted). ``prior`` is checked (:func:`~precisebn.adapt.check_adapt`). ``modules``:
+    the model's ``named_modules()``, if the caller has walked it already. ``shared_checked``: the
+    caller has refused buffers that share memory already (``_estimate(writes=...)``; the passes put
+    every buffer object back).
 
     Raises:
         StatsMismatchError: As :func:`~precisebn.apply`.
@@ -252,7 +240,7 @@ def _converted(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Ten
 
 
 def _all_fine(new: list[torch.Tensor], write: tuple[bool, bool]) -> bool:
-    """Whether the new values (host float64, in the order of ``write_statistics``'s ``new``) are all finite
+    """Whether the new values (host float64, in the order of :func:`plan_writes`' ``new``) are all finite
     and the variances among them non-negative (a sum and a minimum: reductions are far cheaper
     than element-wise tests; a sum that overflows only sends the caller to its exact check)."""
     if not math.isfinite(float(torch.cat(new).sum())):
