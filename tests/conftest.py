@@ -97,6 +97,47 @@ class BiasedVariance1d(nn.BatchNorm1d):
         return out
 
 
+class NormEval(nn.Module):
+    """A backbone whose BatchNorm (``body.1``) stays in eval mode whenever the model trains
+    (mmdetection's ``norm_eval=True``: frozen for training, normalising with statistics of its
+    own), and a head whose BatchNorm (``head.1``) trains. Takes ``(N, 4)``."""
+
+    def __init__(self, frozen: bool = True) -> None:
+        super().__init__()
+        self.frozen = frozen
+        self.body = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU())
+        self.head = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 1))
+        with torch.no_grad():  # statistics far from what the data gives
+            self.body[1].running_mean.fill_(0.5)
+            self.body[1].running_var.fill_(4.0)
+        self.train()  # (a training loop may not call train() on a model built in training mode)
+
+    def train(self, mode: bool = True) -> NormEval:
+        super().train(mode)
+        if mode and self.frozen:
+            self.body[1].eval()
+        return self
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.body(x))
+
+
+def assert_frozen_left_and_trained_precise(
+    model: nn.Module, reference: nn.Module, batches: Iterable[Any], prefix: str = "", **truth: Any
+) -> None:
+    """After training with an integration: ``model``'s frozen layer (``{prefix}body.1``) is bitwise
+    that of ``reference`` (trained without it), and its trained layer (``{prefix}head.1``) holds the
+    float64 truth of its inputs on ``batches`` with the frozen layer normalising with its own
+    statistics, as in training (``truth``: ``compute_truth``'s options)."""
+    frozen, trained = f"{prefix}body.1", f"{prefix}head.1"
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(model.get_submodule(frozen), name), getattr(reference.get_submodule(frozen), name))
+    result = compute_truth(model, batches, select=lambda name, m: name == trained, **truth)[trained]
+    bn = model.get_submodule(trained)
+    assert max_rel_error(bn.running_mean, result.mean, result.var.sqrt()) < 1e-5
+    assert max_rel_error(bn.running_var, result.var) < 1e-5
+
+
 def max_rel_error(estimate: Tensor, truth: Tensor, scale: Tensor | None = None) -> float:
     """max |estimate - truth| / scale (scale defaults to |truth|), in float64."""
     est = estimate.detach().to("cpu", torch.float64)

@@ -19,7 +19,7 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, DiskSaver
 
-from conftest import assert_adapted, set_statistics
+from conftest import NormEval, assert_adapted, assert_frozen_left_and_trained_precise, set_statistics
 from precisebn.errors import InvalidArgumentError, MissingDependencyError, PreciseBNWarning
 from precisebn.integrations.ignite import PreciseBN
 
@@ -211,3 +211,30 @@ def test_prior_and_adapt_reach_each_computation(adapt: str) -> None:
     trainer.run(loader(x, y), max_epochs=1)
     assert precise.computations == 1
     assert_adapted(bn, before, 24, x.double().t(), adapt)  # one value per sample and channel
+
+
+@pytest.mark.parametrize("frozen", ["skip", "include"])
+def test_layers_frozen_for_training_are_left_as_they_are(frozen: str) -> None:
+    x, y = make_data()
+
+    def train(with_handler: bool) -> tuple[torch.nn.Module, list[torch.Tensor], PreciseBN | None]:
+        torch.manual_seed(0)
+        model = NormEval()
+        trainer, evaluator, losses, _ = engines(model)
+        precise = None
+        if with_handler:
+            precise = PreciseBN(model, num_samples="all", frozen=frozen)
+            precise.attach(evaluator, Events.STARTED, step_engine=trainer)  # the model is in eval mode by then
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: evaluator.run(loader(x[:16], y[:16])))
+        trainer.run(loader(x, y), max_epochs=2)
+        return model, losses, precise
+
+    model, losses, precise = train(True)
+    reference, expected, _ = train(False)
+    assert precise is not None and precise.computations == 2
+    same = torch.equal(torch.stack(losses), torch.stack(expected))
+    if frozen == "include":  # what happened before: the frozen layer recalibrated, training changed
+        assert not same and not torch.equal(model.body[1].running_mean, reference.body[1].running_mean)
+        return
+    assert same and all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert_frozen_left_and_trained_precise(model, reference, [x])

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveragi
 from lightning.pytorch.loggers import CSVLogger
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
-from conftest import assert_adapted, set_statistics
+from conftest import NormEval, assert_adapted, assert_frozen_left_and_trained_precise, set_statistics
 from precisebn.errors import InvalidArgumentError, MissingDependencyError, PreciseBNWarning
 from precisebn.integrations.lightning import PreciseBN, PreciseWeightAveraging
 
@@ -619,3 +619,62 @@ def test_prior_and_adapt_reach_each_computation(tmp_path: Path, adapt: str) -> N
     trainer.fit(model, loader(x, y), loader(x[:16], y[:16]))
     assert precise.computations == 1  # before the validation
     assert_adapted(model.norm, before, 24, x.double().t(), adapt)  # one value per sample and channel
+
+
+class FrozenBackbone(L.LightningModule):
+    """``conftest.NormEval`` (a backbone BatchNorm kept in eval mode while training) as a LightningModule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = NormEval()
+        self.losses: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).squeeze(1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
+
+
+@pytest.mark.parametrize("frozen", ["skip", "include"])
+def test_layers_frozen_for_training_are_left_as_they_are(tmp_path: Path, frozen: str) -> None:
+    x, y = make_data()
+
+    def run(callbacks: list[Any], directory: Path) -> FrozenBackbone:
+        torch.manual_seed(0)
+        model = FrozenBackbone()
+        make_trainer(directory, max_epochs=2, callbacks=callbacks).fit(model, loader(x, y), loader(x[:16], y[:16]))
+        return model
+
+    precise = PreciseBN(num_samples="all", frozen=frozen)
+    model = run([precise], tmp_path / "with")
+    reference = run([], tmp_path / "without")
+    assert precise.computations == 2 and precise.frozen == frozen
+    same = torch.equal(torch.stack(model.losses), torch.stack(reference.losses))
+    if frozen == "include":  # what happened before: the frozen layer recalibrated, training changed
+        assert not same and not torch.equal(model.net.body[1].running_mean, reference.net.body[1].running_mean)
+        return
+    assert same and all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert_frozen_left_and_trained_precise(model, reference, [x], prefix="net.")
+
+
+def test_the_averaged_copy_keeps_the_layers_frozen_in_the_module(tmp_path: Path) -> None:
+    x, y = make_data()
+    torch.manual_seed(0)
+    model = FrozenBackbone()
+    initial = {k: v.clone() for k, v in model.net.body[1].named_buffers()}
+    callback = PreciseWeightAveraging(num_samples="all", multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    make_trainer(tmp_path, max_epochs=2, callbacks=[callback]).fit(model, loader(x, y), loader(x[:16], y[:16]))
+    assert callback.computations == 2
+    # at the end of training the averaged weights and statistics were copied into the module
+    for key, value in model.net.body[1].named_buffers():
+        assert torch.equal(value, initial[key]), key
+    assert_frozen_left_and_trained_precise(model, model, [x], prefix="net.")

@@ -23,7 +23,7 @@ from mmengine.model import BaseModel
 from mmengine.registry import HOOKS, Registry
 from mmengine.runner import Runner
 
-from conftest import assert_adapted, set_statistics
+from conftest import NormEval, assert_adapted, assert_frozen_left_and_trained_precise, set_statistics
 from precisebn.errors import InvalidArgumentError, MissingDependencyError, PreciseBNWarning
 from precisebn.integrations.mmengine import ExactPreciseBNHook, register_mmpretrain_name
 
@@ -351,3 +351,44 @@ def test_prior_and_adapt_reach_each_computation(tmp_path: Path, adapt: str) -> N
     run(tmp_path, model, loader(x, y), hooks=[hook], train_cfg={"by_epoch": True, "max_epochs": 1})
     assert hook.computations == 1  # at the end of the epoch
     assert_adapted(model.norm, before, 24, x.double().t(), adapt)  # one value per sample and channel
+
+
+class FrozenBackbone(BaseModel):
+    """``conftest.NormEval`` (a backbone BatchNorm kept in eval mode while training, as ``norm_eval=True``)
+    with mmengine's forward convention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = NormEval()
+        self.losses: list[torch.Tensor] = []
+
+    def forward(self, inputs: torch.Tensor, data_samples: Any = None, mode: str = "tensor") -> Any:
+        out = self.net(inputs).squeeze(1)
+        if mode == "loss":
+            loss = torch.nn.functional.mse_loss(out, data_samples)
+            self.losses.append(loss.detach().clone())
+            return {"loss": loss}
+        return [(out, data_samples)] if mode == "predict" else out
+
+
+@pytest.mark.parametrize("frozen", ["skip", "include"])
+def test_layers_frozen_for_training_are_left_as_they_are(tmp_path: Path, frozen: str) -> None:
+    x, y = make_data()
+
+    def train(hooks: list[Any], directory: Path) -> FrozenBackbone:
+        torch.manual_seed(0)
+        model = FrozenBackbone()
+        cfg = {"by_epoch": True, "max_epochs": 2, "val_interval": 1}
+        run(directory, model, loader(x, y), hooks=hooks, train_cfg=cfg, val=loader(x[:16], y[:16]))
+        return model
+
+    hook = ExactPreciseBNHook(num_samples="all", interval=None, frozen=frozen)
+    model = train([hook], tmp_path / "with")
+    reference = train([], tmp_path / "without")
+    assert hook.computations == 2
+    same = torch.equal(torch.stack(model.losses), torch.stack(reference.losses))
+    if frozen == "include":  # what happened before: the frozen layer recalibrated, training changed
+        assert not same and not torch.equal(model.net.body[1].running_mean, reference.net.body[1].running_mean)
+        return
+    assert same and all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert_frozen_left_and_trained_precise(model, reference, [x], prefix="net.")

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import ResNetConfig, ResNetForImageClassification, Trainer, TrainerCallback, TrainingArguments
 
-from conftest import assert_adapted, set_statistics
+from conftest import NormEval, assert_adapted, assert_frozen_left_and_trained_precise, set_statistics
 from precisebn.errors import MissingDependencyError, PreciseBNWarning
 from precisebn.integrations.transformers import PreciseBNCallback
 
@@ -308,3 +308,50 @@ def test_prior_and_adapt_reach_each_computation(tmp_path: Path, adapt: str) -> N
     assert precise.computations == 1  # at the end of training
     pixels = torch.stack([r["pixel_values"] for r in data]).double().transpose(0, 1).reshape(3, -1)
     assert_adapted(model.norm, before, 4 * 16 * 16, pixels, adapt)  # 16 x 16 values per sample and channel
+
+
+class FrozenBackbone(torch.nn.Module):
+    """``conftest.NormEval`` (a backbone BatchNorm kept in eval mode while training) with the Trainer's
+    convention: keyword batches, a loss in the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = NormEval()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.net(x).squeeze(1)
+        return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+
+@pytest.mark.parametrize("frozen", ["skip", "include"])
+def test_layers_frozen_for_training_are_left_as_they_are(tmp_path: Path, frozen: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 4, generator=g) * 2 + 1
+    records = [{"x": x[i], "labels": x[i].sum()} for i in range(N)]
+
+    def run(callbacks: list[Any], directory: Path) -> Trainer:
+        torch.manual_seed(0)
+        args = arguments(directory, eval_strategy="epoch", learning_rate=0.02)
+        return train(
+            SequentialTrainer,
+            FrozenBackbone(),
+            args,
+            train_dataset=records,
+            eval_dataset=records[:16],
+            data_collator=collate,
+            callbacks=callbacks,
+        )
+
+    precise = PreciseBNCallback(num_samples="all", frozen=frozen)
+    with_callback = run([precise], tmp_path / "with")
+    without = run([], tmp_path / "without")
+    assert precise.computations == 2  # the evaluations after epochs 1 and 2; the end of training shares the last
+    losses = [e["loss"] for e in with_callback.state.log_history if "loss" in e]
+    same = losses == [e["loss"] for e in without.state.log_history if "loss" in e]
+    model, reference = with_callback.model, without.model
+    if frozen == "include":  # what happened before: the frozen layer recalibrated, training changed
+        assert not same and not torch.equal(model.net.body[1].running_mean, reference.net.body[1].running_mean)
+        return
+    assert len(losses) == 8 and same
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert_frozen_left_and_trained_precise(model, reference, [x], prefix="net.", forward=lambda m, b: m.net(b))

@@ -38,6 +38,7 @@ __all__ = [
     "RecalibrationState",
     "find_norm_layers",
     "has_running_stats",
+    "layer_matcher",
     "recalibration_state",
     "refuse_shared_buffers",
     "unwrap",
@@ -128,7 +129,15 @@ def _path(module: _NormBase, capture: Capture) -> Path:
     return "fast" if fast else "float64"
 
 
-def _matcher(selection: LayerSelection, candidates: dict[str, nn.Module]) -> Callable[[str, nn.Module], bool]:
+def layer_matcher(selection: LayerSelection, candidates: dict[str, nn.Module]) -> Callable[[str, nn.Module], bool]:
+    """A predicate ``(name, module) -> bool`` for a ``layers=`` selection among ``candidates``
+    (``model.named_modules()``), whose names it checks now.
+
+    Raises:
+        LayerNotFoundError: A named module is not among ``candidates``.
+        InvalidArgumentError: ``selection`` is not a selection, or names a module without
+            running statistics.
+    """
     if selection is None:
         return lambda name, module: True
     if isinstance(selection, type) or (
@@ -194,7 +203,7 @@ def find_norm_layers(
         UninitializedLayerError: A selected lazy layer has not run yet.
     """
     all_modules = dict(modules if modules is not None else model.named_modules(remove_duplicate=True))
-    match = _matcher(layers, all_modules)
+    match = layer_matcher(layers, all_modules)
     found: list[NormLayer] = []
     scripted: list[str] = []  # TorchScript norm layers: compiled code, out of reach
     for name, module in all_modules.items():

@@ -21,6 +21,7 @@ shuffles with its own generator keeps the order of the epochs to come.
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 import random
 import sys
@@ -32,11 +33,14 @@ from torch import nn
 
 from .data import Forward
 from .errors import InvalidArgumentError
-from .layers import LayerSelection
+from .frozen import FrozenLayers
+from .layers import LayerSelection, find_norm_layers, unwrap
 from .recalibrate import check_options, recalibrate
 from .report import Report
 
-__all__ = ["PreciseBNScheduler"]
+__all__ = ["PreciseBNScheduler", "check_frozen"]
+
+logger = logging.getLogger("precisebn")
 
 Data = Iterable[Any] | Callable[[], Iterable[Any]]
 """Batches for one recalibration: a re-iterable (a DataLoader, a list) or a
@@ -78,6 +82,11 @@ class PreciseBNScheduler:
         num_samples, num_batches, forward, mode, layers, device, progress,
             distributed, process_group, capture, prior, adapt: As for
             :func:`precisebn.recalibrate`.
+        frozen: What to do with layers frozen for training — kept in eval mode while
+            the model trains (mmdetection's ``norm_eval``, a frozen backbone), whose
+            statistics training normalises with as they are: ``"skip"`` (default) leaves
+            them as they are; ``"include"`` recalibrates them too. They are noted
+            whenever :meth:`update` (or :meth:`observe`) sees the model in training mode.
         preserve_rng: Put the random number generators back as they were after
             each computation (default): torch's global ones, Python's ``random``,
             NumPy's global one, and the data's own (a DataLoader's ``generator``, its
@@ -115,11 +124,13 @@ class PreciseBNScheduler:
         tolerance: float | None = None,
         prior: float | None = None,
         adapt: Literal["both", "mean", "var"] = "both",
+        frozen: Literal["skip", "include"] = "skip",
         preserve_rng: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         check_data(data)
+        check_frozen(frozen)
         check_options(
             num_samples=num_samples,
             num_batches=num_batches,
@@ -132,7 +143,10 @@ class PreciseBNScheduler:
         )
         self.model = model
         self.data = data
+        self.frozen = frozen
         self.preserve_rng = preserve_rng
+        self._frozen = FrozenLayers()
+        self._skipped: list[str] | None = None  # the frozen layers last logged
         self._options: dict[str, Any] = {
             "num_samples": num_samples,
             "num_batches": num_batches,
@@ -168,6 +182,25 @@ class PreciseBNScheduler:
         """The :class:`~precisebn.Report` of the last computation in this process."""
         return self._last_report
 
+    @property
+    def frozen_layers(self) -> tuple[str, ...]:
+        """The layers last seen in eval mode while the model was in training mode (qualified
+        names in the model, without its wrappers): left as they are with ``frozen="skip"``."""
+        return self._frozen.names
+
+    def observe(self, model: nn.Module | None = None) -> bool:
+        """Notes which normalization layers are in eval mode while ``model`` (default: the
+        scheduler's) is in training mode: the layers frozen for training, left as they are
+        by the next computations (``frozen="skip"``). :meth:`update` does so itself; call
+        this during training when :meth:`update` runs with the model in eval mode (after
+        ``model.eval()``), or with the trained model when the scheduler recalibrates an
+        averaged copy of it. A host-only scan of the layers' flags.
+
+        Returns:
+            Whether ``model`` was in training mode (else nothing was noted).
+        """
+        return self._frozen.observe(self.model if model is None else model)
+
     def is_current(self, step: int) -> bool:
         """Whether the statistics were computed at ``step`` and nothing invalidated them since."""
         return self._last_step == check_step(step, "step") and not self._stale
@@ -192,16 +225,37 @@ class PreciseBNScheduler:
         step = check_step(step, "step")
         if not force and self.is_current(step):
             return None
+        options = self._options
+        if self.frozen == "skip":
+            self._frozen.observe(self.model)
+            layers, skipped = self._frozen.excluding(options["layers"], self.model)
+            if skipped:
+                self._log_skipped(skipped)
+                if not find_norm_layers(unwrap(self.model), layers, require=False):
+                    return None  # every selected layer is frozen: nothing to compute
+                options = {**options, "layers": layers}
         if self.preserve_rng:
             with preserved_rng(self.model):
                 batches = fresh_batches(self.data)
                 with preserved_generators(data_generators(self.data, batches)), preserved_epochs(self.data, batches):
-                    report = recalibrate(self.model, batches, **self._options)
+                    report = recalibrate(self.model, batches, **options)
         else:
-            report = recalibrate(self.model, fresh_batches(self.data), **self._options)
+            report = recalibrate(self.model, fresh_batches(self.data), **options)
         self._last_step, self._stale, self._last_report = step, False, report
         self._computations += 1
         return report
+
+    def _log_skipped(self, skipped: list[str]) -> None:
+        if skipped == self._skipped:
+            return
+        self._skipped = skipped
+        shown = ", ".join(repr(n) for n in skipped[:8]) + (f" and {len(skipped) - 8} more" if len(skipped) > 8 else "")
+        logger.info(
+            "precisebn: %d layer(s) kept in eval mode while the model trains (frozen for training) are left as "
+            "they are: %s. Pass frozen='include' to recalibrate them too.",
+            len(skipped),
+            shown,
+        )
 
     def invalidate(self) -> None:
         """Marks the statistics as out of date, so that the next :meth:`update` recomputes
@@ -238,6 +292,15 @@ class PreciseBNScheduler:
 # -- helpers shared with the training-loop integrations -------------------------------------
 
 _STATE_KEYS = ("last_step", "stale", "computations")
+
+
+def check_frozen(frozen: Any) -> None:
+    """Refuses a ``frozen=`` value other than ``"skip"`` or ``"include"``."""
+    if not isinstance(frozen, str) or frozen not in ("skip", "include"):
+        raise InvalidArgumentError(
+            f"frozen must be 'skip' (leave layers kept in eval mode during training as they are) or 'include' "
+            f"(recalibrate them too), got {frozen!r}"
+        )
 
 
 def check_step(step: Any, name: str, hint: str = "pass int(step) if it holds a whole number of steps") -> int:

@@ -122,6 +122,7 @@ class _Recalibrator:
         tolerance: float | None = None,
         prior: float | None = None,
         adapt: Literal["both", "mean", "var"] = "both",
+        frozen: Literal["skip", "include"] = "skip",
     ) -> None:
         self._trigger = Trigger(
             type(self).__name__,
@@ -134,6 +135,7 @@ class _Recalibrator:
             tolerance=tolerance,
             prior=prior,
             adapt=adapt,
+            frozen=frozen,
             progress=progress,
             data=data,
             without_layers=self._without_layers,
@@ -147,6 +149,7 @@ class _Recalibrator:
         self.tolerance = tolerance
         self.prior = prior
         self.adapt = adapt
+        self.frozen = frozen
         self.layers = layers
         self.progress = progress
         self.log = log
@@ -262,6 +265,7 @@ class PreciseBNMixin(_Recalibrator):
         tolerance: float | None = None,
         prior: float | None = None,
         adapt: Literal["both", "mean", "var"] = "both",
+        frozen: Literal["skip", "include"] = "skip",
         on_validation: bool = True,
         on_checkpoint: bool = True,
         every_n_train_steps: int | None = None,
@@ -283,6 +287,7 @@ class PreciseBNMixin(_Recalibrator):
             tolerance=tolerance,
             prior=prior,
             adapt=adapt,
+            frozen=frozen,
         )
         self.on_validation = on_validation
         self.on_checkpoint = on_checkpoint
@@ -304,6 +309,7 @@ class PreciseBNMixin(_Recalibrator):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
+        self._trigger.observe(pl_module)  # the layers it keeps in eval mode while training: frozen
         self._trigger.invalidate_at(step)  # a batch ran without stepping the optimizer since the computation
         n = self.every_n_train_steps
         if n is not None and step > 0 and step % n == 0 and step != self._last_scheduled_step and _fitting(trainer):
@@ -353,6 +359,7 @@ class AveragingMixin(_Recalibrator):
         tolerance: float | None = None,
         prior: float | None = None,
         adapt: Literal["both", "mean", "var"] = "both",
+        frozen: Literal["skip", "include"] = "skip",
         swa_epoch_start: int | None = None,
         device: torch.device | str | int | None = None,
         use_buffers: bool = False,
@@ -374,6 +381,7 @@ class AveragingMixin(_Recalibrator):
             tolerance=tolerance,
             prior=prior,
             adapt=adapt,
+            frozen=frozen,
         )
         if swa_epoch_start is not None and (
             isinstance(swa_epoch_start, bool) or not isinstance(swa_epoch_start, int) or swa_epoch_start < 0
@@ -418,6 +426,10 @@ class AveragingMixin(_Recalibrator):
         if stage == "fit":
             self._trigger.unbind()
         super().teardown(trainer, pl_module, stage)  # type: ignore[misc]
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._trigger.observe(pl_module)  # frozen in the module: frozen in its averaged copy too
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # type: ignore[misc]
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         # Before WeightAveraging swaps the averaged weights in (on_validation_epoch_start).

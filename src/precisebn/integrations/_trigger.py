@@ -37,7 +37,7 @@ from ..errors import InvalidArgumentError, PreciseBNWarning
 from ..layers import LayerSelection, has_running_stats
 from ..recalibrate import check_options
 from ..report import Report
-from ..scheduler import Data, PreciseBNScheduler, check_data, check_state
+from ..scheduler import Data, PreciseBNScheduler, check_data, check_frozen, check_state
 
 __all__ = ["Trigger", "check_every", "report_metrics"]
 
@@ -80,6 +80,10 @@ class Trigger:
         num_samples, num_batches, forward, mode, layers, capture, prior, adapt,
             progress: As for :func:`precisebn.recalibrate`; checked here, at
             construction.
+        frozen: As for :class:`~precisebn.PreciseBNScheduler`: layers kept in eval mode
+            while the model trains are left as they are (``"skip"``) or recalibrated
+            too (``"include"``); the integration calls :meth:`observe` after every
+            training step.
         data: Batches given by the user (checked here), or ``None`` for the framework's
             training data, which the integration passes to :meth:`bind`.
         without_layers: What happens to a model without normalization layers, for the
@@ -99,6 +103,7 @@ class Trigger:
         tolerance: float | None = None,
         prior: float | None = None,
         adapt: Literal["both", "mean", "var"] = "both",
+        frozen: Literal["skip", "include"] = "skip",
         progress: bool = False,
         data: Data | None = None,
         without_layers: str = "training goes on without them",
@@ -113,6 +118,7 @@ class Trigger:
             prior=prior,
             adapt=adapt,
         )
+        check_frozen(frozen)
         if data is not None:
             check_data(data)
         self.owner = owner
@@ -125,6 +131,7 @@ class Trigger:
         self.tolerance = tolerance
         self.prior = prior
         self.adapt = adapt
+        self.frozen = frozen
         self.progress = progress
         self.data = data
         self.without_layers = without_layers
@@ -163,6 +170,7 @@ class Trigger:
             tolerance=self.tolerance,
             prior=self.prior,
             adapt=self.adapt,
+            frozen=self.frozen,
             device=device,
             progress=self.progress if progress is None else progress,
         )
@@ -175,6 +183,12 @@ class Trigger:
         """Ends a training run: keeps the state, drops the references to the model and data."""
         if self._scheduler is not None:
             self._pending_state, self._scheduler = self._scheduler.state_dict(), None
+
+    def observe(self, model: nn.Module | None = None) -> None:
+        """After a training step: notes the layers frozen for training (in eval mode while
+        ``model``, default the bound one, trains; see :meth:`PreciseBNScheduler.observe`)."""
+        if self._scheduler is not None and self.frozen == "skip":
+            self._scheduler.observe(model)
 
     @property
     def scheduler(self) -> PreciseBNScheduler | None:

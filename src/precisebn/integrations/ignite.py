@@ -85,6 +85,11 @@ class PreciseBN(TriggerState):
             batch)`` for batches the model cannot take as they are, e.g. ``lambda m, b:
             m(prepare(b)[0])``; ``prior=N``: each computation pools the statistics the
             layers hold at that moment, counted as ``N`` samples, with the measured ones).
+        frozen: Layers the model keeps in eval mode while it trains (frozen for
+            training): ``"skip"`` (default) leaves them as they are, ``"include"``
+            recalibrates them too. They are noted whenever the handler runs with the
+            model in training mode, and after every iteration of the engines it is
+            attached to.
         log: Log each computation through the engine's logger.
 
     Attributes:
@@ -108,6 +113,7 @@ class PreciseBN(TriggerState):
         tolerance: float | None = None,
         prior: float | None = None,
         adapt: Literal["both", "mean", "var"] = "both",
+        frozen: Literal["skip", "include"] = "skip",
         progress: bool = False,
         log: bool = True,
     ) -> None:
@@ -122,6 +128,7 @@ class PreciseBN(TriggerState):
             tolerance=tolerance,
             prior=prior,
             adapt=adapt,
+            frozen=frozen,
             progress=progress,
             data=data,
         )
@@ -162,7 +169,15 @@ class PreciseBN(TriggerState):
         """
         if event is None:
             event = _engine.Events.EPOCH_COMPLETED
-        return engine.add_event_handler(event, self, step_engine if step_engine is not None else engine)
+        steps = step_engine if step_engine is not None else engine
+        completed = _engine.Events.ITERATION_COMPLETED
+        if not steps.has_event_handler(self._observe, completed):  # (once per engine)
+            steps.add_event_handler(completed, self._observe)
+        return engine.add_event_handler(event, self, steps)
+
+    def _observe(self, engine: Any) -> None:
+        """After each training iteration: notes the layers kept in eval mode (frozen)."""
+        self._trigger.observe()
 
     def __call__(self, engine: Any, step_engine: Any = None) -> Report | None:
         """Recalibrates unless the statistics are current for the step engine's iteration."""

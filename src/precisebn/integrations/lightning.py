@@ -105,6 +105,10 @@ class PreciseBN(PreciseBNMixin, _pl.Callback):
             ``"train"`` (every module in training mode).
         layers: Which layers (names, types or a predicate), e.g. to leave a frozen
             teacher's BatchNorm alone; default all.
+        frozen: Layers the module keeps in eval mode while it trains (frozen for
+            training, e.g. a frozen backbone's BatchNorm; noted after every training
+            batch): ``"skip"`` (default) leaves them as they are, ``"include"``
+            recalibrates them too.
         on_validation: Recompute before validation loops.
         on_checkpoint: Recompute before checkpoints.
         every_n_train_steps: Also recompute after every n-th optimizer step.
@@ -171,6 +175,9 @@ if _WeightAveraging is not None:
                 recomputes the normalization statistics of the averaged weights, and
                 averaging the recomputed statistics into later averages would be
                 meaningless.
+            frozen: Layers the module keeps in eval mode while it trains (frozen for
+                training): ``"skip"`` (default) leaves them as they are in the averaged
+                copy, ``"include"`` recalibrates them too.
             **averaging: Passed to ``AveragedModel`` (``avg_fn``, ``multi_avg_fn``).
 
         Attributes:

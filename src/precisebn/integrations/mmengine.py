@@ -122,6 +122,10 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
         capture, tolerance, prior, adapt: As for :func:`precisebn.recalibrate`
             (``prior=N``: each computation pools the statistics the layers hold at that
             moment, counted as ``N`` samples, with the measured ones).
+        frozen: Layers the model keeps in eval mode while it trains (frozen for
+            training, e.g. ``norm_eval=True``; noted after every training step):
+            ``"skip"`` (default) leaves them as they are, ``"include"`` recalibrates
+            them too.
         before_val, before_save: Compute before validations / checkpoints.
         progress: A progress bar on rank 0 (``precisebn[progress]``).
         log: Log each computation's figures.
@@ -145,6 +149,7 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
         tolerance: float | None = None,
         prior: float | None = None,
         adapt: Literal["both", "mean", "var"] = "both",
+        frozen: Literal["skip", "include"] = "skip",
         before_val: bool = True,
         before_save: bool = True,
         progress: bool = False,
@@ -163,6 +168,7 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
             tolerance=tolerance,
             prior=prior,
             adapt=adapt,
+            frozen=frozen,
             progress=progress,
             data=data,
         )
@@ -206,6 +212,7 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
 
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
         self._iter_ending = True
+        self._trigger.observe()  # the layers the model keeps in eval mode while training (norm_eval): frozen
         n = self.interval
         if (
             n is not None

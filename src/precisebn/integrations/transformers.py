@@ -91,6 +91,10 @@ class PreciseBNCallback(TriggerState, _callback.TrainerCallback):  # type: ignor
         capture, tolerance, prior, adapt: As for :func:`precisebn.recalibrate`
             (``prior=N``: each computation pools the statistics the layers hold at that
             moment, counted as ``N`` samples, with the measured ones).
+        frozen: Layers the model keeps in eval mode while it trains (frozen for
+            training, e.g. ``norm_eval=True``; noted after every training step):
+            ``"skip"`` (default) leaves them as they are, ``"include"`` recalibrates
+            them too.
         on_evaluate, on_save, on_train_end: Recompute before evaluations / before
             checkpoints / at the end of training (all on by default).
         progress: A progress bar on the main process (``precisebn[progress]``).
@@ -115,6 +119,7 @@ class PreciseBNCallback(TriggerState, _callback.TrainerCallback):  # type: ignor
         tolerance: float | None = None,
         prior: float | None = None,
         adapt: Literal["both", "mean", "var"] = "both",
+        frozen: Literal["skip", "include"] = "skip",
         on_evaluate: bool = True,
         on_save: bool = True,
         on_train_end: bool = True,
@@ -132,6 +137,7 @@ class PreciseBNCallback(TriggerState, _callback.TrainerCallback):  # type: ignor
             tolerance=tolerance,
             prior=prior,
             adapt=adapt,
+            frozen=frozen,
             progress=progress,
             data=data,
         )
@@ -159,6 +165,7 @@ class PreciseBNCallback(TriggerState, _callback.TrainerCallback):  # type: ignor
             self._compute(state)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._trigger.observe()  # the layers the model keeps in eval mode while training: frozen
         self._maybe_compute(state, control)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -1,0 +1,154 @@
+"""Layers frozen for training (kept in eval mode while the model trains): the scheduler
+leaves them as they are, and measures the others as training runs them — with the
+frozen ones normalising with their own statistics."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
+
+import precisebn
+from conftest import NormEval, max_rel_error
+from precisebn.errors import InvalidArgumentError, LayerNotFoundError
+from precisebn.frozen import FrozenLayers, core_model
+
+FROZEN, TRAINED = "body.1", "head.1"
+
+
+def batches(n: int = 4, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 4, generator=g) * 3 + 1 for _ in range(n)]
+
+
+def statistics(bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    return bn.running_mean.clone(), bn.running_var.clone()
+
+
+def test_observes_only_a_model_in_training_mode() -> None:
+    model = NormEval().train()
+    frozen = FrozenLayers()
+    assert frozen.observe(model) and frozen.names == (FROZEN,)
+    model.eval()
+    assert not frozen.observe(model) and frozen.names == (FROZEN,)  # evaluating says nothing
+    model.frozen = False
+    model.train()
+    assert frozen.observe(model) and frozen.names == ()  # unfrozen: noted again
+
+
+def test_the_names_of_a_trained_model_are_found_in_its_averaged_copy() -> None:
+    model = NormEval().train()
+    averaged = AveragedModel(model)
+    assert core_model(averaged) is averaged.module
+    frozen = FrozenLayers()
+    frozen.observe(model)
+    layers, skipped = frozen.excluding(None, averaged)
+    assert skipped == [FROZEN]
+    names = dict(averaged.named_modules())
+    assert callable(layers)
+    assert not layers(f"module.{FROZEN}", names[f"module.{FROZEN}"])
+    assert layers(f"module.{TRAINED}", names[f"module.{TRAINED}"])
+
+
+def test_the_scheduler_leaves_frozen_layers_and_measures_the_others_as_training_runs_them(
+    float64_truth: Any, snapshot: Any
+) -> None:
+    model = NormEval().train()
+    data = batches()
+    kept = statistics(model.body[1])
+    scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all")
+    report = scheduler.update(1)
+    assert report is not None and [r.name for r in report.layers] == [TRAINED]
+    assert scheduler.frozen_layers == (FROZEN,)
+    assert all(torch.equal(a, b) for a, b in zip(kept, statistics(model.body[1])))
+    # the truth: the frozen layer normalising with its own statistics, as in training
+    truth = float64_truth(model, data, select=lambda name, m: name == TRAINED)[TRAINED]
+    assert max_rel_error(model.head[1].running_mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(model.head[1].running_var, truth.var) < 1e-5
+    assert model.training and not model.body[1].training  # the modes are as they were
+
+
+def test_include_recalibrates_frozen_layers_too(float64_truth: Any) -> None:
+    model = NormEval().train()
+    data = batches()
+    scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all", frozen="include")
+    report = scheduler.update(1)
+    assert report is not None and [r.name for r in report.layers] == [FROZEN, TRAINED]
+    truth = float64_truth(model, data)  # every layer measured in training mode
+    for name in (FROZEN, TRAINED):
+        bn = model.get_submodule(name)
+        assert max_rel_error(bn.running_mean, truth[name].mean, truth[name].var.sqrt()) < 1e-6
+        assert max_rel_error(bn.running_var, truth[name].var) < 1e-5
+    assert max_rel_error(model.body[1].running_mean, torch.full((6,), 0.5, dtype=torch.float64)) > 0.1
+
+
+def test_observations_made_in_training_hold_when_update_runs_in_eval_mode() -> None:
+    model = NormEval().train()
+    scheduler = precisebn.PreciseBNScheduler(model, batches(), num_samples="all")
+    assert scheduler.observe()
+    kept = statistics(model.body[1])
+    model.eval()  # e.g. update() called after model.eval(), right before evaluating
+    report = scheduler.update(1)
+    assert report is not None and [r.name for r in report.layers] == [TRAINED]
+    assert all(torch.equal(a, b) for a, b in zip(kept, statistics(model.body[1])))
+
+
+def test_a_model_whose_every_layer_is_frozen_is_left_as_it_is(
+    snapshot: Any, unchanged: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = NormEval().train()
+    model.head[1].eval()
+    before = snapshot(model)
+    scheduler = precisebn.PreciseBNScheduler(model, batches(), num_samples="all")
+    with caplog.at_level(logging.INFO, logger="precisebn"):
+        assert scheduler.update(1) is None
+        assert scheduler.update(1) is None  # logged once
+    unchanged(model, before)
+    assert scheduler.computations == 0 and scheduler.last_step is None
+    notes = [r.getMessage() for r in caplog.records if "frozen" in r.getMessage()]
+    assert len(notes) == 1 and "'body.1', 'head.1'" in notes[0] and "frozen='include'" in notes[0]
+
+
+def test_frozen_layers_are_taken_out_of_the_users_selection() -> None:
+    model = NormEval().train()
+    data = batches()
+    named = precisebn.PreciseBNScheduler(model, data, num_samples="all", layers=[FROZEN, TRAINED])
+    report = named.update(1)
+    assert report is not None and [r.name for r in report.layers] == [TRAINED]
+    typed = precisebn.PreciseBNScheduler(model, data, num_samples="all", layers=lambda name, m: name == FROZEN)
+    assert typed.update(1) is None  # its only layer is frozen
+    wrong = precisebn.PreciseBNScheduler(model, data, num_samples="all", layers=["body.9"])
+    with pytest.raises(LayerNotFoundError, match=r"body\.9"):
+        wrong.update(1)
+
+
+def test_a_wrapped_model_is_observed_through_its_wrapper() -> None:
+    model = NormEval().train()
+    wrapped = nn.DataParallel(model)  # (on the CPU: the module itself is called)
+    scheduler = precisebn.PreciseBNScheduler(wrapped, batches(), num_samples="all")
+    report = scheduler.update(1)
+    assert report is not None and [r.name for r in report.layers] == [TRAINED]
+    assert scheduler.frozen_layers == (FROZEN,)
+
+
+@pytest.mark.parametrize("value", ["yes", None, True, 1, ["skip"]])
+def test_bad_values_are_refused_at_construction(value: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="frozen must be 'skip'"):
+        precisebn.PreciseBNScheduler(NormEval(), batches(), frozen=value)
+
+
+def test_every_integration_refuses_a_bad_value_at_construction() -> None:
+    from precisebn.integrations.ignite import PreciseBN as IgniteHandler
+    from precisebn.integrations.lightning import PreciseBN, PreciseWeightAveraging
+    from precisebn.integrations.mmengine import ExactPreciseBNHook
+    from precisebn.integrations.transformers import PreciseBNCallback
+
+    makers = [PreciseBN, PreciseWeightAveraging, ExactPreciseBNHook, PreciseBNCallback]
+    makers.append(lambda frozen: IgniteHandler(NormEval(), batches(), frozen=frozen))
+    for make in makers:
+        with pytest.raises(InvalidArgumentError, match="frozen must be 'skip'"):
+            make(frozen="eval")  # type: ignore[operator]
