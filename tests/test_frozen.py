@@ -135,6 +135,20 @@ def test_a_wrapped_model_is_observed_through_its_wrapper() -> None:
     assert scheduler.frozen_layers == (FROZEN,)
 
 
+def test_an_averaged_copy_is_recalibrated_with_the_frozen_layers_of_the_model_trained() -> None:
+    model = NormEval(frozen=False)
+    averaged = AveragedModel(model)  # made before the model was frozen: its flags say nothing
+    model.frozen = True
+    model.train()
+    kept = statistics(averaged.module.body[1])
+    scheduler = precisebn.PreciseBNScheduler(averaged, batches(), num_samples="all")
+    assert averaged.training and averaged.module.body[1].training
+    assert scheduler.observe(model) and scheduler.frozen_layers == (FROZEN,)
+    report = scheduler.update(1)
+    assert report is not None and report.updated == [f"module.{TRAINED}"]
+    assert all(torch.equal(a, b) for a, b in zip(kept, statistics(averaged.module.body[1])))
+
+
 @pytest.mark.parametrize("value", ["yes", None, True, 1, ["skip"]])
 def test_bad_values_are_refused_at_construction(value: Any) -> None:
     with pytest.raises(InvalidArgumentError, match="frozen must be 'skip'"):

@@ -146,6 +146,7 @@ class PreciseBNScheduler:
         self.frozen = frozen
         self.preserve_rng = preserve_rng
         self._frozen = FrozenLayers()
+        self._own_modes = True  # whether update() notes the modes of the model it computes on (see observe)
         self._skipped: list[str] | None = None  # the frozen layers last logged
         self._options: dict[str, Any] = {
             "num_samples": num_samples,
@@ -194,12 +195,16 @@ class PreciseBNScheduler:
         by the next computations (``frozen="skip"``). :meth:`update` does so itself; call
         this during training when :meth:`update` runs with the model in eval mode (after
         ``model.eval()``), or with the trained model when the scheduler recalibrates an
-        averaged copy of it. A host-only scan of the layers' flags.
+        averaged copy of it (:meth:`update` then no longer looks at the copy's own flags).
+        A host-only scan of the layers' flags.
 
         Returns:
             Whether ``model`` was in training mode (else nothing was noted).
         """
-        return self._frozen.observe(self.model if model is None else model)
+        if model is None or model is self.model:
+            return self._frozen.observe(self.model)
+        self._own_modes = False  # from now on the modes that count are those of the model trained
+        return self._frozen.observe(model)
 
     def is_current(self, step: int) -> bool:
         """Whether the statistics were computed at ``step`` and nothing invalidated them since."""
@@ -227,7 +232,8 @@ class PreciseBNScheduler:
             return None
         options = self._options
         if self.frozen == "skip":
-            self._frozen.observe(self.model)
+            if self._own_modes:
+                self._frozen.observe(self.model)
             layers, skipped = self._frozen.excluding(options["layers"], self.model)
             if skipped:
                 self._log_skipped(skipped)
