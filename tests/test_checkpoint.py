@@ -285,3 +285,39 @@ def test_a_failed_torch_save_is_an_os_error_naming_the_file(tmp_path, monkeypatc
     with pytest.raises(OSError, match="a full disk") as raised:
         checkpoint.write_checkpoint(ckpt, {}, tmp_path / "out.pt")
     assert raised.value.filename == str(tmp_path / "out.pt")
+
+
+def test_values_beyond_the_checkpoints_dtype_are_refused_before_writing(tmp_path):
+    sd = {k: v.half() if v.is_floating_point() else v for k, v in _sd().items()}
+    torch.save(sd, tmp_path / "half.pt")
+    ckpt = load_checkpoint(tmp_path / "half.pt")
+    with pytest.raises(InvalidArgumentError, match=r"'1.running_var'.*float16"):
+        save_checkpoint(ckpt, {"1.running_var": torch.full((4,), 3.3e5)}, tmp_path / "out.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["half.pt"]
+    save_checkpoint(ckpt, {"1.running_var": torch.full((4,), 6.0e4)}, tmp_path / "out.pt")  # representable
+
+
+def test_image_folders_through_symlinked_folders_and_16_bit_images(tmp_path):
+    pytest.importorskip("torchvision")
+    image = pytest.importorskip("PIL.Image")
+    import numpy as np
+
+    from precisebn.images import ImageFiles
+
+    (tmp_path / "store" / "cats").mkdir(parents=True)
+    (tmp_path / "data" / "dogs").mkdir(parents=True)
+    for rel in ("store/cats/1.png", "store/cats/2.png", "data/dogs/3.png"):
+        image.new("RGB", (4, 4), color=(10, 200, 30)).save(tmp_path / rel)
+    (tmp_path / "data" / "cats").symlink_to(tmp_path / "store" / "cats")  # a class folder kept elsewhere
+    (tmp_path / "data" / "dogs" / "loop").symlink_to(tmp_path / "data")  # a link back up: seen once
+    values = np.arange(16, dtype=np.uint16).reshape(4, 4) * 4369  # 0 .. 65535
+    image.fromarray(values).save(tmp_path / "data" / "dogs" / "16bit.png")
+    assert image.open(tmp_path / "data" / "dogs" / "16bit.png").mode.startswith("I;16")
+
+    files = ImageFiles(tmp_path / "data", lambda im: torch.from_numpy(np.asarray(im).copy()))
+    names = sorted(p.relative_to(tmp_path / "data").as_posix() for p in files.files)
+    assert names == ["cats/1.png", "cats/2.png", "dogs/16bit.png", "dogs/3.png"]
+    loaded, error = files[files.files.index(tmp_path / "data" / "dogs" / "16bit.png")]
+    assert error == "" and loaded.shape == (4, 4, 3)
+    expected = torch.from_numpy(np.rint(values / 257.0).astype(np.uint8))  # 0, 17, ..., 255: not clipped
+    assert all(torch.equal(loaded[..., c], expected) for c in range(3))

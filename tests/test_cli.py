@@ -467,6 +467,12 @@ def transform(image):
     return T.Normalize((0.1, 0.2, 0.3), (0.5, 0.5, 0.5))(T.ToTensor()(image)) * 1.5
 
 
+def exits():
+    import sys
+
+    sys.exit(0)  # a script that parses its own arguments on import does this
+
+
 def batches(n=3):
     g = torch.Generator().manual_seed(3)
     return [torch.randn(5, 3, 12, 12, generator=g) * 2 + 1 for _ in range(n)]
@@ -935,3 +941,33 @@ def test_apply_refuses_a_prior_that_is_not_finite(tiny, work, capsys):
     err = capsys.readouterr().err
     assert "cannot be pooled" in err and name.rpartition(".")[0] in err and not Path("x.pt").exists()
     assert main(["apply", "nan.pt", "s.safetensors", "--out", "x.pt"]) == 0  # no prior: nothing to pool with
+
+
+def test_adapt_leaves_the_other_buffer_bit_for_bit(tiny, work):
+    # a float64 checkpoint loaded into the float32 model: rewriting running_var would round it
+    state = {k: v.double() * (1 + 1e-10) if v.is_floating_point() else v for k, v in torch.load(work["ckpt"]).items()}
+    torch.save(state, "double.pt")
+    assert main(_tiny_args(tiny, Path("double.pt"), "adapted.pt", "--adapt", "mean", "-q")) == 0
+    written = torch.load("adapted.pt", weights_only=True)
+    for name in ("bn1", "bn2"):
+        assert torch.equal(written[f"{name}.running_var"], state[f"{name}.running_var"])
+        assert not torch.equal(written[f"{name}.running_mean"], state[f"{name}.running_mean"])
+
+
+def test_model_code_that_exits_is_an_error_and_writes_nothing(tiny, work, capsys):
+    args = _tiny_args(tiny, work["ckpt"], "out.pt")
+    args[args.index("cli_tiny:Tiny")] = "cli_tiny:exits"
+    assert main(args) == 1
+    assert "called sys.exit(0)" in capsys.readouterr().err
+    assert not Path("out.pt").exists() and _stray(work["dir"]) == []
+
+
+def test_an_output_encoding_without_the_reports_letters_still_writes(tiny, work, monkeypatch):
+    import io
+
+    stdout = io.TextIOWrapper(io.BytesIO(), encoding="cp1252")  # Windows, output redirected to a file
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main(_tiny_args(tiny, work["ckpt"], "out.pt")) == 0
+    assert Path("out.pt").exists() and stdout.errors == "strict"  # (put back)
+    stdout.flush()
+    assert b"\\u0394" in stdout.buffer.getvalue() or b"\\u03c3" in stdout.buffer.getvalue()  # escaped

@@ -226,3 +226,54 @@ def test_population_save_and_report_to_json_keep_permissions(tmp_path) -> None:
         write(link)
         assert link.is_symlink() and path.read_bytes() != b"old" and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert not [n for n in _names(tmp_path) if n.endswith(".tmp")]
+
+
+def test_dotdot_after_a_symlinked_folder_is_where_the_link_points(tmp_path, monkeypatch) -> None:
+    # link -> sub/deep, so for the system link/../f.pt is sub/f.pt (as for open, cp, torch.load), not ./f.pt
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub" / "deep").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "sub" / "deep")
+    (tmp_path / "sub" / "f.pt").write_text("input")
+    (tmp_path / "f.pt").write_text("unrelated")
+    assert real_path("link/../f.pt") == real_path("sub/f.pt") != real_path("f.pt")
+    plan = OutputPlan({"CHECKPOINT": "sub/f.pt"})
+    with pytest.raises(InvalidArgumentError, match="is the input CHECKPOINT"):
+        plan.add("--out", "link/../f.pt")
+    with atomic_path("link/../g.pt") as tmp:
+        tmp.write_text("new")
+    assert (tmp_path / "sub" / "g.pt").read_text() == "new" and not (tmp_path / "g.pt").exists()
+
+
+def test_a_rename_that_fails_leaves_no_copy_of_the_old_file(tmp_path, monkeypatch) -> None:
+    import precisebn.files as files
+
+    (tmp_path / "a.txt").write_text("old a")
+    real_replace = os.replace
+
+    def refused(src, dst):
+        raise PermissionError(1, "Operation not permitted", str(dst))
+
+    monkeypatch.setattr(files.os, "replace", refused)
+    with pytest.raises(PermissionError), atomic_path(tmp_path / "a.txt") as tmp:
+        tmp.write_text("new a")
+    monkeypatch.setattr(files.os, "replace", real_replace)
+    assert _names(tmp_path) == ["a.txt"] and (tmp_path / "a.txt").read_text() == "old a"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o277])
+def test_the_temporary_file_stays_writable_until_it_is_committed(tmp_path, umask) -> None:
+    # (as root the bits do not stop the writer, so the test reads them)
+    target = tmp_path / "read-only.txt"
+    target.write_text("old")
+    target.chmod(0o444)
+    old = os.umask(umask)
+    try:
+        with atomic_path(target) as tmp:
+            assert os.stat(tmp).st_mode & stat.S_IWUSR  # the writer may reopen it by name
+            tmp.write_text("new")
+        with atomic_path(tmp_path / "new.txt") as tmp:
+            assert os.stat(tmp).st_mode & stat.S_IWUSR
+            tmp.write_text("new")
+    finally:
+        os.umask(old)
+    assert target.read_text() == "new" and stat.S_IMODE(target.stat().st_mode) == 0o444

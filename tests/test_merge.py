@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import os
 from typing import Any
 
 import pytest
@@ -165,8 +166,10 @@ def test_cli_merge(tmp_path, monkeypatch, capsys) -> None:
         assert merged[name].count == expected[name].count
     assert_close_stats(merged["1"], measure(model, data)["1"])
     assert merged.samples == sum(len(b) for b in data)
+    os.link(tmp_path / "s0.safetensors", tmp_path / "s0-again.safetensors")  # the same file under another name
     before = {p.name: _sha(p) for p in tmp_path.iterdir()}
     refused = {
+        "hard link": (["s0.safetensors", "s0-again.safetensors", "--out", "x.safetensors"], "given twice"),
         "an input": (["s0.safetensors", "s1.safetensors", "--out", "s1.safetensors"], "would destroy the input"),
         "one input": (["s0.safetensors", "--out", "x.safetensors"], "two or more"),
         "twice": (["s0.safetensors", "./s0.safetensors", "--out", "x.safetensors"], "given twice"),

@@ -227,7 +227,16 @@ def _replaced(ckpt: Checkpoint, replace: Mapping[str, Tensor]) -> dict[str, Tens
         raise InvalidArgumentError(f"cannot replace tensors missing from the checkpoint: {unknown[:5]}")
     sd = dict(ckpt.state_dict)
     for k, v in replace.items():
-        sd[k] = v.detach().to("cpu", sd[k].dtype).clone()
+        value = v.detach().to("cpu")
+        sd[k] = value.to(sd[k].dtype).clone()
+        if sd[k].is_floating_point() and not bool(sd[k].isfinite().all()) and bool(value.isfinite().all()):
+            largest = float(value.abs().max())
+            raise InvalidArgumentError(
+                f"{k!r}: the new values reach {largest:.3g}, beyond the largest {sd[k].dtype} the checkpoint stores "
+                f"it in ({torch.finfo(sd[k].dtype).max:.3g}); writing them would store inf. Convert the checkpoint "
+                "to float32 first (e.g. {k: v.float() for k, v in state_dict.items()}), or rescale the layer's "
+                "input. Nothing was written."
+            )
     return sd
 
 

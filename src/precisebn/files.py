@@ -51,7 +51,7 @@ def real_path(path: str | os.PathLike[str]) -> Path:
         >>> real_path("missing-dir/../x.pt") == real_path("x.pt") == real_path(os.path.abspath("x.pt"))
         True
     """
-    return Path(os.path.realpath(os.path.abspath(os.fspath(path))))
+    return Path(os.path.realpath(os.fspath(path)))  # (abspath first would drop "link/.." before resolving link)
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -195,8 +195,7 @@ class OutputPlan:
                     except OSError as exc:
                         raise OSError(exc.errno, exc.strerror, str(target)) from None
                     os.close(fd)
-                    temps[label] = Path(name)
-                    os.chmod(name, _mode_for(target))
+                    temps[label] = Path(name)  # (its mode is the target's at commit: a writer may need to write it)
                 try:
                     yield temps
                 except OSError as exc:  # name the output, not its hidden temporary file
@@ -225,6 +224,7 @@ class OutputPlan:
     def _commit(self, temps: dict[str, Path]) -> None:
         # (target, a copy of its old content or None, whether it existed): what a rollback puts back
         done: list[tuple[Path, Path | None, bool]] = []
+        backups: list[Path] = []  # removed whatever happens (also when the rename fails)
         try:
             for label, tmp in temps.items():
                 target = self.outputs[label][1]
@@ -238,7 +238,11 @@ class OutputPlan:
                         try:
                             shutil.copy2(target, backup)
                         except OSError:
+                            with contextlib.suppress(OSError):
+                                backup.unlink()  # (a partial copy)
                             backup = None
+                    if backup is not None:
+                        backups.append(backup)
                 try:
                     os.replace(tmp, target)
                 except OSError as exc:  # named by the output, not by the hidden temporary file
@@ -253,10 +257,9 @@ class OutputPlan:
                         target.unlink()
             raise
         finally:
-            for _, backup, _ in done:
-                if backup is not None:
-                    with contextlib.suppress(OSError):
-                        backup.unlink()
+            for backup in backups:  # (put back by a rollback: gone already)
+                with contextlib.suppress(OSError):
+                    backup.unlink()
 
 
 def _make_parents(folder: Path) -> list[Path]:
@@ -273,9 +276,12 @@ def _mkstemp(target: Path) -> tuple[int, str]:
     for _ in range(100):
         name = target.with_name(f".{target.name}{_MARK}{os.getpid()}-{secrets.token_hex(4)}.tmp")
         try:
-            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), str(name)
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             continue
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o600)  # writable by its writer whatever the umask (0o277 made it read-only)
+        return fd, str(name)
     raise FileExistsError(f"cannot create a temporary file next to {target}")
 
 

@@ -233,14 +233,11 @@ class ImageFiles(torch.utils.data.Dataset):
         require("PIL", "images", "--data FOLDER")
         folder = require("torchvision.datasets.folder", "images", "--data FOLDER")
         self.root = Path(root)
+        allowed = folder.IMG_EXTENSIONS
         self.files = sorted(
-            p
-            for p in self.root.rglob("*")
-            if p.is_file()
-            and folder.has_file_allowed_extension(p.name, folder.IMG_EXTENSIONS)
-            and not any(part.startswith(".") for part in p.relative_to(self.root).parts)
+            p for p in _walk(self.root) if p.is_file() and folder.has_file_allowed_extension(p.name, allowed)
         )
-        self.loader = folder.default_loader
+        self.loader = _load_rgb
         self.transform = transform
 
     def __len__(self) -> int:
@@ -259,6 +256,41 @@ class ImageFiles(torch.utils.data.Dataset):
                 "end a --transform with torchvision.transforms.ToTensor() (or PILToTensor and a conversion)."
             )
         return out, ""
+
+
+def _walk(root: Path) -> Iterator[Path]:
+    """Every non-hidden entry under ``root``, through symlinked folders (as torchvision's
+    ``ImageFolder`` does), each real folder once (a link back up does not loop)."""
+    seen: set[str] = set()
+    for here, folders, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(here)
+        if real in seen:
+            folders[:] = []
+            continue
+        seen.add(real)
+        folders[:] = [f for f in folders if not f.startswith(".")]
+        yield from (Path(here) / name for name in names if not name.startswith("."))
+
+
+def _load_rgb(path: str) -> Any:
+    """The image at ``path`` as 8-bit RGB: what torchvision's ``default_loader`` gives, except
+    that a 16-bit grayscale image is scaled to 8 bits (Pillow's ``convert`` clips it: mostly white)."""
+    from PIL import Image
+
+    with open(path, "rb") as f:
+        image = Image.open(f)
+        if image.mode.startswith("I;16"):
+            import numpy as np
+
+            values = np.asarray(image, dtype=np.float64) / 257.0  # 0..65535 onto 0..255
+            image = Image.fromarray(np.rint(values).clip(0, 255).astype(np.uint8), mode="L")
+        elif image.mode in ("I", "F"):
+            raise InvalidArgumentError(
+                f"{path!r} is a {'32-bit integer' if image.mode == 'I' else 'floating-point'} image (Pillow mode "
+                f"{image.mode!r}), whose range precisebn cannot know; convert it to 8-bit (or 16-bit) first, or "
+                "pass --transform a preprocessing that reads it."
+            )
+        return image.convert("RGB")
 
 
 def _collate(items: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor | None, list[str]]:

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, usage errors (already printed)
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
     debug, quiet = getattr(args, "debug", False), getattr(args, "quiet", False)
-    with _warnings_as_notes(), _quiet(quiet), _threads(getattr(args, "threads", None)):
+    with _encodable_output(), _warnings_as_notes(), _quiet(quiet), _threads(getattr(args, "threads", None)):
         try:
             if args.check is not None:
                 args.plan = args.check(args)
@@ -57,6 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("precisebn: interrupted; no output was written.", file=sys.stderr)
             return EXIT_INTERRUPTED
+        except SystemExit as exc:  # from the user's code (a model factory, a script parsing its arguments)
+            if debug:
+                raise
+            print(
+                f"precisebn {args.command}: error: the code of --model/--data called sys.exit({exc.code!r}) while "
+                "precisebn was running it (e.g. a script that parses its own arguments on import); point --model "
+                "and --data at functions that build the model and the data without exiting. Nothing was written.",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
         except Exception as exc:
             if debug:
                 raise
@@ -76,6 +86,29 @@ def _error_paragraph(command: str, exc: Exception) -> str:
             "`precisebn --debug ...` for the traceback."
         )
     return f"precisebn {command}: error: " + " ".join(text.split())
+
+
+@contextlib.contextmanager
+def _encodable_output() -> Iterator[None]:
+    """Output streams whose encoding lacks a character the reports print (Δ, σ: e.g. cp1252 when
+    redirected on Windows) write it escaped for the command's duration, instead of failing after the work."""
+    changed = []
+    for stream in (sys.stdout, sys.stderr):
+        encoding, errors = getattr(stream, "encoding", None), getattr(stream, "errors", None)
+        if encoding is None or not hasattr(stream, "reconfigure") or errors not in ("strict", None):
+            continue
+        try:
+            "Δσ".encode(encoding)
+        except (UnicodeEncodeError, LookupError):
+            with contextlib.suppress(Exception):
+                stream.reconfigure(errors="backslashreplace")
+                changed.append((stream, errors))
+    try:
+        yield
+    finally:
+        for stream, errors in changed:
+            with contextlib.suppress(Exception):
+                stream.reconfigure(errors=errors)
 
 
 @contextlib.contextmanager

@@ -9,8 +9,10 @@ the command's output plan, so that every output path is checked up front.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
+import os
 import sys
 import time
 import warnings
@@ -316,7 +318,8 @@ def run_recalibrate(args: argparse.Namespace) -> int:
             )
 
     state = model.state_dict()
-    names = buffer_names(model, report.updated, ("running_mean", "running_var"), prefix)
+    kept = {"both": ("running_mean", "running_var"), "mean": ("running_mean",), "var": ("running_var",)}[args.adapt]
+    names = buffer_names(model, report.updated, kept, prefix)  # (--adapt: the other buffer stays bit for bit)
     replace = {ckpt_name: state[name].detach().cpu() for ckpt_name, name in names.items()}
     _write_outputs(args, ckpt, replace, report=report, extra=extra)
     return EXIT_OK
@@ -379,9 +382,12 @@ def check_merge(args: argparse.Namespace) -> Any:
 
     if len(args.stats) < 2:
         raise InvalidArgumentError(f"merge needs two or more statistics files, got {len(args.stats)}.")
-    seen: dict[Path, Path] = {}
+    seen: dict[Any, Path] = {}
     for path in args.stats:
-        real = real_path(path)
+        real: Any = real_path(path)
+        with contextlib.suppress(OSError):
+            identity = os.stat(real)
+            real = (identity.st_dev, identity.st_ino)  # the same file under two names (a hard link) too
         if real in seen:
             raise InvalidArgumentError(
                 f"{str(path)!r} is given twice (as {str(seen[real])!r} too); its data would count twice. Give each "
