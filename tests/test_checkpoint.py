@@ -321,3 +321,24 @@ def test_image_folders_through_symlinked_folders_and_16_bit_images(tmp_path):
     assert error == "" and loaded.shape == (4, 4, 3)
     expected = torch.from_numpy(np.rint(values / 257.0).astype(np.uint8))  # 0, 17, ..., 255: not clipped
     assert all(torch.equal(loaded[..., c], expected) for c in range(3))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_skipping_a_bad_image_never_leaves_a_batch_of_one(tmp_path, seed):
+    pytest.importorskip("torchvision")
+    image = pytest.importorskip("PIL.Image")
+    from precisebn.images import ImageFiles, image_batches
+
+    for i in range(5):
+        image.new("RGB", (4, 4), color=(i, 2 * i, 3 * i)).save(tmp_path / f"{i}.png")
+    (tmp_path / "bad.png").write_bytes(b"garbage")
+    skipped: list[str] = []
+    files = ImageFiles(tmp_path, lambda im: torch.zeros(3, 4, 4))
+    sizes = [len(b) for b in image_batches(files, 4, seed=seed, skipped=skipped)]  # 4 + 2, one of them with bad.png
+    assert sum(sizes) == 5 and min(sizes) >= 2 and len(skipped) == 1
+
+
+def test_a_layer_with_more_means_than_variances_is_named():
+    sd = {"d.running_mean": torch.zeros(3), "d.running_var": torch.ones(4)}
+    with pytest.raises(StatsMismatchError, match="layer 'd' holds 3 running means but 4"):
+        norm_entries(sd)

@@ -566,6 +566,7 @@ REFUSED = {  # name -> (extra arguments / replacements, a phrase of the message)
     "out is a symlink to the input (2)": (["--out", "link.pt"], "is the input CHECKPOINT"),
     "out is the input": (["--out", "model.pt"], "--in-place"),
     "out is a folder": (["--out", "existing_dir"], "is a folder"),
+    "out ends with a slash": (["--out", "newdir/"], "names a folder"),
     "format mismatch": (["--out", "o.safetensors"], "same kind of extension"),
     "bad device": (["--device", "toaster"], "not a device"),
     "device gpu (8)": (["--device", "gpu"], "not a device"),
@@ -971,3 +972,11 @@ def test_an_output_encoding_without_the_reports_letters_still_writes(tiny, work,
     assert Path("out.pt").exists() and stdout.errors == "strict"  # (put back)
     stdout.flush()
     assert b"\\u0394" in stdout.buffer.getvalue() or b"\\u03c3" in stdout.buffer.getvalue()  # escaped
+
+
+def test_wildcards_matching_no_layer_are_named_and_a_folder_is_no_statistics_file(tiny, work, capsys):
+    assert main(_tiny_args(tiny, work["ckpt"], "out.pt", "--layers", "zz*")) == 1
+    err = capsys.readouterr().err
+    assert "--layers 'zz*'" in err and "lambda" not in err
+    assert main(["apply", str(work["ckpt"]), ".", "--out", "x.pt"]) == 1
+    assert "is a folder" in capsys.readouterr().err

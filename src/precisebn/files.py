@@ -152,6 +152,8 @@ class OutputPlan:
                 output, a folder, or under a file or a folder that cannot be written.
         """
         text, real = os.fspath(path), real_path(path)
+        if text.endswith((os.sep, "/")) or (os.altsep and text.endswith(os.altsep)):
+            raise InvalidArgumentError(f"{label} {text!r} names a folder (it ends with a slash); give a file path.")
         for other, (other_text, other_real) in self.inputs.items():
             if other != replaces and _same(real, other_real):
                 hint = ", or pass --in-place to replace the checkpoint" if other == "CHECKPOINT" else ""

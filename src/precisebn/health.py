@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ._table import format_table
+from .errors import StatsMismatchError
 from .population import buffer_key
 from .report import LayerReport, Report
 
@@ -60,6 +61,9 @@ def norm_entries(state_dict: Mapping[str, Tensor]) -> list[NormEntry]:
         >>> sd = torch.nn.Sequential(torch.nn.BatchNorm1d(3)).state_dict()
         >>> [(e.name, e.channels, e.batches) for e in norm_entries(sd)]
         [('0', 3, 0)]
+
+    Raises:
+        StatsMismatchError: A layer holds more (or fewer) running means than variances.
     """
     out = []
     for key in state_dict:
@@ -70,6 +74,11 @@ def norm_entries(state_dict: Mapping[str, Tensor]) -> list[NormEntry]:
         if var is None:
             continue
         tracked = state_dict.get(prefix + "num_batches_tracked")
+        if state_dict[key].numel() != var.numel():
+            raise StatsMismatchError(
+                f"layer {prefix.rstrip('.')!r} holds {state_dict[key].numel()} running means but {var.numel()} running "
+                "variances: the checkpoint is damaged (or not a normalization layer's); re-save it from the model."
+            )
         out.append(
             NormEntry(
                 prefix.rstrip("."),

@@ -337,7 +337,9 @@ def image_batches(
 
     Args:
         skipped: ``None``: raise on the first unreadable file. A list: leave such
-            files out of their batch (it gets smaller) and append their messages.
+            files out of their batch (it gets smaller; a batch left with a single image
+            joins the next one, or the one before if it was the last: BatchNorm in
+            training mode cannot take one value per channel) and append their messages.
     """
     loader = torch.utils.data.DataLoader(
         dataset,
@@ -345,6 +347,7 @@ def image_batches(
         num_workers=workers,
         collate_fn=_collate,
     )
+    held = lone = None  # the batch before (yielded once the next one has two images or more), a lone image
     for images, errors in loader:
         if errors:
             if skipped is None:
@@ -353,5 +356,17 @@ def image_batches(
                     f"({len(errors)} unreadable in this batch)."
                 )
             skipped.extend(errors)
-        if images is not None:
-            yield images
+        if images is None:
+            continue
+        if lone is not None:
+            images, lone = torch.cat([lone, images]), None
+        if len(images) == 1:
+            lone = images  # (only after a skipped file: batch_indices joins a lone last one)
+            continue
+        if held is not None:
+            yield held
+        held = images
+    if lone is not None:
+        held = lone if held is None else torch.cat([held, lone])
+    if held is not None:
+        yield held

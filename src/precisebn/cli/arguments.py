@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,13 @@ def _sub(sub: Any, name: str, common: argparse.ArgumentParser, help: str, descri
     )
 
 
+def _file_path(text: str) -> Path:
+    """An output file's path; one ending with a slash names a folder (``Path`` would drop the slash)."""
+    if text.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"{text!r} names a folder (it ends with a slash); give a file path")
+    return Path(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     common = _common_options()
@@ -173,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--data", required=True, metavar="SPEC", help="image folder or package.module:function")
     rec.add_argument("--data-kwargs", metavar="KW", help="arguments of the data function: JSON or key=value,...")
     where = rec.add_mutually_exclusive_group(required=True)
-    where.add_argument("--out", type=Path, metavar="PATH", help="output checkpoint (same format as the input)")
+    where.add_argument("--out", type=_file_path, metavar="PATH", help="output checkpoint (same format as the input)")
     where.add_argument("--in-place", action="store_true", help="replace the input checkpoint (atomically)")
     rec.add_argument(
         "--num-samples",
@@ -218,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rec.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the images' random order (default 0)")
     rec.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1, mps... (default: cuda if available)")
-    rec.add_argument("--report", type=Path, metavar="PATH", help="save the report as JSON, with a PNG next to it")
+    rec.add_argument("--report", type=_file_path, metavar="PATH", help="save the report as JSON, with a PNG next to it")
     rec.add_argument("--trust-checkpoint", action="store_true", help="allow full unpickling (trusted files only)")
     rec.add_argument("--key", metavar="K", help=KEY_HELP)
     rec.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -256,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     app.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help=".pt/.pth or .safetensors file")
     app.add_argument("stats", type=Path, metavar="STATS", help="statistics file (.safetensors)")
     where = app.add_mutually_exclusive_group(required=True)
-    where.add_argument("--out", type=Path, metavar="PATH", help="output checkpoint (same format as the input)")
+    where.add_argument("--out", type=_file_path, metavar="PATH", help="output checkpoint (same format as the input)")
     where.add_argument("--in-place", action="store_true", help="replace the input checkpoint (atomically)")
     app.add_argument(
         "--prior",
@@ -286,7 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
         "precisebn merge shard0.safetensors shard1.safetensors --out all.safetensors",
     )
     mrg.add_argument("stats", type=Path, nargs="+", metavar="STATS", help="statistics files (.safetensors), 2 or more")
-    mrg.add_argument("--out", type=Path, required=True, metavar="PATH", help="the merged statistics (.safetensors)")
+    mrg.add_argument(
+        "--out", type=_file_path, required=True, metavar="PATH", help="the merged statistics (.safetensors)"
+    )
     mrg.set_defaults(func=commands.run_merge, check=commands.check_merge, parser=mrg)
 
     ins = _sub(

@@ -203,14 +203,33 @@ def check_recalibrate(args: argparse.Namespace) -> Any:
     return plan
 
 
+def _not_a_file(path: Path) -> str:
+    if path.is_dir():
+        return f"statistics file {str(path)!r} is a folder; pass the .safetensors file precisebn estimate wrote."
+    return f"statistics file {str(path)!r} does not exist; check the path."
+
+
+class _Patterns:
+    """``--layers`` with wildcards: a predicate on qualified names (shown as the patterns in messages)."""
+
+    def __init__(self, patterns: list[str]) -> None:
+        self.patterns = patterns
+
+    def __call__(self, name: str, module: Any) -> bool:
+        import fnmatch
+
+        return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+    def __repr__(self) -> str:
+        return "--layers " + " ".join(repr(p) for p in self.patterns)
+
+
 def _layer_selection(patterns: list[str] | None) -> Any:
     if not patterns:
         return None
     if not any(ch in p for p in patterns for ch in "*?["):
         return patterns  # exact names: the library suggests close matches for typos
-    import fnmatch
-
-    return lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    return _Patterns(patterns)
 
 
 def _say_others(ckpt: Any) -> None:
@@ -363,7 +382,7 @@ def run_apply(args: argparse.Namespace) -> int:
     ckpt = load_checkpoint(args.checkpoint, trust=args.trust_checkpoint, key=args.key)
     _say_others(ckpt)
     if not args.stats.is_file():
-        raise InvalidArgumentError(f"statistics file {str(args.stats)!r} does not exist; check the path.")
+        raise InvalidArgumentError(_not_a_file(args.stats))
     stats = PopulationStats.load(args.stats)
     replace, prefix = stats_replacement(ckpt, stats, prior=args.prior, adapt=args.adapt)
     unreached = [name for name, s in stats.items() if not s.reached]
@@ -410,7 +429,7 @@ def run_merge(args: argparse.Namespace) -> int:
     loaded = []
     for path in args.stats:
         if not path.is_file():
-            raise InvalidArgumentError(f"statistics file {str(path)!r} does not exist; check the path.")
+            raise InvalidArgumentError(_not_a_file(path))
         loaded.append(PopulationStats.load(path))
     merged = loaded[0].merge(*loaded[1:])
     rows = [
