@@ -467,6 +467,10 @@ def transform(image):
     return T.Normalize((0.1, 0.2, 0.3), (0.5, 0.5, 0.5))(T.ToTensor()(image)) * 1.5
 
 
+def lazy():
+    return nn.Sequential(nn.LazyConv2d(4, 3), nn.LazyBatchNorm2d(), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
+
+
 def exits():
     import sys
 
@@ -980,3 +984,31 @@ def test_wildcards_matching_no_layer_are_named_and_a_folder_is_no_statistics_fil
     assert "--layers 'zz*'" in err and "lambda" not in err
     assert main(["apply", str(work["ckpt"]), ".", "--out", "x.pt"]) == 1
     assert "is a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["lazy modules", "no num_batches_tracked"])
+def test_checkpoints_torch_loads_are_recalibrated(tiny, work, float64_truth, kind):
+    import cli_tiny
+
+    torch.manual_seed(0)
+    if kind == "lazy modules":  # a factory of lazy modules, with the checkpoint of the materialised model
+        factory, name = cli_tiny.lazy, "cli_tiny:lazy"
+        trained = _scramble(cli_tiny.lazy())
+        trained(cli_tiny.batches(1)[0])
+        state = trained.state_dict()
+    else:  # the format before torch 0.4.1 (and some old model zoos): torch's load_state_dict accepts it
+        factory, name = cli_tiny.Tiny, "cli_tiny:Tiny"
+        state = {k: v for k, v in torch.load(work["ckpt"]).items() if not k.endswith("num_batches_tracked")}
+    torch.save(state, "in.pt")
+    args = ["recalibrate", "in.pt", "--model", name, "--data", "cli_tiny:batches", "--out", "out.pt",
+            "--num-samples", "all", "--no-progress", "--device", "cpu", "-q"]  # fmt: skip
+    assert main(args) == 0
+    written = torch.load("out.pt", weights_only=True)
+    assert written.keys() == state.keys()
+    model = factory()
+    model.load_state_dict(state)
+    truth = float64_truth(model, cli_tiny.batches())
+    assert truth
+    for layer, t in truth.items():
+        assert max_rel_error(written[f"{layer}.running_mean"], t.mean, t.var.sqrt()) < 1e-5
+        assert max_rel_error(written[f"{layer}.running_var"], t.var) < 1e-5

@@ -407,14 +407,17 @@ def load_into(model: nn.Module, ckpt: Checkpoint) -> str:
     expected = model.state_dict()
     prefix = _best_prefix(list(ckpt.state_dict), set(expected))
     stripped = {k[len(prefix) :]: v for k, v in ckpt.state_dict.items() if k.startswith(prefix)}
-    missing = [k for k in expected if k not in stripped]
+    # (torch's own load accepts a BatchNorm without num_batches_tracked, as written before torch 0.4.1)
+    missing = [k for k in expected if k not in stripped and not k.endswith("num_batches_tracked")]
     unexpected = [prefix + k for k in stripped if k not in expected] + [
         k for k in ckpt.state_dict if not k.startswith(prefix)
     ]
     shapes = [
         f"{k}: checkpoint {tuple(stripped[k].shape)}, model {tuple(v.shape)}"
         for k, v in expected.items()
-        if k in stripped and tuple(stripped[k].shape) != tuple(v.shape)
+        if k in stripped
+        and not isinstance(v, nn.parameter.UninitializedTensorMixin)  # (lazy: the load gives it its shape)
+        and tuple(stripped[k].shape) != tuple(v.shape)
     ]
     if missing or unexpected or shapes:
         parts = []
