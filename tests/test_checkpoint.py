@@ -90,6 +90,11 @@ def test_unreadable_files(tmp_path):
     torch.save({"epoch": 1, "weights": [1, 2]}, tmp_path / "nosd.pt")
     with pytest.raises(CheckpointError, match=r"a dict without a state_dict \(keys: 'epoch', 'weights'\)"):
         load_checkpoint(tmp_path / "nosd.pt")
+    from safetensors.torch import save_file
+
+    save_file(_sd(), tmp_path / "renamed.pt")
+    with pytest.raises(CheckpointError, match="is a safetensors file .* rename it to renamed.safetensors"):
+        load_checkpoint(tmp_path / "renamed.pt")
 
 
 def test_trusted_whole_model_is_refused_with_advice(tmp_path):

@@ -138,8 +138,24 @@ def _first_sentence(text: str, limit: int = 300) -> str:
     return sentence.rstrip(".")
 
 
+def _looks_like_safetensors(path: Path) -> bool:
+    """A safetensors file: an 8-byte little-endian header length, then a JSON header."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+            size = int.from_bytes(head[:8], "little")
+        return len(head) == 9 and head[8:9] == b"{" and 0 < size <= path.stat().st_size - 8
+    except OSError:
+        return False
+
+
 def _unreadable(path: Path, exc: BaseException, trust: bool) -> CheckpointError:
     text = str(exc)
+    if _looks_like_safetensors(path):
+        return CheckpointError(
+            f"checkpoint {str(path)!r} is a safetensors file with a PyTorch file's name; rename it to "
+            f"{path.stem}.safetensors (precisebn reads a file by its extension)."
+        )
     if "Weights only load failed" in text and not trust:
         found = re.search(r"(?:GLOBAL|global:? GLOBAL) ([\w.]+)", text)
         if found:
