@@ -93,7 +93,7 @@ def test_unreadable_files(tmp_path):
     from safetensors.torch import save_file
 
     save_file(_sd(), tmp_path / "renamed.pt")
-    with pytest.raises(CheckpointError, match="is a safetensors file .* rename it to renamed.safetensors"):
+    with pytest.raises(CheckpointError, match=r"is a safetensors file .* rename it to renamed\.safetensors"):
         load_checkpoint(tmp_path / "renamed.pt")
 
 
