@@ -106,6 +106,25 @@ def ddp(rank: int, world_size: int) -> Result:
     return {"state": after_recalibrate, "kept_after_ddp_forward": same_state(after_recalibrate, buffers(model.module))}
 
 
+def frozen_one_rank_evaluating(rank: int, world_size: int) -> Result:
+    """A DDP model whose layer "1" is frozen for training (eval mode while the model trains); rank 0 has
+    evaluated alone through ``model.module`` (its wrapper still says training), the others train: every rank
+    must leave "1" out and measure "6" (no rank may skip the computation: the others would wait for it)."""
+    model = make_model()
+    model.train()
+    model[1].eval()
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    if rank == 0:
+        wrapped.module.eval()
+    kept = {k: v.clone() for k, v in model[1].named_buffers()}
+    report = precisebn.PreciseBNScheduler(wrapped, shard(rank, world_size), num_samples="all").update(1)
+    return {
+        "updated": report.updated if report is not None else None,
+        "state": buffers(model),
+        "kept": all(torch.equal(v, getattr(model[1], k)) for k, v in kept.items()),
+    }
+
+
 def expect_failure(data: Any, **options: Any) -> Result:
     """Recalibrates a fresh model expecting every rank to raise; records the error and
     whether the model kept its exact state."""
@@ -373,6 +392,7 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         independent,
         global_num_samples,
         ddp,
+        frozen_one_rank_evaluating,
         float64_union,
         auto_union,
         auto_failure,

@@ -86,6 +86,7 @@ def test_two_ranks(tmp_path: Path) -> None:
         "independent",
         "global_num_samples",
         "ddp",
+        "frozen_one_rank_evaluating",
         "float64_union",
         "argument_error",
         "layer_mismatch",
@@ -95,6 +96,17 @@ def test_two_ranks(tmp_path: Path) -> None:
     ]
     results = run_ranks(2, names, tmp_path)
     check_union(results, 2)
+
+    # layers frozen for training: left out on every rank, even one that evaluated alone (was a hang)
+    frozen = [res["frozen_one_rank_evaluating"] for res in results]
+    assert all(f.get("updated") == ["6"] and f["kept"] for f in frozen), frozen
+    assert all(torch.equal(v, frozen[1]["state"][k]) for k, v in frozen[0]["state"].items())
+    model = sc.make_model()
+    model.train()
+    model[1].eval()
+    truth = compute_truth(model, [b for r in range(2) for b in sc.shard(r, 2)], select=lambda n, m: n == "6")["6"]
+    assert max_rel_error(frozen[0]["state"]["6.running_mean"], truth.mean, truth.var.sqrt()) <= 1e-5
+    assert max_rel_error(frozen[0]["state"]["6.running_var"], truth.var) <= 1e-5
 
     # float64 layers: the union to float64 precision, bit-identical on both ranks
     truth64 = compute_truth(sc.make_model().double(), [b.double() for r in range(2) for b in sc.shard(r, 2)])

@@ -5,6 +5,7 @@ frozen ones normalising with their own statistics."""
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from torch.optim.swa_utils import AveragedModel
 
 import precisebn
 from conftest import NormEval, max_rel_error
-from precisebn.errors import InvalidArgumentError, LayerNotFoundError
+from precisebn.errors import InvalidArgumentError, LayerNotFoundError, PreciseBNWarning
 from precisebn.frozen import FrozenLayers, core_model
 
 FROZEN, TRAINED = "body.1", "head.1"
@@ -97,30 +98,42 @@ def test_observations_made_in_training_hold_when_update_runs_in_eval_mode() -> N
     assert all(torch.equal(a, b) for a, b in zip(kept, statistics(model.body[1])))
 
 
-def test_a_model_whose_every_layer_is_frozen_is_left_as_it_is(
-    snapshot: Any, unchanged: Any, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_model_whose_every_layer_is_frozen_is_left_as_it_is_with_one_warning(snapshot: Any, unchanged: Any) -> None:
     model = NormEval().train()
     model.head[1].eval()
     before = snapshot(model)
     scheduler = precisebn.PreciseBNScheduler(model, batches(), num_samples="all")
-    with caplog.at_level(logging.INFO, logger="precisebn"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         assert scheduler.update(1) is None
-        assert scheduler.update(1) is None  # logged once
+        assert scheduler.update(1) is None  # said once
     unchanged(model, before)
     assert scheduler.computations == 0 and scheduler.last_step is None
+    notes = [str(w.message) for w in caught if issubclass(w.category, PreciseBNWarning)]
+    assert len(notes) == 1 and "nothing to recompute" in notes[0] and "'body.1', 'head.1'" in notes[0]
+    assert "frozen='include'" in notes[0]
+
+
+def test_other_frozen_layers_are_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    scheduler = precisebn.PreciseBNScheduler(NormEval().train(), batches(), num_samples="all")
+    with caplog.at_level(logging.INFO, logger="precisebn"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scheduler.update(1)
+        scheduler.update(2)
     notes = [r.getMessage() for r in caplog.records if "frozen" in r.getMessage()]
-    assert len(notes) == 1 and "'body.1', 'head.1'" in notes[0] and "frozen='include'" in notes[0]
+    assert len(notes) == 1 and f"'{FROZEN}'" in notes[0]
 
 
 def test_frozen_layers_are_taken_out_of_the_users_selection() -> None:
     model = NormEval().train()
     data = batches()
     named = precisebn.PreciseBNScheduler(model, data, num_samples="all", layers=[FROZEN, TRAINED])
-    report = named.update(1)
+    with pytest.warns(PreciseBNWarning, match=f"layers= names '{FROZEN}', frozen for training"):
+        report = named.update(1)
     assert report is not None and [r.name for r in report.layers] == [TRAINED]
     typed = precisebn.PreciseBNScheduler(model, data, num_samples="all", layers=lambda name, m: name == FROZEN)
-    assert typed.update(1) is None  # its only layer is frozen
+    with pytest.warns(PreciseBNWarning, match="nothing to recompute"):
+        assert typed.update(1) is None  # its only layer is frozen
     wrong = precisebn.PreciseBNScheduler(model, data, num_samples="all", layers=["body.9"])
     with pytest.raises(LayerNotFoundError, match=r"body\.9"):
         wrong.update(1)
@@ -147,6 +160,47 @@ def test_an_averaged_copy_is_recalibrated_with_the_frozen_layers_of_the_model_tr
     report = scheduler.update(1)
     assert report is not None and report.updated == [f"module.{TRAINED}"]
     assert all(torch.equal(a, b) for a, b in zip(kept, statistics(averaged.module.body[1])))
+
+
+def test_a_wrapper_still_training_around_a_model_in_eval_mode_says_nothing() -> None:
+    # e.g. a rank that evaluates alone through ddp_model.module: the wrapper's flag stays True
+    model = NormEval().train()
+    wrapped = nn.DataParallel(model)
+    model.eval()
+    scheduler = precisebn.PreciseBNScheduler(wrapped, batches(), num_samples="all")
+    report = scheduler.update(1)
+    assert report is not None and report.updated == [FROZEN, TRAINED] and scheduler.frozen_layers == ()
+
+
+def test_a_head_trained_on_a_backbone_in_eval_mode_is_seen_training() -> None:
+    model = NormEval(frozen=False)
+    model.eval()
+    model.head.train()  # a linear probe / head-only fine-tuning
+    kept = statistics(model.body[1])
+    scheduler = precisebn.PreciseBNScheduler(model, batches(), num_samples="all")
+    report = scheduler.update(1)
+    assert report is not None and report.updated == [TRAINED] and scheduler.frozen_layers == (FROZEN,)
+    assert all(torch.equal(a, b) for a, b in zip(kept, statistics(model.body[1])))
+
+
+def test_a_layer_replaced_during_training_is_seen_as_it_is() -> None:
+    model = NormEval().train()
+    scheduler = precisebn.PreciseBNScheduler(model, batches(), num_samples="all")
+    assert scheduler.update(1).updated == [TRAINED]  # type: ignore[union-attr]
+    model.frozen = False
+    model.body[1] = nn.SyncBatchNorm.convert_sync_batchnorm(model.body[1])  # a new module, now trained
+    model.train()
+    assert scheduler.update(2).updated == [FROZEN, TRAINED]  # type: ignore[union-attr]
+    model.body[1] = nn.BatchNorm1d(6).eval()  # a pretrained layer put in frozen
+    assert scheduler.update(3).updated == [TRAINED]  # type: ignore[union-attr]
+
+
+def test_observe_refuses_what_is_not_a_model_and_keeps_reading_its_own() -> None:
+    model = NormEval().train()
+    scheduler = precisebn.PreciseBNScheduler(model, batches(), num_samples="all")
+    with pytest.raises(InvalidArgumentError, match="observe\\(\\) takes the model being trained, got int"):
+        scheduler.observe(123)  # type: ignore[arg-type]
+    assert scheduler.update(1).updated == [TRAINED]  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("value", ["yes", None, True, 1, ["skip"]])

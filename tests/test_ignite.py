@@ -238,3 +238,46 @@ def test_layers_frozen_for_training_are_left_as_they_are(frozen: str) -> None:
         return
     assert same and all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     assert_frozen_left_and_trained_precise(model, reference, [x])
+
+
+def test_an_ema_copy_leaves_the_layers_frozen_in_the_model_trained() -> None:
+    # Ignite's EMAHandler keeps ema_model in eval mode, and its buffers share storage with the model's
+    # (handle_buffers="copy"): recalibrating the copy's frozen layer would change the model's training
+    from ignite.handlers import EMAHandler
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 4, generator=g) * 3 + 1, torch.randn(16, 1, generator=g)) for _ in range(4)]
+
+    def run(with_handler: bool) -> tuple[torch.nn.Module, list[float], PreciseBN | None]:
+        torch.manual_seed(0)
+        model = NormEval()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses: list[float] = []
+
+        def step(engine: Engine, batch: Any) -> None:
+            model.train()
+            loss = torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+
+        trainer = Engine(step)
+        ema = EMAHandler(model, momentum=0.5)
+        ema.attach(trainer, name="ema_momentum")
+        precise = None
+        if with_handler:
+            precise = PreciseBN(ema.ema_model, [x for x, _ in data], num_samples="all", trained_model=model)
+            precise.attach(trainer, Events.EPOCH_COMPLETED)
+        trainer.run(data, max_epochs=3)
+        return model, losses, precise
+
+    model, losses, precise = run(True)
+    reference, expected, _ = run(False)
+    assert precise is not None and precise.computations == 3 and precise.last_report is not None
+    assert precise.last_report.updated == ["head.1"]
+    assert losses == expected
+    for name in ("running_mean", "running_var"):
+        assert torch.equal(getattr(model.body[1], name), getattr(reference.body[1], name))
+    with pytest.raises(InvalidArgumentError, match="trained_model must be"):
+        PreciseBN(model, trained_model="model")  # type: ignore[arg-type]

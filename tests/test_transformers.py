@@ -355,3 +355,29 @@ def test_layers_frozen_for_training_are_left_as_they_are(tmp_path: Path, frozen:
     assert len(losses) == 8 and same
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     assert_frozen_left_and_trained_precise(model, reference, [x], prefix="net.", forward=lambda m, b: m.net(b))
+
+
+def test_the_evaluation_on_start_leaves_frozen_layers_too(tmp_path: Path) -> None:
+    # computed before the Trainer's first model.train(), on a model in eval mode (as from_pretrained gives it)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 4, generator=g) * 2 + 1
+    records = [{"x": x[i], "labels": x[i].sum()} for i in range(N)]
+
+    def run(callbacks: list[Any], directory: Path) -> Trainer:
+        torch.manual_seed(0)
+        model = FrozenBackbone().eval()
+        args = arguments(directory, eval_strategy="epoch", eval_on_start=True, learning_rate=0.02)
+        return train(
+            SequentialTrainer, model, args, train_dataset=records, eval_dataset=records[:16], data_collator=collate,
+            callbacks=callbacks,
+        )  # fmt: skip
+
+    precise = PreciseBNCallback(num_samples="all")
+    with_callback = run([precise], tmp_path / "with")
+    without = run([], tmp_path / "without")
+    assert precise.computations == 3  # on start, after epochs 1 and 2
+    losses = [e["loss"] for e in with_callback.state.log_history if "loss" in e]
+    assert len(losses) == 8 and losses == [e["loss"] for e in without.state.log_history if "loss" in e]
+    model, reference = with_callback.model, without.model
+    assert torch.equal(model.net.body[1].running_mean, reference.net.body[1].running_mean)
+    assert torch.equal(model.net.body[1].running_var, reference.net.body[1].running_var)

@@ -1,13 +1,18 @@
 """Layers a training loop keeps frozen: in eval mode while the rest of the model trains.
 
 Training code freezes normalization layers by keeping them in eval mode while the model
-trains — mmdetection's ``norm_eval=True``, a backbone frozen for fine-tuning, a
-``train()`` override that puts some layers back in eval mode. Their running statistics
-are then fixed on purpose, and training normalises with them. A recalibration made
-during training (:class:`~precisebn.PreciseBNScheduler`, every training-loop integration)
-leaves them as they are: :meth:`FrozenLayers.observe` notes which layers are in eval
-mode whenever the model is seen in training mode, and :meth:`FrozenLayers.excluding`
-takes them out of each computation's selection.
+trains — mmdetection's ``norm_eval=True``, a backbone frozen for fine-tuning
+(``model.eval(); model.head.train()``), a ``train()`` override that puts some layers back
+in eval mode. Their running statistics are then fixed on purpose, and training normalises
+with them. A recalibration made during training (:class:`~precisebn.PreciseBNScheduler`,
+every training-loop integration) leaves them as they are: :meth:`FrozenLayers.observe`
+notes which layers are in eval mode whenever the model is seen training, and
+:meth:`FrozenLayers.excluding` takes them out of each computation's selection.
+
+The model is *seen training* when the module inside its wrappers is in training mode, or
+when one of its normalization layers is (a head trained on a frozen backbone); a model
+whose every normalization layer is in eval mode while the module is too (evaluation, a
+rank that evaluates alone) tells nothing, and what was noted before stays.
 
 Example:
     >>> import torch
@@ -25,13 +30,20 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
+import torch
 from torch import nn
 
+from .errors import InvalidArgumentError
 from .layers import LayerSelection, has_running_stats, layer_matcher, unwrap
 
-__all__ = ["FrozenLayers", "core_model"]
+__all__ = ["FrozenLayers", "agreed_names", "core_model", "training_modes"]
+
+_RELIST_FACTOR = 100  # the layers are listed again once this many times the last listing's duration has passed
 
 
 def core_model(model: nn.Module) -> nn.Module:
@@ -49,30 +61,46 @@ def core_model(model: nn.Module) -> nn.Module:
 
 class FrozenLayers:
     """The qualified names of the normalization layers last seen in eval mode while their
-    model was in training mode.
+    model was seen training (see the module's docstring).
 
     Only layers with running statistics are noted (see
-    :func:`~precisebn.layers.has_running_stats`), by name relative to
-    :func:`core_model`. The layers of a model are listed once, at its first observation
-    (a model observed again is assumed to hold the same layers).
+    :func:`~precisebn.layers.has_running_stats`), by name relative to :func:`core_model`.
+    The model's layers are listed again at most every hundred times the listing's own
+    duration (under 1 % of the time between observations), and at every
+    :meth:`excluding`, so that a layer replaced during training (SyncBatchNorm conversion,
+    a module swapped in) is seen as it is.
     """
 
     def __init__(self) -> None:
         self.names: tuple[str, ...] = ()
         self._model: nn.Module | None = None
         self._layers: list[tuple[str, nn.Module]] = []
+        self._listed_at = 0.0
+        self._listing = 0.0
+
+    def _list(self, core: nn.Module, *, now: bool = False) -> list[tuple[str, nn.Module]]:
+        start = time.perf_counter()
+        if now or core is not self._model or start - self._listed_at > _RELIST_FACTOR * self._listing:
+            self._layers = [(name, m) for name, m in core.named_modules() if has_running_stats(m)]
+            self._model, self._listed_at = core, start
+            self._listing = time.perf_counter() - start
+        return self._layers
 
     def observe(self, model: nn.Module) -> bool:
-        """Notes the layers of ``model`` in eval mode, if ``model`` is in training mode
-        (else keeps what was noted before, and returns ``False``): a host-only scan of the
-        layers' flags, cheap enough for every training step."""
-        if not model.training:
-            return False
+        """Notes the layers of ``model`` in eval mode, if ``model`` is seen training (else
+        keeps what was noted before, and returns ``False``): a host-only scan of the
+        layers' flags, cheap enough for every training step.
+
+        Raises:
+            InvalidArgumentError: ``model`` is not an ``nn.Module``.
+        """
+        if not isinstance(model, nn.Module):
+            raise InvalidArgumentError(f"observe() takes the model being trained, got {type(model).__name__}")
         core = core_model(model)
-        if core is not self._model:
-            self._layers = [(name, m) for name, m in core.named_modules() if has_running_stats(m)]
-            self._model = core
-        self.names = tuple(name for name, m in self._layers if not m.training)
+        layers = self._list(core)
+        if not core.training and not any(m.training for _, m in layers):
+            return False
+        self.names = tuple(name for name, m in layers if not m.training)
         return True
 
     def excluding(self, layers: LayerSelection, model: nn.Module) -> tuple[LayerSelection, list[str]]:
@@ -83,6 +111,7 @@ class FrozenLayers:
             LayerNotFoundError: ``layers`` names a module that is not in ``model``.
             InvalidArgumentError: ``layers`` is not a selection.
         """
+        self._model = None  # (listed again at the next observation)
         if not self.names:
             return layers, []
         core = dict(core_model(model).named_modules())
@@ -96,3 +125,37 @@ class FrozenLayers:
             return id(module) not in skipped and bool(base(name, module))
 
         return selected, found
+
+
+def agreed_names(names: tuple[str, ...], distributed: Any, group: Any = None) -> tuple[str, ...]:
+    """Every rank's frozen layers (the union, in a fixed order), so that all ranks leave the
+    same layers out — one ``all_gather_object`` when a process group of several ranks is
+    initialised and ``distributed`` is not ``False``; ``names`` otherwise."""
+    dist = torch.distributed
+    if distributed is False or not (dist.is_available() and dist.is_initialized()):
+        return names
+    group = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    if world <= 1:
+        return names
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, list(names), group=group)
+    union: set[str] = set()
+    for part in gathered:
+        union.update(part or ())
+    return tuple(sorted(union))
+
+
+@contextmanager
+def training_modes(model: nn.Module) -> Iterator[None]:
+    """Runs ``model.train()`` (the model's own, with whatever layers it keeps in eval mode)
+    for the block, then puts every module's flag back: for a look at what training will
+    freeze before training has started."""
+    modules = list(model.modules())
+    flags = [m.training for m in modules]
+    try:
+        model.train()
+        yield
+    finally:
+        for m, flag in zip(modules, flags):
+            m.training = flag

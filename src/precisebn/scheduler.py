@@ -25,6 +25,7 @@ import logging
 import operator
 import random
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -32,8 +33,8 @@ import torch
 from torch import nn
 
 from .data import Forward
-from .errors import InvalidArgumentError
-from .frozen import FrozenLayers
+from .errors import InvalidArgumentError, PreciseBNError, PreciseBNWarning
+from .frozen import FrozenLayers, agreed_names
 from .layers import LayerSelection, find_norm_layers, unwrap
 from .recalibrate import check_options, recalibrate
 from .report import Report
@@ -203,8 +204,9 @@ class PreciseBNScheduler:
         """
         if model is None or model is self.model:
             return self._frozen.observe(self.model)
+        seen = self._frozen.observe(model)  # (refuses a non-module first)
         self._own_modes = False  # from now on the modes that count are those of the model trained
-        return self._frozen.observe(model)
+        return seen
 
     def is_current(self, step: int) -> bool:
         """Whether the statistics were computed at ``step`` and nothing invalidated them since."""
@@ -234,10 +236,16 @@ class PreciseBNScheduler:
         if self.frozen == "skip":
             if self._own_modes:
                 self._frozen.observe(self.model)
-            layers, skipped = self._frozen.excluding(options["layers"], self.model)
+            # every rank leaves the same layers out (one rank may have evaluated alone, in eval mode)
+            self._frozen.names = agreed_names(self._frozen.names, options["distributed"], options["process_group"])
+            try:
+                layers, skipped = self._frozen.excluding(options["layers"], self.model)
+                everything = skipped and not find_norm_layers(unwrap(self.model), layers, require=False)
+            except PreciseBNError:  # a wrong layers=: raised by recalibrate below, on every rank together
+                layers, skipped, everything = options["layers"], [], False
             if skipped:
-                self._log_skipped(skipped)
-                if not find_norm_layers(unwrap(self.model), layers, require=False):
+                self._note_skipped(skipped, everything)
+                if everything:
                     return None  # every selected layer is frozen: nothing to compute
                 options = {**options, "layers": layers}
         if self.preserve_rng:
@@ -251,17 +259,30 @@ class PreciseBNScheduler:
         self._computations += 1
         return report
 
-    def _log_skipped(self, skipped: list[str]) -> None:
+    def _note_skipped(self, skipped: list[str], everything: bool) -> None:
+        """Says once per set which frozen layers are left out: a log line, or a warning when that
+        leaves nothing to compute or when ``layers=`` named one of them."""
         if skipped == self._skipped:
             return
         self._skipped = skipped
         shown = ", ".join(repr(n) for n in skipped[:8]) + (f" and {len(skipped) - 8} more" if len(skipped) > 8 else "")
-        logger.info(
-            "precisebn: %d layer(s) kept in eval mode while the model trains (frozen for training) are left as "
-            "they are: %s. Pass frozen='include' to recalibrate them too.",
-            len(skipped),
-            shown,
+        text = (
+            f"{len(skipped)} layer(s) kept in eval mode while the model trains (frozen for training) are left as they "
+            f"are: {shown}. Pass frozen='include' to recalibrate them too."
         )
+        named = self._options["layers"]
+        names = {named} if isinstance(named, str) else set(named) if isinstance(named, (list, tuple, set)) else set()
+        asked = sorted(names & set(skipped))
+        if everything:
+            warnings.warn(f"precisebn: nothing to recompute: {text}", PreciseBNWarning, stacklevel=3)
+        elif asked:
+            warnings.warn(
+                f"precisebn: layers= names {', '.join(map(repr, asked))}, frozen for training: {text}",
+                PreciseBNWarning,
+                stacklevel=3,
+            )
+        else:
+            logger.info("precisebn: %s", text)
 
     def invalidate(self) -> None:
         """Marks the statistics as out of date, so that the next :meth:`update` recomputes

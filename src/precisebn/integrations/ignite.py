@@ -88,8 +88,11 @@ class PreciseBN(TriggerState):
         frozen: Layers the model keeps in eval mode while it trains (frozen for
             training): ``"skip"`` (default) leaves them as they are, ``"include"``
             recalibrates them too. They are noted whenever the handler runs with the
-            model in training mode, and after every iteration of the engines it is
+            model training, and after every iteration of the step engines it is
             attached to.
+        trained_model: The model being trained, when ``model`` is a copy of it that
+            does not train (the ``ema_model`` of Ignite's ``EMAHandler``): its frozen
+            layers are those left as they are in ``model``.
         log: Log each computation through the engine's logger.
 
     Attributes:
@@ -114,9 +117,15 @@ class PreciseBN(TriggerState):
         prior: float | None = None,
         adapt: Literal["both", "mean", "var"] = "both",
         frozen: Literal["skip", "include"] = "skip",
+        trained_model: nn.Module | None = None,
         progress: bool = False,
         log: bool = True,
     ) -> None:
+        if trained_model is not None and not isinstance(trained_model, nn.Module):
+            raise InvalidArgumentError(
+                f"trained_model must be the torch.nn.Module being trained, got {type(trained_model).__name__}"
+            )
+        self.trained_model = trained_model
         self._trigger = Trigger(
             type(self).__name__,
             num_samples=num_samples,
@@ -135,6 +144,8 @@ class PreciseBN(TriggerState):
         self._data_engine: Any = None
         source: Data = data if data is not None else self._engine_data
         self._trigger.bind(model, source, device=device, progress=progress and _rank_zero())
+        if trained_model is not None:
+            self._trigger.observe(trained_model)  # (update() then no longer reads model's own flags)
         self.log = log
 
     def _engine_data(self) -> Iterable[Any]:
@@ -177,7 +188,7 @@ class PreciseBN(TriggerState):
 
     def _observe(self, engine: Any) -> None:
         """After each training iteration: notes the layers kept in eval mode (frozen)."""
-        self._trigger.observe()
+        self._trigger.observe(self.trained_model)
 
     def __call__(self, engine: Any, step_engine: Any = None) -> Report | None:
         """Recalibrates unless the statistics are current for the step engine's iteration."""
