@@ -611,3 +611,36 @@ def test_calls_inside_and_outside_its_own_call_in_one_batch_are_exact(
     assert report["bn"].path == "float64"
     assert report["bn"].count == values.shape[1]
     assert_exact(model, "bn", values.mean(1), values.var(1, unbiased=False))
+
+
+class TrackingOffInBatch2(nn.Module):
+    """A BatchNorm whose forward turns tracking off for its second batch (batch statistics only, the running
+    buffers neither used nor written), with or without a num_batches_tracked counter (None: built without
+    tracking and given buffers later, or unpickled from an old torch)."""
+
+    def __init__(self, counter: bool) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+        self.calls = 0
+        if not counter:
+            self.bn.register_buffer("num_batches_tracked", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.bn.track_running_stats = self.calls != 2
+        try:
+            return self.bn(x)
+        finally:
+            self.bn.track_running_stats = True
+
+
+def test_a_layer_without_a_counter_is_measured_from_what_it_normalises_with_its_buffers() -> None:
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn(6, 4, generator=g) * (i + 1) + i for i in range(4)]
+    used = torch.cat([b for i, b in enumerate(data) if i != 1]).double()  # batch 2 did not use the buffers
+    model = TrackingOffInBatch2(counter=False)
+    report = precisebn.recalibrate(model, data, num_samples="all")
+    assert report["bn"].updated and report["bn"].count == len(used)  # (was 24: batch 2 read as the old figures)
+    assert_exact(model, "bn", used.mean(0), used.var(0, unbiased=False))
+    with pytest.raises(UnsupportedLayerError, match="computed batch statistics"):  # with a counter: refused
+        precisebn.recalibrate(TrackingOffInBatch2(counter=True), data, num_samples="all")

@@ -103,7 +103,8 @@ class NormLayer:
             first calls against a float64 reduction of what it normalises (see
             :mod:`precisebn.capture`); ``"float64"``: what the layer normalises with its
             running buffers is reduced in float64 on every call (half-precision buffers,
-            SyncBatchNorm across processes, ``capture="float64"``).
+            SyncBatchNorm across processes, a layer without ``num_batches_tracked``,
+            ``capture="float64"``).
     """
 
     name: str
@@ -125,6 +126,8 @@ def _path(module: _NormBase, capture: Capture) -> Path:
         and module.running_mean.dtype in _OWN_FIGURE_DTYPES
         and module.running_var.dtype in _OWN_FIGURE_DTYPES
         and not _sync_active(module)  # its figures are those of all processes, not this one's
+        # without a counter, a call that computed no figures (tracking turned off for it) would go unseen
+        and module._buffers.get("num_batches_tracked") is not None
     )
     return "fast" if fast else "float64"
 
