@@ -99,3 +99,13 @@ def test_a_mapping_that_keeps_its_items_elsewhere_is_not_written_into() -> None:
     assert batch["x"] is x  # the user's batch as it was
     d = OrderedDict(x=x)
     assert to_device(d, torch.device("meta"))["x"].is_meta and d["x"] is x
+
+
+def test_batch_size_of_detection_batches_and_named_inputs() -> None:
+    images = tuple(torch.zeros(3, 10 + i, 12) for i in range(8))  # torchvision's detection batches
+    targets = tuple({"boxes": torch.zeros(2, 4), "labels": torch.zeros(2)} for _ in range(8))
+    assert batch_size((images, targets)) == 8  # (was 3: the first image's channels)
+    assert batch_size([list(images), list(targets)]) == 8
+    assert batch_size(({"x": torch.zeros(16, 4), "mask": torch.zeros(16)}, torch.zeros(16))) == 16  # (was 2)
+    assert batch_size(((torch.zeros(16, 4), torch.zeros(16, 2)), torch.zeros(16))) == 16  # batched inputs
+    assert batch_size([{"image": torch.zeros(3, 4, 4)}] * 5) == 5  # detectron2's per-sample records

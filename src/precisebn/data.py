@@ -42,10 +42,12 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
 def batch_size(batch: Any) -> int | None:
     """The number of samples in a batch: the first dimension of its input tensor.
 
-    A tensor counts its first dimension; a tuple/list counts its first element if that
-    is a tensor (``(inputs, targets)``) and its length otherwise (a list of per-sample
-    records, as detectron2 uses); a mapping counts its first tensor value. ``None`` when
-    nothing tells.
+    A tensor counts its first dimension; a tuple/list counts its first element: a tensor
+    (``(inputs, targets)``), a tuple of per-sample tensors when the next element holds as
+    many targets (``(images, targets)``, torchvision's detection batches) and else a tuple of
+    batched inputs (``((x, extra), y)``), a mapping of inputs (``({"x": x}, y)``); a list of
+    per-sample records (as detectron2 uses) counts its length. A mapping counts its first
+    tensor value. ``None`` when nothing tells.
 
     Example:
         >>> import torch
@@ -53,6 +55,10 @@ def batch_size(batch: Any) -> int | None:
         8
         >>> batch_size([{"image": torch.zeros(3, 4, 4)}, {"image": torch.zeros(3, 4, 4)}])
         2
+        >>> batch_size(((torch.zeros(3, 4, 4),) * 5, ({"boxes": torch.zeros(1, 4)},) * 5))
+        5
+        >>> batch_size(({"x": torch.zeros(6, 2)}, torch.zeros(6)))
+        6
     """
     if isinstance(batch, Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
@@ -60,8 +66,17 @@ def batch_size(batch: Any) -> int | None:
         if not batch:
             return 0
         first = batch[0]
-        if isinstance(first, (Tensor, tuple)) or (isinstance(first, list) and first and isinstance(first[0], Tensor)):
+        if isinstance(first, Tensor):
             return batch_size(first)
+        if isinstance(first, (tuple, list)) and first and isinstance(first[0], Tensor):
+            second = batch[1] if len(batch) > 1 else None
+            if isinstance(second, (tuple, list)) and len(second) == len(first):
+                return len(first)  # per-sample inputs, with their targets
+            return batch_size(first)
+        if isinstance(first, tuple):
+            return batch_size(first)
+        if isinstance(first, Mapping) and not all(isinstance(item, Mapping) for item in batch):
+            return batch_size(first)  # (inputs, targets) with named inputs, not a list of records
         return len(batch)
     if isinstance(batch, Mapping):
         for value in batch.values():
