@@ -337,3 +337,18 @@ def test_scratch_starts_from_each_layer_s_statistics_and_is_reset_to_them() -> N
         for module, (mean, var) in expected.items():
             assert module.running_mean.tolist() == mean and module.running_var.tolist() == var
     assert b.running_mean.isnan()[0] and a.running_var.tolist() == [4.0, 0.5, 9.0]  # the model's, untouched
+
+
+def test_a_layer_registered_twice_is_selected_by_either_name() -> None:
+    class Aliased(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(4)
+            self.sub = nn.Sequential()
+            self.sub.alias = self.bn  # get_submodule("sub.alias") is self.bn
+
+    model = Aliased()
+    for names in (["sub.alias"], ["bn"], ["bn", "sub.alias"]):
+        assert [layer.name for layer in find_norm_layers(model, names)] == ["bn"]
+    with pytest.raises(LayerNotFoundError, match=r"sub\.alia"):
+        find_norm_layers(model, ["sub.alia"])

@@ -614,3 +614,15 @@ def test_a_pass_without_random_layers_draws_no_random_numbers(monkeypatch) -> No
     precisebn.recalibrate(model, [torch.ones(4, 3) * torch.arange(4.0)[:, None] for _ in range(2)])
     assert capture._BUMPS == {"cpu": False}
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_module_as_layers_and_the_meta_device_are_refused_by_name() -> None:
+    """Were a raw TypeError (the module called as a predicate) and a raw RuntimeError inside the model."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    before = state_snapshot(model)
+    data = [torch.randn(6, 4) for _ in range(2)]
+    with pytest.raises(InvalidArgumentError, match=r"layers= got a module \(BatchNorm1d\).*layers=\['1'\]"):
+        precisebn.recalibrate(model, data, layers=model[1])
+    with pytest.raises(InvalidArgumentError, match="device='meta' holds no values"):
+        precisebn.recalibrate(model, data, device="meta")
+    assert_unchanged(model, before)

@@ -132,9 +132,12 @@ def _path(module: _NormBase, capture: Capture) -> Path:
     return "fast" if fast else "float64"
 
 
-def layer_matcher(selection: LayerSelection, candidates: dict[str, nn.Module]) -> Callable[[str, nn.Module], bool]:
+def layer_matcher(
+    selection: LayerSelection, candidates: dict[str, nn.Module], root: nn.Module | None = None
+) -> Callable[[str, nn.Module], bool]:
     """A predicate ``(name, module) -> bool`` for a ``layers=`` selection among ``candidates``
-    (``model.named_modules()``), whose names it checks now.
+    (``model.named_modules()``), whose names it checks now; with ``root`` (the model), a
+    module registered under two names is found by either.
 
     Raises:
         LayerNotFoundError: A named module is not among ``candidates``.
@@ -143,6 +146,13 @@ def layer_matcher(selection: LayerSelection, candidates: dict[str, nn.Module]) -
     """
     if selection is None:
         return lambda name, module: True
+    if isinstance(selection, nn.Module):  # (callable, but not a predicate)
+        named = [name for name, module in candidates.items() if module is selection]
+        hint = f"layers=[{named[0]!r}]" if named else "its qualified name from model.named_modules()"
+        raise InvalidArgumentError(
+            f"layers= got a module ({type(selection).__name__}), not a selection; pass {hint}, a type, or a "
+            "predicate (name, module) -> bool."
+        )
     if isinstance(selection, type) or (
         isinstance(selection, tuple) and selection and all(isinstance(t, type) for t in selection)
     ):
@@ -163,6 +173,11 @@ def layer_matcher(selection: LayerSelection, candidates: dict[str, nn.Module]) -
         )
     known = dict(candidates)
     unknown = [n for n in names if n not in known]
+    if unknown and root is not None:  # a second name of a module registered twice (get_submodule takes it)
+        canonical = {id(m): name for name, m in known.items()}
+        every = dict(root.named_modules(remove_duplicate=False))
+        names = [canonical.get(id(every[n]), n) if n in every else n for n in names]
+        unknown = [n for n in names if n not in known]
     if unknown:
         hints = []
         for n in unknown:
@@ -206,7 +221,7 @@ def find_norm_layers(
         UninitializedLayerError: A selected lazy layer has not run yet.
     """
     all_modules = dict(modules if modules is not None else model.named_modules(remove_duplicate=True))
-    match = layer_matcher(layers, all_modules)
+    match = layer_matcher(layers, all_modules, model)
     found: list[NormLayer] = []
     scripted: list[str] = []  # TorchScript norm layers: compiled code, out of reach
     for name, module in all_modules.items():

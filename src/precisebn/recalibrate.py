@@ -114,7 +114,12 @@ def _device(device: Any) -> torch.device | None:
             "device must be a torch.device or a device string such as 'cpu', 'cuda' or 'cuda:1', "
             f"got {device!r} ({exc})"
         ) from None
-    if checked.type not in ("cpu", "meta"):
+    if checked.type == "meta":
+        raise InvalidArgumentError(
+            "device='meta' holds no values, so batches moved there cannot be measured; pass device=None (the "
+            "model's own device) or a device such as 'cpu' or 'cuda'."
+        )
+    if checked.type != "cpu":
         try:
             torch.empty(0, device=checked)  # no GPU, no driver, an index past the last device...
         except (RuntimeError, AssertionError, ValueError) as exc:
