@@ -626,3 +626,23 @@ def test_a_module_as_layers_and_the_meta_device_are_refused_by_name() -> None:
     with pytest.raises(InvalidArgumentError, match="device='meta' holds no values"):
         precisebn.recalibrate(model, data, device="meta")
     assert_unchanged(model, before)
+
+
+def test_a_buffer_whose_elements_share_memory_is_refused_before_any_batch() -> None:
+    """An expand()ed running_var (torch trains with it) failed only at the write, after every pass, with a raw
+    RuntimeError; estimate, which writes nothing, measures it."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model[1].running_var = torch.ones(1).expand(4)
+    before = state_snapshot(model)
+    drawn: list[int] = []
+
+    def batches():
+        for _ in range(3):
+            drawn.append(1)
+            yield torch.randn(6, 4)
+
+    with pytest.raises(UnsupportedLayerError, match=r"layer '1' running_var: its 4 elements share memory"):
+        precisebn.recalibrate(model, batches())
+    assert drawn == []
+    assert_unchanged(model, before)
+    assert precisebn.estimate(model, batches())["1"].reached

@@ -270,7 +270,8 @@ def refuse_shared_buffers(buffers: list[tuple[str, str, Tensor]]) -> None:
     """Raises :class:`UnsupportedLayerError` if two of the running-statistics buffers about
     to be written, ``(layer name, buffer name, tensor)``, share memory (two layers given the
     same tensor, or views of one): each layer's statistics would be written over the other's,
-    the last one winning, while the report listed both as updated.
+    the last one winning, while the report listed both as updated; or if one buffer's own
+    elements do (an ``expand()``ed tensor), which cannot hold one value per channel.
 
     >>> import torch
     >>> a, b = torch.nn.BatchNorm1d(2), torch.nn.BatchNorm1d(2)
@@ -280,6 +281,13 @@ def refuse_shared_buffers(buffers: list[tuple[str, str, Tensor]]) -> None:
     ...
     precisebn.errors.UnsupportedLayerError: running statistics that share memory: layer 'a' running_var and ...
     """
+    for layer, name, t in buffers:  # one tensor whose elements share memory (an expand()ed buffer)
+        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+            raise UnsupportedLayerError(
+                f"layer {layer!r} {name}: its {t.numel()} elements share memory (a buffer made by expand(), stride "
+                f"{tuple(t.stride())}), so it cannot hold one statistic per channel. Give the layer a buffer of its "
+                f"own (layer.{name} = layer.{name}.clone()), or exclude it with layers=. The model was left unchanged."
+            )
     pairs = overlapping([t for _, _, t in buffers])
     if not pairs:
         return
