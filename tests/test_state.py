@@ -7,6 +7,7 @@ import copy
 import sys
 import threading
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -540,3 +541,52 @@ def test_overlapping_lists_exactly_the_pairs_that_share_a_byte(specs: list, as_b
     owned.append({-1 - i for i in range(12)})  # bytes of nothing in base
     expected = [(i, j) for i in range(len(tensors)) for j in range(i + 1, len(tensors)) if owned[i] & owned[j]]
     assert overlapping(tensors) == expected
+
+
+@pytest.mark.parametrize(
+    ("function", "line"),
+    [
+        ("_restore_momenta", '_set_attribute(m, "momentum", momentum)'),
+        ("_unwrap_forwards", 'module.__dict__.pop("forward", None)'),
+        ("_restore_flags", "_set_flag(m, training)"),
+        ("_release", "_busy.pop(i, None)"),
+        ("__call__", "owner = stack[-1] if stack else c._last"),  # a layer's call, before its bookkeeping
+    ],
+)
+def test_ctrl_c_while_restoring_still_restores_everything(function: str, line: str) -> None:
+    """Ctrl-C (simulated: raised by a trace function at one line, as a signal handler would) that lands in a
+    restore used to leave momentum 1.0, a forward wrapper on the instance, or the model 'in use' forever."""
+    import linecache
+    import os
+    import sys
+
+    import precisebn
+
+    package = os.path.dirname(precisebn.__file__)
+    fired: list[bool] = []
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and not fired and line in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+            fired.append(True)
+            raise KeyboardInterrupt
+        return local
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        code = frame.f_code
+        return local if code.co_filename.startswith(package) and code.co_name == function else None
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    data = [torch.randn(8, 4) for _ in range(3)]
+    done = copy.deepcopy(model)
+    precisebn.recalibrate(done, data)
+    before = state_snapshot(model)
+    after = {**state_snapshot(done), "buffer_ids": before["buffer_ids"]}  # (Ctrl-C after the writes: all written)
+    sys.settrace(calls)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            precisebn.recalibrate(model, data)
+    finally:
+        sys.settrace(None)
+    assert fired
+    assert_unchanged(model, after if function == "_release" else before)
+    precisebn.recalibrate(model, data)  # not left "in use"

@@ -747,11 +747,13 @@ class _LayerCall:
         self.active = inside + 1
         if inside:
             self.nested = True  # (read by the enclosing call in the verifying batch; it cleared it)
+        pushed = False  # (a Ctrl-C before the push must not pop another call's entry)
         try:
             if guard:  # (inline: this runs for every layer in every batch)
                 stack = c._stack
                 owner = stack[-1] if stack else c._last
                 stack.append(i)
+                pushed = True
                 if c._changed():
                     c._entered(owner, len(stack) > 1)
             if inside and (path == "fast" or c.per_call):
@@ -823,7 +825,7 @@ class _LayerCall:
                     buffers["running_mean"] = self.init_mean
                 if buffers.get("running_var") is self.var_view:
                     buffers["running_var"] = self.init_var
-            if guard:
+            if pushed:
                 c._stack.pop()
                 c._last = i
         if j >= c.most[i]:

@@ -30,7 +30,7 @@ from .errors import (
     UninitializedLayerError,
     UnsupportedLayerError,
 )
-from .state import StateSnapshot, copy_all, overlapping, refuse_uninitialized
+from .state import StateSnapshot, copy_all, overlapping, refuse_uninitialized, to_the_end
 
 __all__ = [
     "LayerSelection",
@@ -489,16 +489,16 @@ def recalibration_state(
     with contextlib.ExitStack() as stack:
         # parallel lists rather than (module, value) pairs: a pass makes few objects for the gc to track
         mods = [m for _, m in modules]
-        stack.callback(_restore_flags, mods, [m.training for m in mods])
+        stack.callback(to_the_end, _restore_flags, mods, [m.training for m in mods])  # (Ctrl-C: finished first)
         norms = [layer.module for layer in layers]
-        stack.callback(_restore_momenta, norms, [m.momentum for m in norms])
+        stack.callback(to_the_end, _restore_momenta, norms, [m.momentum for m in norms])
         snapshot = StateSnapshot(modules, uncopied=swapped)
-        stack.callback(_restore_snapshot, snapshot)
+        stack.callback(to_the_end, _restore_snapshot, snapshot)
 
         groups, views = _allocate_scratch(layers)
         counters: list[Tensor | None] = []
         state = RecalibrationState(list(layers), groups, views, counters)
-        stack.callback(_unwrap_forwards, state._wrapped)
+        stack.callback(to_the_end, _unwrap_forwards, state._wrapped)
         stack.enter_context(_compiled_code_runs_eagerly())
 
         for layer, (mean_view, var_view) in zip(layers, views):

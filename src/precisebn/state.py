@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ __all__ = [
     "overlapping",
     "refuse_uninitialized",
     "restore_on_error",
+    "to_the_end",
     "version_of",
 ]
 
@@ -279,6 +280,21 @@ def refuse_uninitialized(modules: list[tuple[str, nn.Module]]) -> None:
         )
 
 
+def to_the_end(fn: Callable[..., Any], *args: Any) -> None:
+    """Runs ``fn(*args)`` to its end even if Ctrl-C arrives meanwhile: a ``KeyboardInterrupt``
+    raised inside it runs it again from the start (``fn`` must be idempotent: a restore), and
+    is raised once it has completed. A restore cut short would leave the model half-modified."""
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            fn(*args)
+            break
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
+
+
 _busy: dict[int, str] = {}
 _busy_lock = threading.Lock()
 
@@ -309,9 +325,13 @@ def exclusive(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = No
     try:
         yield
     finally:
-        with _busy_lock:
-            for i in ids:
-                _busy.pop(i, None)
+        to_the_end(_release, ids)
+
+
+def _release(ids: set[int]) -> None:
+    with _busy_lock:
+        for i in ids:
+            _busy.pop(i, None)
 
 
 @contextlib.contextmanager
