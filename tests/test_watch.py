@@ -472,3 +472,40 @@ def test_watch_of_a_layer_given_an_input_of_a_tensor_subclass_still_records_it()
     assert stats["norm"].count == sum(x.numel() // 3 for x in data)
     assert max_rel_error(stats["norm"].mean, mean, var.sqrt()) <= 1e-6
     assert max_rel_error(stats["norm"].var, var) <= 1e-5
+
+
+class TorchBatchNorm(nn.BatchNorm1d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # the op F.batch_norm calls, called directly
+        stats = (self.running_mean, self.running_var, self.training, self.momentum, self.eps)
+        return torch.batch_norm(x, self.weight, self.bias, *stats, False)
+
+
+class NativeBatchNorm(nn.BatchNorm1d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.native_batch_norm(
+            x, self.weight, self.bias, self.running_mean, self.running_var, self.training, self.momentum, self.eps
+        )
+        return out[0]
+
+
+class TorchInstanceNorm(nn.InstanceNorm1d):
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels, track_running_stats=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stats = (self.running_mean, self.running_var, self.training, self.momentum, self.eps)
+        return torch.instance_norm(x, self.weight, self.bias, *stats, False)
+
+
+@pytest.mark.parametrize("layer", [TorchBatchNorm, NativeBatchNorm, TorchInstanceNorm])
+def test_layers_calling_torchs_normalization_ops_directly_are_measured(layer: type[nn.Module]) -> None:
+    """Were reported "buffers never used (kept)": only F.batch_norm/F.instance_norm were watched."""
+    g = torch.Generator().manual_seed(0)
+    shape = (6, 4, 5) if layer is TorchInstanceNorm else (6, 4)
+    data = [torch.randn(*shape, generator=g) * 3 + 2 for _ in range(3)]
+    model = nn.Sequential(layer(4))
+    report = precisebn.recalibrate(model, data, num_samples="all")
+    assert report["0"].updated
+    truth = compute_truth(model, data)["0"]
+    assert max_rel_error(model[0].running_mean, truth.mean, truth.var.sqrt()) < 1e-5
+    assert max_rel_error(model[0].running_var, truth.var) < 1e-5

@@ -7,8 +7,9 @@ normalise something else (``super().forward(x * s)``, a reshaped view), or not u
 buffers at all.
 
 :class:`Watch` is active only around one layer's forward: it records the ``input`` of
-every ``F.batch_norm``/``F.instance_norm`` call that is given that layer's own
-``running_mean`` (through an alias of that buffer, a tensor subclass), and of torch's
+every ``F.batch_norm``/``F.instance_norm`` call (or of the ops they call, ``torch.batch_norm``,
+``torch.native_batch_norm``, ``torch.instance_norm``, which some layers call directly) that is
+given that layer's own ``running_mean`` (through an alias of that buffer, a tensor subclass), and of torch's
 cross-process gathering of batch figures
 (``SyncBatchNorm`` across processes: its running buffers get the figures of all
 processes' batches, what this process normalises is its own input).
@@ -40,6 +41,17 @@ Above the rounding of torch's own kernels in the default memory layout (float32:
 whose float32 figures carry about 2e-5 — is measured in float64 instead."""
 
 _NORMS = (F.batch_norm, F.instance_norm)  # both (input, running_mean, running_var, ...)
+# What those call, called directly by some layers (input, weight, bias, running_mean, running_var, training or
+# use_input_stats, momentum, ...): (running_mean's position, the batch flag's keyword and default)
+_OPS = {
+    f: spec
+    for f, spec in (
+        (getattr(torch, "batch_norm", None), ("training", False)),
+        (getattr(torch, "native_batch_norm", None), ("training", False)),
+        (getattr(torch, "instance_norm", None), ("use_input_stats", True)),
+    )
+    if f is not None
+}
 # torch.nn.modules._functions.SyncBatchNorm (world size > 1) does not call F.batch_norm: it
 # passes its input and running buffers to these (input first, running_mean fourth).
 _GATHERS = tuple(
@@ -145,6 +157,12 @@ class Watch:
 def _norm_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, bool] | None:
     """``(input, running_mean, whether it overwrites the buffers with its batch figures)`` of a
     normalization call (or of torch's gathering of batch figures across processes), else ``None``."""
+    if func in _OPS:
+        key, default = _OPS[func]
+        x = args[0] if args else kwargs.get("input")
+        batch = args[5] if len(args) > 5 else kwargs.get(key, default)
+        momentum = args[6] if len(args) > 6 else kwargs.get("momentum", 0.1)
+        return x, args[3] if len(args) > 3 else kwargs.get("running_mean"), bool(batch) and momentum == 1.0
     if func in _NORMS or func in _GATHERS:
         at = 1 if func in _NORMS else 3  # running_mean's position
         x = args[0] if args else kwargs.get("input")
