@@ -161,3 +161,26 @@ def test_errors_from_the_sums_equal_those_of_the_folds(monkeypatch: pytest.Monke
         torch.testing.assert_close(a.var, b.var, rtol=1e-10, atol=0)
         torch.testing.assert_close(a.se_mean, b.se_mean, rtol=1e-8, atol=1e-12)
         torch.testing.assert_close(a.se_var, b.se_var, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+def test_constant_channels_do_not_make_auto_stop_early(capture: str) -> None:
+    """A constant channel's errors are 0: with 6 of 10 channels constant (dead or pruned filters) the median
+    over all channels was 0, so "auto" stopped at its minimum with the live channels' variance ~30 % off."""
+    live, dead = 4, 6
+
+    def stream(channels: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        while True:
+            x = torch.zeros(16, channels)
+            x[:, :live] = torch.randn(16, live, generator=g) ** 3  # heavy-tailed live channels
+            yield x
+
+    mixed = precisebn.estimate(nn.BatchNorm1d(live + dead), stream(live + dead), num_samples="auto", capture=capture)
+    alone = precisebn.estimate(nn.BatchNorm1d(live), stream(live), num_samples="auto", capture=capture)
+    assert mixed.samples == alone.samples > 256  # the live channels decide, as in a layer of their own
+    model = nn.Sequential(nn.BatchNorm1d(live + dead))
+    report = precisebn.recalibrate(model, stream(live + dead), num_samples=4096, capture=capture)
+    se = report["0"].se_var
+    assert se is not None and float(se[live:].abs().max()) == 0.0
+    assert report["0"].se_var_median == pytest.approx(float(se[:live].double().quantile(0.5)))

@@ -619,14 +619,25 @@ class Collector:
 
     def precision(self) -> float:
         """The worst layer's median standard error so far: the largest, over layers that
-        hold values, of the median over channels of the mean's error (in standard
-        deviations) and of the variance's relative error; ``inf`` while unknown (one host
-        read per device)."""
+        hold values, of the median over the channels that vary (a constant channel's
+        errors are 0: half the channels dead would make any median 0) of the mean's error
+        (in standard deviations) and of the variance's relative error; 0 for a layer whose
+        every channel is constant; ``inf`` while unknown (one host read per device)."""
         by_device: dict[torch.device, list[Tensor]] = {}
         for i, (parts, count) in enumerate(zip(self.finish(), self.counts)):
             for folds in parts if count else ():
-                se_mean, se_var = self.pooled[i][2:] if i in self.pooled else fold_errors(folds)[1:]
-                worst = torch.maximum(se_mean.nanquantile(0.5), se_var.nanquantile(0.5))  # (nanmedian: the lower)
+                if i in self.pooled:
+                    _, var, se_mean, se_var = self.pooled[i]
+                else:
+                    pooled, se_mean, se_var = fold_errors(folds)
+                    var = pooled.var.reshape(se_mean.shape)
+                live = var > 0  # (NaN: not counted)
+                nan = torch.full_like(se_mean, float("nan"))
+                median = torch.maximum(
+                    torch.where(live, se_mean, nan).nanquantile(0.5),  # (nanquantile: no host read, unlike indexing)
+                    torch.where(live, se_var, nan).nanquantile(0.5),
+                )
+                worst = torch.where(live.any() | (var != var).any(), median, torch.zeros_like(median))
                 by_device.setdefault(worst.device, []).append(worst)
         values = [v for group in by_device.values() for v in torch.stack(group).tolist()]
         return max((v if v == v else float("inf") for v in values), default=float("inf"))

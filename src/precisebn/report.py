@@ -68,11 +68,17 @@ class LayerReport:
     def _se(self, values: Tensor | None, how: str) -> float:
         if values is None or not self.updated or values.numel() == 0:
             return float("nan")
-        return float(values.double().quantile(0.5) if how == "median" else values.max())  # (torch's median: the lower)
+        if how == "median":  # over the channels that vary: a constant channel's errors are 0
+            varies = self.new_var.reshape(-1) > 0
+            if varies.shape == values.shape and bool(varies.any()):
+                values = values[varies]
+            return float(values.double().quantile(0.5))  # (torch's median: the lower)
+        return float(values.max())
 
     @property
     def se_mean_median(self) -> float:
-        """Median over channels of the mean's standard error, in standard deviations (NaN: unknown)."""
+        """Median over the channels that vary of the mean's standard error, in standard
+        deviations (NaN: unknown)."""
         return self._se(self.se_mean, "median")
 
     @property
@@ -82,7 +88,7 @@ class LayerReport:
 
     @property
     def se_var_median(self) -> float:
-        """Median over channels of the variance's relative standard error (NaN: unknown)."""
+        """Median over the channels that vary of the variance's relative standard error (NaN: unknown)."""
         return self._se(self.se_var, "median")
 
     @property
