@@ -125,6 +125,41 @@ def frozen_one_rank_evaluating(rank: int, world_size: int) -> Result:
     }
 
 
+def frozen_option_mismatch(rank: int, world_size: int) -> Result:
+    """frozen="skip" on rank 0 and "include" on the others, with layer "1" frozen for training: the ranks select
+    different layers, which every rank must be told (the gathering of frozen layers must not leave one waiting)."""
+    model = make_model()
+    model.train()
+    model[1].eval()
+    scheduler = precisebn.PreciseBNScheduler(model, shard(rank, world_size), frozen="skip" if rank == 0 else "include")
+    try:
+        scheduler.update(1)
+    except precisebn.PreciseBNError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"error": None}
+
+
+def wrong_process_group(rank: int, world_size: int) -> Result:
+    """process_group=123: a clear error on every rank (was a raw AttributeError)."""
+    try:
+        precisebn.recalibrate(make_model(), shard(rank, world_size), process_group=123)
+    except precisebn.PreciseBNError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"error": None}
+
+
+def outside_the_group(rank: int, world_size: int) -> Result:
+    """A group of ranks 0 and 1; the last rank, outside it, passes it too: refused there (it computed on its own
+    data alone, silently), while the members merge between themselves."""
+    group = torch.distributed.new_group([0, 1])  # (every rank takes part in creating it)
+    model = make_model()
+    try:
+        report = precisebn.recalibrate(model, shard(rank, world_size), num_samples="all", process_group=group)
+    except precisebn.PreciseBNError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"error": None, "world_size": report.world_size}
+
+
 def expect_failure(data: Any, **options: Any) -> Result:
     """Recalibrates a fresh model expecting every rank to raise; records the error and
     whether the model kept its exact state."""
@@ -393,6 +428,9 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         global_num_samples,
         ddp,
         frozen_one_rank_evaluating,
+        frozen_option_mismatch,
+        wrong_process_group,
+        outside_the_group,
         float64_union,
         auto_union,
         auto_failure,

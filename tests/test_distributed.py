@@ -87,6 +87,8 @@ def test_two_ranks(tmp_path: Path) -> None:
         "global_num_samples",
         "ddp",
         "frozen_one_rank_evaluating",
+        "frozen_option_mismatch",
+        "wrong_process_group",
         "float64_union",
         "argument_error",
         "layer_mismatch",
@@ -101,6 +103,10 @@ def test_two_ranks(tmp_path: Path) -> None:
     frozen = [res["frozen_one_rank_evaluating"] for res in results]
     assert all(f.get("updated") == ["6"] and f["kept"] for f in frozen), frozen
     assert all(torch.equal(v, frozen[1]["state"][k]) for k, v in frozen[0]["state"].items())
+    for res in results:  # frozen= differing across ranks: told on every rank, no rank left waiting
+        assert res["frozen_option_mismatch"]["error"] == "DistributedError", res["frozen_option_mismatch"]
+        assert res["wrong_process_group"]["error"] == "InvalidArgumentError", res["wrong_process_group"]
+        assert "process_group must be a torch.distributed process group" in res["wrong_process_group"]["message"]
     model = sc.make_model()
     model.train()
     model[1].eval()
@@ -199,10 +205,13 @@ def test_collectives_are_let_go_of_before_precisebn_goes_on(tmp_path: Path) -> N
 
 
 def test_three_uneven_ranks(tmp_path: Path) -> None:
-    results = run_ranks(3, ["union", "empty_rank"], tmp_path)
+    results = run_ranks(3, ["union", "empty_rank", "outside_the_group"], tmp_path)
     check_union(results, 3)
     for res in results:
         assert res["empty_rank"]["failed_ranks"] == [1] and res["empty_rank"]["unchanged"]
+    assert [res["outside_the_group"].get("world_size") for res in results[:2]] == [2, 2]
+    assert results[2]["outside_the_group"]["error"] == "InvalidArgumentError"
+    assert "not a member of process_group" in results[2]["outside_the_group"]["message"]
 
 
 def test_failure_on_one_rank_surfaces_fast_everywhere(tmp_path: Path) -> None:

@@ -168,8 +168,8 @@ def test_a_wrapper_still_training_around_a_model_in_eval_mode_says_nothing() -> 
     wrapped = nn.DataParallel(model)
     model.eval()
     scheduler = precisebn.PreciseBNScheduler(wrapped, batches(), num_samples="all")
-    report = scheduler.update(1)
-    assert report is not None and report.updated == [FROZEN, TRAINED] and scheduler.frozen_layers == ()
+    report = scheduler.update(1)  # (was None: every layer in eval mode looked frozen)
+    assert report is not None and report.updated == [TRAINED] and scheduler.frozen_layers == (FROZEN,)
 
 
 def test_a_head_trained_on_a_backbone_in_eval_mode_is_seen_training() -> None:
@@ -201,6 +201,62 @@ def test_observe_refuses_what_is_not_a_model_and_keeps_reading_its_own() -> None
     with pytest.raises(InvalidArgumentError, match="observe\\(\\) takes the model being trained, got int"):
         scheduler.observe(123)  # type: ignore[arg-type]
     assert scheduler.update(1).updated == [TRAINED]  # type: ignore[union-attr]
+
+
+def test_a_computation_before_training_looks_at_what_train_freezes(snapshot: Any) -> None:
+    model = NormEval(frozen=False)
+    model.frozen = True  # its train() override freezes body.1, but nothing has called train() yet
+    assert model.body[1].training
+    flags = snapshot(model)["flags"]
+    kept = statistics(model.body[1])
+    scheduler = precisebn.PreciseBNScheduler(model, batches(), num_samples="all")
+    report = scheduler.update(0)
+    assert report is not None and report.updated == [TRAINED] and scheduler.frozen_layers == (FROZEN,)
+    assert all(torch.equal(a, b) for a, b in zip(kept, statistics(model.body[1])))
+    assert snapshot(model)["flags"] == flags  # (train() was run for a look, the flags put back)
+
+
+def test_a_linear_probe_on_a_frozen_backbone_leaves_every_batchnorm() -> None:
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 1))
+    model.eval()
+    model[3].train()  # only the head (no BatchNorm) trains
+    scheduler = precisebn.PreciseBNScheduler(model, batches(), num_samples="all")
+    with pytest.warns(PreciseBNWarning, match="nothing to recompute"):
+        assert scheduler.update(1) is None
+    assert scheduler.frozen_layers == ("1",)
+
+
+def test_timm_ema_copies_find_the_layers_frozen_in_the_model_trained() -> None:
+    from timm.utils import ModelEmaV3
+
+    model = NormEval().train()
+    ema = ModelEmaV3(model, decay=0.9)
+    kept = statistics(ema.module.body[1])
+    scheduler = precisebn.PreciseBNScheduler(ema, batches(), num_samples="all")
+    assert scheduler.observe(model)
+    report = scheduler.update(1)
+    assert report is not None and report.updated == [f"module.{TRAINED}"]  # (the frozen one was recalibrated)
+    assert all(torch.equal(a, b) for a, b in zip(kept, statistics(ema.module.body[1])))
+
+
+def test_observing_a_model_without_those_layers_warns() -> None:
+    model = NormEval().train()
+    other = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)).train()
+    other[1].eval()
+    scheduler = precisebn.PreciseBNScheduler(model, batches(), num_samples="all")
+    scheduler.observe(other)
+    with pytest.warns(PreciseBNWarning, match=r"noted as frozen for training \('1'\) are not in the model"):
+        report = scheduler.update(1)
+    assert report is not None and report.updated == [FROZEN, TRAINED]
+
+
+def test_a_layer_swapped_in_right_before_a_computation_is_seen() -> None:
+    model = NormEval(frozen=False).train()
+    scheduler = precisebn.PreciseBNScheduler(model, batches(), num_samples="all")
+    assert scheduler.observe() and scheduler.frozen_layers == ()
+    model.body[1] = nn.BatchNorm1d(6).eval()  # a pretrained layer put in, frozen
+    report = scheduler.update(1)
+    assert report is not None and report.updated == [TRAINED]
 
 
 @pytest.mark.parametrize("value", ["yes", None, True, 1, ["skip"]])

@@ -281,3 +281,24 @@ def test_an_ema_copy_leaves_the_layers_frozen_in_the_model_trained() -> None:
         assert torch.equal(getattr(model.body[1], name), getattr(reference.body[1], name))
     with pytest.raises(InvalidArgumentError, match="trained_model must be"):
         PreciseBN(model, trained_model="model")  # type: ignore[arg-type]
+
+
+def test_an_evaluation_before_the_first_iteration_leaves_frozen_layers() -> None:
+    # the evaluator runs at the trainer's STARTED, before any iteration noted what training freezes
+    x, y = make_data()
+
+    def train(with_handler: bool) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = NormEval()
+        model.body[1].train()  # as built: the train() override has not run yet
+        trainer, evaluator, losses, _ = engines(model)
+        if with_handler:
+            PreciseBN(model, num_samples="all").attach(evaluator, Events.STARTED, step_engine=trainer)
+        trainer.add_event_handler(Events.STARTED, lambda e: evaluator.run(loader(x[:16], y[:16])))
+        trainer.run(loader(x, y), max_epochs=1)
+        return model, losses
+
+    model, losses = train(True)
+    reference, expected = train(False)
+    assert torch.equal(torch.stack(losses), torch.stack(expected))
+    assert torch.equal(model.body[1].running_mean, reference.body[1].running_mean)

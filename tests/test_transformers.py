@@ -357,15 +357,22 @@ def test_layers_frozen_for_training_are_left_as_they_are(tmp_path: Path, frozen:
     assert_frozen_left_and_trained_precise(model, reference, [x], prefix="net.", forward=lambda m, b: m.net(b))
 
 
-def test_the_evaluation_on_start_leaves_frozen_layers_too(tmp_path: Path) -> None:
-    # computed before the Trainer's first model.train(), on a model in eval mode (as from_pretrained gives it)
+@pytest.mark.parametrize("built", ["in eval mode", "train() not called yet"])
+def test_the_evaluation_on_start_leaves_frozen_layers_too(tmp_path: Path, built: str) -> None:
+    # computed before the Trainer's first model.train(): on a model in eval mode (as from_pretrained gives it),
+    # or built in training mode with a train() override that has not run yet (mmdetection's norm_eval style)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N, 4, generator=g) * 2 + 1
     records = [{"x": x[i], "labels": x[i].sum()} for i in range(N)]
 
     def run(callbacks: list[Any], directory: Path) -> Trainer:
         torch.manual_seed(0)
-        model = FrozenBackbone().eval()
+        model = FrozenBackbone()
+        if built == "in eval mode":
+            model.eval()
+        else:
+            model.train()
+            model.net.body[1].train()  # as built, before any train() call applies the override
         args = arguments(directory, eval_strategy="epoch", eval_on_start=True, learning_rate=0.02)
         return train(
             SequentialTrainer, model, args, train_dataset=records, eval_dataset=records[:16], data_collator=collate,

@@ -125,12 +125,17 @@ class RankContext:
                 )
             return None
         group = process_group if process_group is not None else dist.group.WORLD
-        world_size = dist.get_world_size(group)
+        try:
+            world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
+            raise InvalidArgumentError(
+                f"process_group must be a torch.distributed process group (e.g. from dist.new_group()), got "
+                f"{process_group!r} ({type(exc).__name__}: {exc})"
+            ) from None
+        if rank < 0:  # (checked first: a group's size is -1 for a process outside it)
+            raise InvalidArgumentError("this process is not a member of process_group; pass a group it belongs to.")
         if world_size <= 1:
             return None
-        rank = dist.get_rank(group)
-        if rank < 0:
-            raise InvalidArgumentError("this process is not a member of process_group; pass a group it belongs to.")
         backend = str(dist.get_backend(group))
         device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         return cls(group, rank, world_size, device, tuple(dist.get_process_group_ranks(group)))

@@ -9,10 +9,13 @@ every training-loop integration) leaves them as they are: :meth:`FrozenLayers.ob
 notes which layers are in eval mode whenever the model is seen training, and
 :meth:`FrozenLayers.excluding` takes them out of each computation's selection.
 
-The model is *seen training* when the module inside its wrappers is in training mode, or
-when one of its normalization layers is (a head trained on a frozen backbone); a model
-whose every normalization layer is in eval mode while the module is too (evaluation, a
-rank that evaluates alone) tells nothing, and what was noted before stays.
+The model is *seen training* when the module inside its wrappers, or any of its
+submodules, is in training mode (a head trained on a frozen backbone: ``model.eval();
+model.head.train()``); a model entirely in eval mode (evaluation, a rank that evaluates
+alone) tells nothing, and what was noted before stays. Before training has started the
+modes say little (a model built in training mode whose ``train()`` override freezes layers
+has not run it yet): :meth:`FrozenLayers.probe` also looks at what ``model.train()``
+leaves in eval mode.
 
 Example:
     >>> import torch
@@ -31,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -38,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, PreciseBNWarning
 from .layers import LayerSelection, has_running_stats, layer_matcher, unwrap
 
 __all__ = ["FrozenLayers", "agreed_names", "core_model", "training_modes"]
@@ -48,13 +52,15 @@ _RELIST_FACTOR = 100  # the layers are listed again once this many times the las
 
 def core_model(model: nn.Module) -> nn.Module:
     """The module whose layer names a frozen layer is noted by: ``model`` without its
-    DDP/DataParallel/``torch.compile`` wrappers and ``AveragedModel`` shells, so that the
-    layers frozen in the trained model are found in its averaged copy."""
+    DDP/DataParallel/``torch.compile`` wrappers and averaging shells — a module whose only
+    child is ``module`` (torch's ``AveragedModel``, timm's ``ModelEmaV2``/``V3``, mmengine's
+    ``ExponentialMovingAverage``) — so that the layers frozen in the trained model are found
+    in its averaged copy."""
     while True:
         model = unwrap(model)
-        inner = getattr(model, "module", None)
-        if type(model).__name__ == "AveragedModel" and isinstance(inner, nn.Module):
-            model = inner
+        children = list(model.named_children())
+        if len(children) == 1 and children[0][0] == "module":
+            model = children[0][1]
         else:
             return model
 
@@ -73,23 +79,32 @@ class FrozenLayers:
 
     def __init__(self) -> None:
         self.names: tuple[str, ...] = ()
+        self.seen = False  # whether a model was ever seen training
         self._model: nn.Module | None = None
         self._layers: list[tuple[str, nn.Module]] = []
+        self._others: list[nn.Module] = []  # the model's other modules
         self._listed_at = 0.0
         self._listing = 0.0
+        self._absent: tuple[str, ...] = ()  # noted names last warned about as absent from a model
 
     def _list(self, core: nn.Module, *, now: bool = False) -> list[tuple[str, nn.Module]]:
         start = time.perf_counter()
         if now or core is not self._model or start - self._listed_at > _RELIST_FACTOR * self._listing:
-            self._layers = [(name, m) for name, m in core.named_modules() if has_running_stats(m)]
+            self._layers, self._others = [], []
+            for name, m in core.named_modules():
+                if has_running_stats(m):
+                    self._layers.append((name, m))
+                else:
+                    self._others.append(m)
             self._model, self._listed_at = core, start
             self._listing = time.perf_counter() - start
         return self._layers
 
-    def observe(self, model: nn.Module) -> bool:
+    def observe(self, model: nn.Module, *, relist: bool = False) -> bool:
         """Notes the layers of ``model`` in eval mode, if ``model`` is seen training (else
         keeps what was noted before, and returns ``False``): a host-only scan of the
-        layers' flags, cheap enough for every training step.
+        modules' flags, cheap enough for every training step (``relist``: list the model's
+        layers again first).
 
         Raises:
             InvalidArgumentError: ``model`` is not an ``nn.Module``.
@@ -97,11 +112,21 @@ class FrozenLayers:
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(f"observe() takes the model being trained, got {type(model).__name__}")
         core = core_model(model)
-        layers = self._list(core)
-        if not core.training and not any(m.training for _, m in layers):
+        layers = self._list(core, now=relist)
+        if not any(m.training for _, m in layers) and not any(m.training for m in self._others):
             return False
         self.names = tuple(name for name, m in layers if not m.training)
+        self.seen = True
         return True
+
+    def probe(self, model: nn.Module) -> None:
+        """Adds to the noted layers those ``model.train()`` leaves in eval mode (it is run, then
+        every module's flag is put back; see :func:`training_modes`): for a computation made
+        before training has started, when the modes do not yet say what training freezes."""
+        now = set(self.names)
+        with training_modes(model):
+            self.observe(model, relist=True)
+        self.names = tuple(name for name, _ in self._layers if name in now or name in self.names)
 
     def excluding(self, layers: LayerSelection, model: nn.Module) -> tuple[LayerSelection, list[str]]:
         """``layers`` (a selection for :func:`precisebn.recalibrate` on ``model``) without the
@@ -117,6 +142,16 @@ class FrozenLayers:
         core = dict(core_model(model).named_modules())
         found = [name for name in self.names if name in core and has_running_stats(core[name])]
         if not found:
+            if self.names != self._absent:  # (a model observed that is not the one recalibrated, or its copy)
+                self._absent = self.names
+                shown = ", ".join(map(repr, self.names[:5])) + (" ..." if len(self.names) > 5 else "")
+                warnings.warn(
+                    f"precisebn: the layers noted as frozen for training ({shown}) are not in the model being "
+                    f"recalibrated ({type(model).__name__}), so none is left out there; observe() the model being "
+                    "trained, with the same structure (an averaged copy's own module, not its wrapper).",
+                    PreciseBNWarning,
+                    stacklevel=3,
+                )
             return layers, []
         skipped = {id(core[name]) for name in found}
         base = layer_matcher(layers, dict(unwrap(model).named_modules()))  # (checks the user's names now)
@@ -135,8 +170,11 @@ def agreed_names(names: tuple[str, ...], distributed: Any, group: Any = None) ->
     if distributed is False or not (dist.is_available() and dist.is_initialized()):
         return names
     group = group if group is not None else dist.group.WORLD
-    world = dist.get_world_size(group)
-    if world <= 1:
+    try:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+    except Exception:  # a wrong process_group: recalibrate says so, on every rank
+        return names
+    if world <= 1 or rank < 0:
         return names
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, list(names), group=group)

@@ -148,6 +148,7 @@ class PreciseBNScheduler:
         self.preserve_rng = preserve_rng
         self._frozen = FrozenLayers()
         self._own_modes = True  # whether update() notes the modes of the model it computes on (see observe)
+        self._trained: nn.Module = model  # the model being trained (see observe)
         self._skipped: list[str] | None = None  # the frozen layers last logged
         self._options: dict[str, Any] = {
             "num_samples": num_samples,
@@ -205,7 +206,7 @@ class PreciseBNScheduler:
         if model is None or model is self.model:
             return self._frozen.observe(self.model)
         seen = self._frozen.observe(model)  # (refuses a non-module first)
-        self._own_modes = False  # from now on the modes that count are those of the model trained
+        self._own_modes, self._trained = False, model  # from now on the modes that count are those of the model trained
         return seen
 
     def is_current(self, step: int) -> bool:
@@ -233,11 +234,20 @@ class PreciseBNScheduler:
         if not force and self.is_current(step):
             return None
         options = self._options
+        frozen = self._frozen
         if self.frozen == "skip":
+            before_training = not frozen.seen  # (no training step observed: the modes may not say yet)
             if self._own_modes:
-                self._frozen.observe(self.model)
-            # every rank leaves the same layers out (one rank may have evaluated alone, in eval mode)
-            self._frozen.names = agreed_names(self._frozen.names, options["distributed"], options["process_group"])
+                frozen.observe(self.model, relist=True)
+            if before_training:
+                frozen.probe(self._trained)  # what model.train() leaves in eval mode too
+        # every rank leaves the same layers out (one rank may have evaluated alone, in eval mode); gathered
+        # whatever frozen= is, so that ranks configured differently do not wait for each other
+        names = agreed_names(
+            frozen.names if self.frozen == "skip" else (), options["distributed"], options["process_group"]
+        )
+        if self.frozen == "skip":
+            frozen.names = names
             try:
                 layers, skipped = self._frozen.excluding(options["layers"], self.model)
                 everything = skipped and not find_norm_layers(unwrap(self.model), layers, require=False)

@@ -34,7 +34,6 @@ from torch import nn
 
 from ..data import Forward
 from ..errors import InvalidArgumentError, PreciseBNWarning
-from ..frozen import training_modes
 from ..layers import LayerSelection, has_running_stats
 from ..recalibrate import check_options
 from ..report import Report
@@ -190,13 +189,6 @@ class Trigger:
         ``model``, default the bound one, trains; see :meth:`PreciseBNScheduler.observe`)."""
         if self._scheduler is not None and self.frozen == "skip":
             self._scheduler.observe(model)
-
-    def observe_training(self, model: nn.Module) -> None:
-        """Before training has started: notes what ``model.train()`` keeps in eval mode (it is
-        run, then every module's flag is put back; see :func:`~precisebn.frozen.training_modes`)."""
-        if self._scheduler is not None and self.frozen == "skip":
-            with training_modes(model):
-                self._scheduler.observe(model)
 
     @property
     def scheduler(self) -> PreciseBNScheduler | None:

@@ -162,7 +162,6 @@ class PreciseBNCallback(TriggerState, _callback.TrainerCallback):  # type: ignor
         progress = self._trigger.progress and state.is_world_process_zero
         self._trigger.bind(model, source, progress=progress)
         if self.before_evaluate and getattr(args, "eval_on_start", False):  # evaluated next, with no step before
-            self._trigger.observe_training(model)  # (the Trainer has not called model.train() yet)
             self._compute(state)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
