@@ -144,7 +144,7 @@ def test_update_bn_runs_the_whole_model_in_training_mode_and_takes_batches_as_to
 
 def test_update_bn_stats_gives_the_model_batches_of_their_own_type() -> None:
     """Found by a hostile probe: a defaultdict batch reached the model as a plain dict (KeyError where
-    fvcore works). Batches are copied (a forward may change them) as their own type."""
+    fvcore works). Batches now reach the model as the loader's own objects, as with fvcore."""
     import collections
 
     class DictModel(nn.Module):
@@ -164,8 +164,7 @@ def test_update_bn_stats_gives_the_model_batches_of_their_own_type() -> None:
         batches.append(b)
     model = DictModel().train()
     compat.update_bn_stats(model, batches, num_iters=3)
-    assert all(type(seen) is collections.defaultdict and seen["other"] == 1.0 for seen in model.seen)
-    assert all(set(b) == {"x"} for b in batches)  # (the model's reads added "scale" to its copies only)
+    assert all(seen is b and seen["other"] == 1.0 for seen, b in zip(model.seen, batches))
     xs = torch.cat([b["x"] for b in batches]).double()
     assert max_rel_error(model.bn.running_var, xs.var(0, unbiased=False)) <= 1e-5
 
@@ -201,3 +200,40 @@ def test_models_without_batchnorm_are_a_no_op() -> None:
     compat.update_bn([torch.randn(3, 2, 4) + 5], model)
     compat.update_bn_stats(model, [torch.randn(3, 2, 4) + 5], num_iters=1)
     assert_unchanged(model, before)
+
+
+def test_the_drop_ins_pass_each_batch_as_the_loader_gave_it() -> None:
+    """Were moved to the model's first parameter's device and shallow-copied (a detectron2-style list of dicts
+    reached the model as new objects; a parameter on another device moved every batch there)."""
+    from precisebn.compat import update_bn, update_bn_stats
+
+    seen: list[Any] = []
+
+    class Detection(nn.Module):  # detectron2's convention: a list of per-image dicts
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm2d(3)
+
+        def forward(self, inputs: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+            seen.append(inputs)
+            return self.bn(torch.stack([d["image"] for d in inputs]))
+
+    batches = [[{"image": torch.randn(3, 4, 4)} for _ in range(2)] for _ in range(3)]
+    update_bn_stats(Detection().train(), batches, num_iters=3)
+    assert all(a is b and a[0] is b[0] for a, b in zip(seen, batches))
+
+    seen.clear()
+
+    class Named(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.unused = nn.Parameter(torch.empty(1, device="meta"))  # the first parameter: not where batches go
+            self.bn = nn.BatchNorm1d(3)
+
+        def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            seen.append(batch)
+            return self.bn(batch["x"])
+
+    loader = [{"x": torch.randn(4, 3)} for _ in range(2)]
+    update_bn(loader, Named())
+    assert all(a is b for a, b in zip(seen, loader))

@@ -106,6 +106,7 @@ def test_batch_size_of_detection_batches_and_named_inputs() -> None:
     targets = tuple({"boxes": torch.zeros(2, 4), "labels": torch.zeros(2)} for _ in range(8))
     assert batch_size((images, targets)) == 8  # (was 3: the first image's channels)
     assert batch_size([list(images), list(targets)]) == 8
+    assert batch_size((list(images), torch.zeros(8))) == 8  # stacked labels (was 3)
     assert batch_size(({"x": torch.zeros(16, 4), "mask": torch.zeros(16)}, torch.zeros(16))) == 16  # (was 2)
     assert batch_size(((torch.zeros(16, 4), torch.zeros(16, 2)), torch.zeros(16))) == 16  # batched inputs
     assert batch_size([{"image": torch.zeros(3, 4, 4)}] * 5) == 5  # detectron2's per-sample records

@@ -42,8 +42,8 @@ def update_bn_stats(
     """Recomputes the statistics of the BatchNorm layers that are in training mode.
 
     Like fvcore: runs ``model(batch)`` on the first ``num_iters`` batches exactly as
-    they come (no unpacking, no device moves), leaves every ``training`` flag as it
-    is, and touches only BatchNorm layers in training mode. Unlike fvcore, the
+    they come (the loader's own objects: no unpacking, no copy, no device move), leaves
+    every ``training`` flag as it is, and touches only BatchNorm layers in training mode. Unlike fvcore, the
     statistics are exact (float64, count-weighted pooled mean and variance), a layer
     may be called several times per forward, and the model is left unchanged on any
     failure.
@@ -159,5 +159,6 @@ def _measure(guard: contextlib.ExitStack, walk: list[tuple[str, nn.Module]], *ar
         tolerance=None,
         walk=walk,
         writes=WRITTEN["both"],
+        move=False,  # like fvcore's and torch's: the forward gets each batch as the loader gave it
         **options,
     )[0]

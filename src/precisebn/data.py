@@ -69,9 +69,11 @@ def batch_size(batch: Any) -> int | None:
         if isinstance(first, Tensor):
             return batch_size(first)
         if isinstance(first, (tuple, list)) and first and isinstance(first[0], Tensor):
-            second = batch[1] if len(batch) > 1 else None
-            if isinstance(second, (tuple, list)) and len(second) == len(first):
-                return len(first)  # per-sample inputs, with their targets
+            second, n = (batch[1] if len(batch) > 1 else None), len(first)
+            if isinstance(second, (tuple, list)) and len(second) == n:
+                return n  # per-sample inputs, with their targets
+            if isinstance(second, Tensor) and second.dim() and second.shape[0] == n:
+                return n  # per-sample inputs, with their targets stacked (batched inputs: as many as theirs)
             return batch_size(first)
         if isinstance(first, tuple):
             return batch_size(first)

@@ -277,6 +277,7 @@ def _estimate(
     writes: tuple[str, ...] = (),
     check: Callable[[], None] | None = None,
     plan: Callable[[PopulationStats], Writes] | None = None,
+    move: bool = True,
 ) -> tuple[PopulationStats, Writes | None]:
     """:func:`estimate`, holding the model in ``guard`` (so that :func:`recalibrate` can
     keep it until its statistics are written), and ``torch.inference_mode(False)`` with it:
@@ -336,6 +337,8 @@ def _estimate(
             num_samples = math.ceil(num_samples / ctx.world_size)
         model = unwrap(model)
         target = _device(device) or model_device(model)
+        if not move:  # (the drop-ins: batches reach the forward as the very objects the data gave)
+            target = None
         run = Pass(
             model,
             data,
