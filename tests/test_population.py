@@ -109,6 +109,7 @@ DAMAGE = {
     "standard error of another shape": ({"1.se_var": torch.ones(7, dtype=torch.float64)}, {}, "se_var has shape"),
     "negative count": ({}, {"layer_count": -5}, "count is -5"),
     "fractional count": ({}, {"layer_count": 3.7}, "count is 3.7"),
+    "count of 401 digits": ({}, {"layer_count": 10**400}, "count has 401 digits"),  # (was a raw OverflowError later)
     "unknown path": ({}, {"layer_path": "banana"}, "path is 'banana'"),
     "unknown mode": ({}, {"mode": "banana"}, "mode is 'banana'"),
     "no world size": ({}, {"world_size": 0}, "world_size is 0"),

@@ -354,10 +354,15 @@ class PopulationStats(Mapping[str, LayerStats]):
             ) from exc
 
 
+_LARGEST_COUNT = 2**63 - 1  # (a count is held as a float64 and an int64 too; no measurement comes near)
+
+
 def _whole(value: Any, what: str) -> int:
-    """``value`` if it is a whole number >= 0 (a JSON integer), else ValueError."""
+    """``value`` if it is a whole number >= 0 (a JSON integer) below 2**63, else ValueError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{what} is {value!r}, not a whole number >= 0")
+    if value > _LARGEST_COUNT:
+        raise ValueError(f"{what} has {len(str(value))} digits, more than any measurement can count (2**63 - 1)")
     return value
 
 
