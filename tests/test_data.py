@@ -109,4 +109,5 @@ def test_batch_size_of_detection_batches_and_named_inputs() -> None:
     assert batch_size((list(images), torch.zeros(8))) == 8  # stacked labels (was 3)
     assert batch_size(({"x": torch.zeros(16, 4), "mask": torch.zeros(16)}, torch.zeros(16))) == 16  # (was 2)
     assert batch_size(((torch.zeros(16, 4), torch.zeros(16, 2)), torch.zeros(16))) == 16  # batched inputs
+    assert batch_size(((torch.zeros(16, 4), torch.zeros(16, 2)), (torch.zeros(16), torch.zeros(16)))) == 16
     assert batch_size([{"image": torch.zeros(3, 4, 4)}] * 5) == 5  # detectron2's per-sample records

@@ -70,8 +70,8 @@ def batch_size(batch: Any) -> int | None:
             return batch_size(first)
         if isinstance(first, (tuple, list)) and first and isinstance(first[0], Tensor):
             second, n = (batch[1] if len(batch) > 1 else None), len(first)
-            if isinstance(second, (tuple, list)) and len(second) == n:
-                return n  # per-sample inputs, with their targets
+            if isinstance(second, (tuple, list)) and len(second) == n and not _batched_alike(first[0], second[0]):
+                return n  # per-sample inputs, with their targets (not as many batched inputs as targets)
             if isinstance(second, Tensor) and second.dim() and second.shape[0] == n:
                 return n  # per-sample inputs, with their targets stacked (batched inputs: as many as theirs)
             return batch_size(first)
@@ -87,6 +87,11 @@ def batch_size(batch: Any) -> int | None:
             ):
                 return batch_size(value)
     return None
+
+
+def _batched_alike(x: Tensor, y: Any) -> bool:
+    """Whether ``y`` is a tensor with ``x``'s first dimension: batched inputs and targets, not samples."""
+    return isinstance(y, Tensor) and y.dim() > 0 and x.dim() > 0 and y.shape[0] == x.shape[0]
 
 
 def to_device(batch: Any, device: torch.device | None) -> Any:
