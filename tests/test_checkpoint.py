@@ -347,3 +347,42 @@ def test_a_layer_with_more_means_than_variances_is_named():
     sd = {"d.running_mean": torch.zeros(3), "d.running_var": torch.ones(4)}
     with pytest.raises(StatsMismatchError, match="layer 'd' holds 3 running means but 4"):
         norm_entries(sd)
+
+
+def test_images_are_read_as_batches_are_used_and_batches_of_one_kept(tmp_path):
+    pytest.importorskip("torchvision")
+    image = pytest.importorskip("PIL.Image")
+    from precisebn.images import ImageFiles, image_batches
+
+    for i in range(6):
+        image.new("RGB", (4, 4), color=(i, 2 * i, 3 * i)).save(tmp_path / f"{i}.png")
+    files = ImageFiles(tmp_path, lambda im: torch.zeros(3, 4, 4))
+    assert [len(b) for b in image_batches(files, 1)] == [1, 1, 1, 1, 2]  # as batch_indices cuts them (were 2, 2, 2)
+    from precisebn.images import batch_indices as image_order
+
+    second = image_order(6, 3)[1]
+    files.files[second[0]] = tmp_path / "missing.png"  # unreadable, in the second batch
+    batches = image_batches(files, 3)
+    assert len(next(batches)) == 3  # the first batch, without reading the second (it raised: read ahead)
+    with pytest.raises(InvalidArgumentError, match="cannot read image"):
+        next(batches)
+
+
+def test_16_bit_netpbm_images_and_folders_walked_in_order(tmp_path):
+    pytest.importorskip("torchvision")
+    image = pytest.importorskip("PIL.Image")
+    import numpy as np
+
+    from precisebn.images import ImageFiles
+
+    values = (np.arange(16).reshape(4, 4) * 4369).astype(np.uint16)
+    header = b"P5 4 4 65535\n"  # a 16-bit PGM: Pillow opens it as mode "I"
+    (tmp_path / "data" / "b").mkdir(parents=True)
+    (tmp_path / "data" / "b" / "16bit.pgm").write_bytes(header + values.astype(">u2").tobytes())
+    image.new("RGB", (4, 4)).save(tmp_path / "outside.png")  # beside the data folder
+    (tmp_path / "data" / "a").symlink_to(tmp_path / "data" / "b")  # two ways to one folder: "a" comes first
+    (tmp_path / "data" / "b" / "up").symlink_to(tmp_path)  # a link up to what holds the data: not followed
+    files = ImageFiles(tmp_path / "data", lambda im: torch.from_numpy(np.asarray(im).copy()))
+    assert [p.relative_to(tmp_path / "data").as_posix() for p in files.files] == ["a/16bit.pgm"]
+    loaded, error = files[0]
+    assert error == "" and torch.equal(loaded[..., 0], torch.from_numpy(np.rint(values / 257.0).astype(np.uint8)))

@@ -571,6 +571,7 @@ REFUSED = {  # name -> (extra arguments / replacements, a phrase of the message)
     "out is the input": (["--out", "model.pt"], "--in-place"),
     "out is a folder": (["--out", "existing_dir"], "is a folder"),
     "out ends with a slash": (["--out", "newdir/"], "names a folder"),
+    "out ends with /.": (["--out", "x.pt/."], "names a folder"),
     "format mismatch": (["--out", "o.safetensors"], "same kind of extension"),
     "bad device": (["--device", "toaster"], "not a device"),
     "device gpu (8)": (["--device", "gpu"], "not a device"),
@@ -959,23 +960,30 @@ def test_adapt_leaves_the_other_buffer_bit_for_bit(tiny, work):
         assert not torch.equal(written[f"{name}.running_mean"], state[f"{name}.running_mean"])
 
 
-def test_model_code_that_exits_is_an_error_and_writes_nothing(tiny, work, capsys):
-    args = _tiny_args(tiny, work["ckpt"], "out.pt")
+@pytest.mark.parametrize("debug", [False, True])
+def test_model_code_that_exits_is_an_error_and_writes_nothing(tiny, work, capsys, debug):
+    args = _tiny_args(tiny, work["ckpt"], "out.pt", *(["--debug"] if debug else []))
     args[args.index("cli_tiny:Tiny")] = "cli_tiny:exits"
-    assert main(args) == 1
-    assert "called sys.exit(0)" in capsys.readouterr().err
+    assert main(args) == 1  # (with --debug it was re-raised: exit 0, silent)
+    err = capsys.readouterr().err
+    assert "called sys.exit(0)" in err and (("Traceback" in err) == debug)
     assert not Path("out.pt").exists() and _stray(work["dir"]) == []
 
 
-def test_an_output_encoding_without_the_reports_letters_still_writes(tiny, work, monkeypatch):
+@pytest.mark.parametrize(
+    ("encoding", "errors"), [("cp1252", "strict"), ("cp932", "strict"), ("ascii", "surrogateescape")]
+)
+def test_an_output_encoding_without_the_reports_letters_still_writes(tiny, work, monkeypatch, encoding, errors):
+    # Windows with output redirected (cp1252 lacks Δ and σ; cp932 has them but lacks –), the C locale
     import io
 
-    stdout = io.TextIOWrapper(io.BytesIO(), encoding="cp1252")  # Windows, output redirected to a file
+    stdout = io.TextIOWrapper(io.BytesIO(), encoding=encoding, errors=errors)
     monkeypatch.setattr(sys, "stdout", stdout)
     assert main(_tiny_args(tiny, work["ckpt"], "out.pt")) == 0
-    assert Path("out.pt").exists() and stdout.errors == "strict"  # (put back)
+    assert Path("out.pt").exists() and stdout.errors == errors  # (put back)
+    assert main(["merge", "--help"]) == 0  # (its help holds non-ASCII too)
     stdout.flush()
-    assert b"\\u0394" in stdout.buffer.getvalue() or b"\\u03c3" in stdout.buffer.getvalue()  # escaped
+    assert encoding == "cp932" or b"\\u" in stdout.buffer.getvalue()  # escaped (cp932 holds Δ and σ)
 
 
 def test_wildcards_matching_no_layer_are_named_and_a_folder_is_no_statistics_file(tiny, work, capsys):

@@ -111,3 +111,8 @@ def test_batch_size_of_detection_batches_and_named_inputs() -> None:
     assert batch_size(((torch.zeros(16, 4), torch.zeros(16, 2)), torch.zeros(16))) == 16  # batched inputs
     assert batch_size(((torch.zeros(16, 4), torch.zeros(16, 2)), (torch.zeros(16), torch.zeros(16)))) == 16
     assert batch_size([{"image": torch.zeros(3, 4, 4)}] * 5) == 5  # detectron2's per-sample records
+    boxes = tuple(torch.zeros(3 + i % 2, 4) for i in range(8))  # the first image has 3 boxes, as many as channels
+    assert batch_size((images, boxes)) == 8
+    gray = tuple(torch.zeros(1, 8, 8) for _ in range(6))  # per-sample grayscale images and masks
+    assert batch_size((gray, gray)) == 6
+    assert batch_size({"step": torch.tensor(3), "x": torch.zeros(5, 2)}) == 5  # a 0-d value says nothing

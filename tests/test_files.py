@@ -199,9 +199,10 @@ def test_stale_temporaries_of_killed_runs_are_removed(tmp_path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = tmp_path / f".out.pt.precisebn-{dead.pid}-0123abcd.tmp"
+    backup = tmp_path / f".out.pt.precisebn-{dead.pid}-0123abcd.old.tmp"  # a killed commit's copy of the old file
     alive = tmp_path / f".out.pt.precisebn-{os.getppid()}-0123abcd.tmp"  # a running process: kept
     other = tmp_path / ".other.pt.precisebn-1-0123abcd.tmp"
-    for p in (stale, alive, other):
+    for p in (stale, backup, alive, other):
         p.write_text("left by a SIGKILL")
     with atomic_path(tmp_path / "out.pt") as tmp:
         tmp.write_text("new")

@@ -103,8 +103,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _remove_stale_temporaries(target: Path) -> None:
-    """Removes ``.NAME.precisebn-PID-*.tmp`` left by a killed run whose process is gone."""
-    pattern = re.compile(re.escape(f".{target.name}{_MARK}") + r"(\d+)-[0-9a-f]+\.tmp")
+    """Removes ``.NAME.precisebn-PID-*.tmp`` (and ``*.old.tmp`` backups) left by a killed run whose process is gone."""
+    pattern = re.compile(re.escape(f".{target.name}{_MARK}") + r"(\d+)-[0-9a-f]+(?:\.old)?\.tmp")  # (and backups)
     with contextlib.suppress(OSError):
         for entry in os.scandir(target.parent):
             found = pattern.fullmatch(entry.name)

@@ -260,15 +260,17 @@ class ImageFiles(torch.utils.data.Dataset):
 
 def _walk(root: Path) -> Iterator[Path]:
     """Every non-hidden entry under ``root``, through symlinked folders (as torchvision's
-    ``ImageFolder`` does), each real folder once (a link back up does not loop)."""
+    ``ImageFolder`` does), each real folder once, reached by its first path in sorted order; a
+    link to a folder that holds ``root`` is not followed (it would bring in what is beside it)."""
     seen: set[str] = set()
+    top = os.path.realpath(root)
     for here, folders, names in os.walk(root, followlinks=True):
         real = os.path.realpath(here)
-        if real in seen:
-            folders[:] = []
+        if real in seen or (real != top and top.startswith(real.rstrip(os.sep) + os.sep)):
+            folders[:] = []  # seen already, or a link up to a folder holding the root (what is beside it too)
             continue
         seen.add(real)
-        folders[:] = [f for f in folders if not f.startswith(".")]
+        folders[:] = sorted(f for f in folders if not f.startswith("."))  # (the first way to a linked folder: fixed)
         yield from (Path(here) / name for name in names if not name.startswith("."))
 
 
@@ -279,10 +281,10 @@ def _load_rgb(path: str) -> Any:
 
     with open(path, "rb") as f:
         image = Image.open(f)
-        if image.mode.startswith("I;16"):
+        if image.mode.startswith("I;16") or (image.mode == "I" and image.format in ("PNG", "PPM")):  # 16-bit
             import numpy as np
 
-            values = np.asarray(image, dtype=np.float64) / 257.0  # 0..65535 onto 0..255
+            values = np.asarray(image, dtype=np.float64).clip(0, 65535) / 257.0  # 0..65535 onto 0..255
             image = Image.fromarray(np.rint(values).clip(0, 255).astype(np.uint8), mode="L")
         elif image.mode in ("I", "F"):
             raise InvalidArgumentError(
@@ -347,26 +349,40 @@ def image_batches(
         num_workers=workers,
         collate_fn=_collate,
     )
-    held = lone = None  # the batch before (yielded once the next one has two images or more), a lone image
-    for images, errors in loader:
-        if errors:
-            if skipped is None:
+    if skipped is None:  # (every batch as it comes: nothing read ahead)
+        for images, errors in loader:
+            if errors:
                 raise InvalidArgumentError(
                     f"cannot read image {errors[0]}. Remove or replace the file, or pass --skip-bad-images "
                     f"({len(errors)} unreadable in this batch)."
                 )
-            skipped.extend(errors)
+            if images is not None:
+                yield images
+        return
+    # Skipping: a batch left with one image by a skipped file joins the next one; the batch before is held until
+    # the next one is known, so that a lone image at the end can join it. Files are listed as skipped when the
+    # batch they were read with is yielded (not those of batches read ahead and never used).
+    held: tuple[torch.Tensor, list[str]] | None = None
+    lone: torch.Tensor | None = None
+    errors_since: list[str] = []
+    for images, errors in loader:
+        errors_since += errors
         if images is None:
             continue
         if lone is not None:
             images, lone = torch.cat([lone, images]), None
-        if len(images) == 1:
-            lone = images  # (only after a skipped file: batch_indices joins a lone last one)
+        if len(images) == 1 and errors:
+            lone = images
             continue
         if held is not None:
-            yield held
-        held = images
+            skipped.extend(held[1])
+            yield held[0]
+        held, errors_since = (images, errors_since), []
     if lone is not None:
-        held = lone if held is None else torch.cat([held, lone])
+        held = (lone, errors_since) if held is None else (torch.cat([held[0], lone]), held[1] + errors_since)
+        errors_since = []
     if held is not None:
-        yield held
+        skipped.extend(held[1] + errors_since)
+        yield held[0]
+    else:
+        skipped.extend(errors_since)

@@ -15,9 +15,11 @@ Example:
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import io
 import sys
+import traceback
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -31,13 +33,18 @@ __all__ = ["EXIT_FAILED", "EXIT_FLAGGED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_U
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit code (0 done, 1 failed, 2 usage, 3 flagged, 130 interrupted)."""
+    with _encodable_output():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, usage errors (already printed)
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
     debug, quiet = getattr(args, "debug", False), getattr(args, "quiet", False)
-    with _encodable_output(), _warnings_as_notes(), _quiet(quiet), _threads(getattr(args, "threads", None)):
+    with _warnings_as_notes(), _quiet(quiet), _threads(getattr(args, "threads", None)):
         try:
             if args.check is not None:
                 args.plan = args.check(args)
@@ -59,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_INTERRUPTED
         except SystemExit as exc:  # from the user's code (a model factory, a script parsing its arguments)
             if debug:
-                raise
+                traceback.print_exc()  # (re-raised, the exit would look like the command's own)
             print(
                 f"precisebn {args.command}: error: the code of --model/--data called sys.exit({exc.code!r}) while "
                 "precisebn was running it (e.g. a script that parses its own arguments on import); point --model "
@@ -88,21 +95,27 @@ def _error_paragraph(command: str, exc: Exception) -> str:
     return f"precisebn {command}: error: " + " ".join(text.split())
 
 
+_ESCAPING = ("backslashreplace", "replace", "xmlcharrefreplace", "namereplace")
+
+
 @contextlib.contextmanager
 def _encodable_output() -> Iterator[None]:
-    """Output streams whose encoding lacks a character the reports print (Δ, σ: e.g. cp1252 when
-    redirected on Windows) write it escaped for the command's duration, instead of failing after the work."""
+    """Output streams in an encoding other than UTF-8/16/32 (cp1252 or cp932 when redirected on Windows,
+    ASCII under the C locale) write what they cannot encode (Δ, σ, –, × ...) escaped for the command's
+    duration, instead of failing after the work (``--help`` included)."""
     changed = []
     for stream in (sys.stdout, sys.stderr):
         encoding, errors = getattr(stream, "encoding", None), getattr(stream, "errors", None)
-        if encoding is None or not hasattr(stream, "reconfigure") or errors not in ("strict", None):
+        if encoding is None or not hasattr(stream, "reconfigure") or errors in _ESCAPING:
             continue
         try:
-            "Δσ".encode(encoding)
-        except (UnicodeEncodeError, LookupError):
-            with contextlib.suppress(Exception):
-                stream.reconfigure(errors="backslashreplace")
-                changed.append((stream, errors))
+            if codecs.lookup(encoding).name.startswith("utf"):  # (every character the output holds)
+                continue
+        except LookupError:
+            continue
+        with contextlib.suppress(Exception):
+            stream.reconfigure(errors="backslashreplace")
+            changed.append((stream, errors))
     try:
         yield
     finally:
