@@ -238,3 +238,27 @@ def test_the_drop_ins_pass_each_batch_as_the_loader_gave_it() -> None:
     loader = [{"x": torch.randn(4, 3)} for _ in range(2)]
     update_bn(loader, Named())
     assert all(a is b for a, b in zip(seen, loader))
+
+
+def test_a_wrapped_model_gets_batches_moved_to_its_device_as_its_wrapper_would() -> None:
+    """DDP (device_ids) and DataParallel move a loader's CPU batches to the model's device; the drop-ins run
+    the wrapped module, so they move them themselves (on the CPU: the containers are copies, not the loader's)."""
+    from precisebn.compat import update_bn_stats
+
+    seen: list[Any] = []
+
+    class Listed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(3)
+
+        def forward(self, batch: list[torch.Tensor]) -> torch.Tensor:
+            seen.append(batch)
+            return self.bn(batch[0])
+
+    batches = [[torch.randn(4, 3)] for _ in range(2)]
+    update_bn_stats(nn.DataParallel(Listed().train()), batches, num_iters=2)
+    assert len(seen) == 2 and all(a is not b and torch.equal(a[0], b[0]) for a, b in zip(seen, batches))
+    seen.clear()
+    update_bn_stats(Listed().train(), batches, num_iters=2)
+    assert all(a is b for a, b in zip(seen, batches))

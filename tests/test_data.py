@@ -111,8 +111,12 @@ def test_batch_size_of_detection_batches_and_named_inputs() -> None:
     assert batch_size(((torch.zeros(16, 4), torch.zeros(16, 2)), torch.zeros(16))) == 16  # batched inputs
     assert batch_size(((torch.zeros(16, 4), torch.zeros(16, 2)), (torch.zeros(16), torch.zeros(16)))) == 16
     assert batch_size([{"image": torch.zeros(3, 4, 4)}] * 5) == 5  # detectron2's per-sample records
-    boxes = tuple(torch.zeros(3 + i % 2, 4) for i in range(8))  # the first image has 3 boxes, as many as channels
+    boxes = tuple(torch.zeros(2 + i % 2, 4) for i in range(8))  # per-image boxes
     assert batch_size((images, boxes)) == 8
+    hidden = (torch.zeros(8, 4), torch.zeros(2, 8, 16))  # (x, h0 of an RNN: layers x batch x hidden)
+    assert batch_size((hidden, (torch.zeros(8), torch.zeros(8)))) == 8
+    assert batch_size(((torch.zeros(8, 4), torch.zeros(8)), (torch.zeros(8), None))) == 8
+    assert batch_size({"inputs": [torch.zeros(3, 5, 5)] * 8, "data_samples": [object()] * 8}) == 8  # mmengine
     gray = tuple(torch.zeros(1, 8, 8) for _ in range(6))  # per-sample grayscale images and masks
     assert batch_size((gray, gray)) == 6
     assert batch_size({"step": torch.tensor(3), "x": torch.zeros(5, 2)}) == 5  # a 0-d value says nothing

@@ -159,6 +159,8 @@ def _measure(guard: contextlib.ExitStack, walk: list[tuple[str, nn.Module]], *ar
         tolerance=None,
         walk=walk,
         writes=WRITTEN["both"],
-        move=False,  # like fvcore's and torch's: the forward gets each batch as the loader gave it
+        # like fvcore's and torch's: the forward gets each batch as the loader gave it — unless the model is a
+        # DDP/DataParallel wrapper, which would move it to its device itself (the passes run on its module)
+        move=unwrap(args[0]) is not args[0],
         **options,
     )[0]

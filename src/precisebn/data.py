@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -47,7 +47,10 @@ def batch_size(batch: Any) -> int | None:
     many targets (``(images, targets)``, torchvision's detection batches) and else a tuple of
     batched inputs (``((x, extra), y)``), a mapping of inputs (``({"x": x}, y)``); a list of
     per-sample records (as detectron2 uses) counts its length. A mapping counts its first
-    tensor value. ``None`` when nothing tells.
+    list of tensors beside as many records (per-sample, as mmengine's ``pseudo_collate``
+    gives), or its first tensor of one dimension or more. ``None`` when nothing tells. Some
+    shapes cannot be told apart (a list of per-sample images alone, three boxes per image of
+    three channels): pass ``num_batches=`` rather than ``num_samples=`` for those.
 
     Example:
         >>> import torch
@@ -70,7 +73,7 @@ def batch_size(batch: Any) -> int | None:
             return batch_size(first)
         if isinstance(first, (tuple, list)) and first and isinstance(first[0], Tensor):
             second, n = (batch[1] if len(batch) > 1 else None), len(first)
-            if isinstance(second, (tuple, list)) and len(second) == n and not _batched_alike(first, second):
+            if isinstance(second, (tuple, list)) and len(second) == n and not _batched_alike(first[0], second[0]):
                 return n  # per-sample inputs, with their targets (not as many batched inputs as targets)
             if isinstance(second, Tensor) and second.dim() and second.shape[0] == n:
                 return n  # per-sample inputs, with their targets stacked (batched inputs: as many as theirs)
@@ -82,6 +85,10 @@ def batch_size(batch: Any) -> int | None:
         return len(batch)
     if isinstance(batch, Mapping):
         for value in batch.values():
+            if isinstance(value, list) and value and all(isinstance(v, Tensor) for v in value):
+                others = [v for v in batch.values() if v is not value and isinstance(v, (list, tuple))]
+                if any(len(v) == len(value) for v in others):
+                    return len(value)  # per-sample tensors with as many records (mmengine's pseudo_collate)
             if (isinstance(value, Tensor) and value.dim()) or (  # (a 0-d value, e.g. a step count, says nothing)
                 isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor)
             ):
@@ -89,11 +96,10 @@ def batch_size(batch: Any) -> int | None:
     return None
 
 
-def _batched_alike(inputs: Sequence[Any], targets: Sequence[Any]) -> bool:
-    """Whether every input and target is a tensor with one first dimension above 1: batched inputs and
-    targets (``((x, mask), (y, weight))``), not per-sample ones (images of 3 channels with their boxes)."""
-    firsts = {t.shape[0] if isinstance(t, Tensor) and t.dim() else None for t in (*inputs, *targets)}
-    return len(firsts) == 1 and None not in firsts and firsts.pop() > 1
+def _batched_alike(x: Tensor, y: Any) -> bool:
+    """Whether ``y`` is a tensor with ``x``'s first dimension, above 1: a batch's inputs and targets
+    (``((x, mask), (y, weight))``), not per-sample ones (grayscale images with their masks)."""
+    return isinstance(y, Tensor) and y.dim() > 0 and x.dim() > 0 and y.shape[0] == x.shape[0] > 1
 
 
 def to_device(batch: Any, device: torch.device | None) -> Any:

@@ -9,13 +9,14 @@ every training-loop integration) leaves them as they are: :meth:`FrozenLayers.ob
 notes which layers are in eval mode whenever the model is seen training, and
 :meth:`FrozenLayers.excluding` takes them out of each computation's selection.
 
-The model is *seen training* when the module inside its wrappers, or any of its
-submodules, is in training mode (a head trained on a frozen backbone: ``model.eval();
-model.head.train()``); a model entirely in eval mode (evaluation, a rank that evaluates
-alone) tells nothing, and what was noted before stays. Before training has started the
-modes say little (a model built in training mode whose ``train()`` override freezes layers
-has not run it yet): :meth:`FrozenLayers.probe` also looks at what ``model.train()``
-leaves in eval mode.
+The model is *seen training* when the module inside its wrappers is in training mode, or
+any of its submodules that holds parameters of its own (a head trained on a frozen backbone:
+``model.eval(); model.head.train()``; not a dropout layer switched on for MC-dropout
+evaluation); a model otherwise in eval mode tells nothing, and what was noted before stays.
+Before any training step was seen the modes may not say what training freezes (a model built
+in training mode whose ``train()`` override freezes layers has not run it yet):
+:func:`train_override` names such an override, and the scheduler then computes nothing
+rather than guess (running ``train()`` to look would run its side effects).
 
 Example:
     >>> import torch
@@ -35,8 +36,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ from torch import nn
 from .errors import InvalidArgumentError, PreciseBNWarning
 from .layers import LayerSelection, has_running_stats, layer_matcher, unwrap
 
-__all__ = ["FrozenLayers", "agreed_names", "core_model", "training_modes"]
+__all__ = ["FrozenLayers", "agreed_names", "core_model", "train_override"]
 
 _RELIST_FACTOR = 100  # the layers are listed again once this many times the last listing's duration has passed
 
@@ -113,20 +113,18 @@ class FrozenLayers:
             raise InvalidArgumentError(f"observe() takes the model being trained, got {type(model).__name__}")
         core = core_model(model)
         layers = self._list(core, now=relist)
-        if not any(m.training for _, m in layers) and not any(m.training for m in self._others):
+        if (
+            not core.training
+            and not any(m.training for _, m in layers)
+            and not any(
+                m.training and m._parameters
+                for m in self._others  # (a dropout layer switched on says nothing)
+            )
+        ):
             return False
         self.names = tuple(name for name, m in layers if not m.training)
         self.seen = True
         return True
-
-    def probe(self, model: nn.Module) -> None:
-        """Adds to the noted layers those ``model.train()`` leaves in eval mode (it is run, then
-        every module's flag is put back; see :func:`training_modes`): for a computation made
-        before training has started, when the modes do not yet say what training freezes."""
-        now = set(self.names)
-        with training_modes(model):
-            self.observe(model, relist=True)
-        self.names = tuple(name for name, _ in self._layers if name in now or name in self.names)
 
     def excluding(self, layers: LayerSelection, model: nn.Module) -> tuple[LayerSelection, list[str]]:
         """``layers`` (a selection for :func:`precisebn.recalibrate` on ``model``) without the
@@ -162,38 +160,40 @@ class FrozenLayers:
         return selected, found
 
 
-def agreed_names(names: tuple[str, ...], distributed: Any, group: Any = None) -> tuple[str, ...]:
-    """Every rank's frozen layers (the union, in a fixed order), so that all ranks leave the
-    same layers out — one ``all_gather_object`` when a process group of several ranks is
-    initialised and ``distributed`` is not ``False``; ``names`` otherwise."""
+def agreed_names(
+    names: tuple[str, ...], distributed: Any, group: Any = None, unsure: bool = False
+) -> tuple[tuple[str, ...], bool]:
+    """Every rank's frozen layers (the union, in a fixed order) and whether any rank is
+    ``unsure`` (see :func:`train_override`), so that all ranks leave the same layers out, or
+    all skip — one ``all_gather_object`` when a process group of several ranks is initialised
+    and ``distributed`` is not ``False``; ``(names, unsure)`` otherwise."""
     dist = torch.distributed
     if distributed is False or not (dist.is_available() and dist.is_initialized()):
-        return names
+        return names, unsure
     group = group if group is not None else dist.group.WORLD
     try:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
     except Exception:  # a wrong process_group: recalibrate says so, on every rank
-        return names
+        return names, unsure
     if world <= 1 or rank < 0:
-        return names
+        return names, unsure
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, list(names), group=group)
+    dist.all_gather_object(gathered, (list(names), unsure), group=group)
     union: set[str] = set()
-    for part in gathered:
+    for part, _ in gathered:
         union.update(part or ())
-    return tuple(sorted(union))
+    return tuple(sorted(union)), any(flag for _, flag in gathered)
 
 
-@contextmanager
-def training_modes(model: nn.Module) -> Iterator[None]:
-    """Runs ``model.train()`` (the model's own, with whatever layers it keeps in eval mode)
-    for the block, then puts every module's flag back: for a look at what training will
-    freeze before training has started."""
-    modules = list(model.modules())
-    flags = [m.training for m in modules]
-    try:
-        model.train()
-        yield
-    finally:
-        for m, flag in zip(modules, flags):
-            m.training = flag
+_HARMLESS_TRAIN = {"transformers.modeling_utils.PreTrainedModel.train"}  # (kernels switched, nothing frozen)
+
+
+def train_override(model: nn.Module) -> str | None:
+    """The first class among ``model``'s modules whose ``train()`` is its own (not
+    ``nn.Module.train``): one that may keep layers in eval mode when training starts; ``None``
+    when ``model.train()`` can only put every module in training mode."""
+    for m in core_model(model).modules():
+        train = type(m).train
+        if train is not nn.Module.train and f"{train.__module__}.{train.__qualname__}" not in _HARMLESS_TRAIN:
+            return f"{type(m).__module__}.{type(m).__qualname__}"
+    return None

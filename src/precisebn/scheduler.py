@@ -34,7 +34,7 @@ from torch import nn
 
 from .data import Forward
 from .errors import InvalidArgumentError, PreciseBNError, PreciseBNWarning
-from .frozen import FrozenLayers, agreed_names
+from .frozen import FrozenLayers, agreed_names, train_override
 from .layers import LayerSelection, find_norm_layers, unwrap
 from .recalibrate import check_options, recalibrate
 from .report import Report
@@ -150,6 +150,7 @@ class PreciseBNScheduler:
         self._own_modes = True  # whether update() notes the modes of the model it computes on (see observe)
         self._trained: nn.Module = model  # the model being trained (see observe)
         self._skipped: list[str] | None = None  # the frozen layers last logged
+        self._unsure_noted = False
         self._options: dict[str, Any] = {
             "num_samples": num_samples,
             "num_batches": num_batches,
@@ -235,18 +236,24 @@ class PreciseBNScheduler:
             return None
         options = self._options
         frozen = self._frozen
+        unsure = None  # a train() override that may freeze layers, before any training step was seen
         if self.frozen == "skip":
-            before_training = not frozen.seen  # (no training step observed: the modes may not say yet)
-            if self._own_modes:
-                frozen.observe(self.model, relist=True)
-            if before_training:
-                frozen.probe(self._trained)  # what model.train() leaves in eval mode too
-        # every rank leaves the same layers out (one rank may have evaluated alone, in eval mode); gathered
-        # whatever frozen= is, so that ranks configured differently do not wait for each other
-        names = agreed_names(
-            frozen.names if self.frozen == "skip" else (), options["distributed"], options["process_group"]
+            before_training = not frozen.seen
+            seen_now = self._own_modes and frozen.observe(self.model, relist=True)
+            if before_training and not seen_now:
+                unsure = train_override(self._trained)
+        # every rank leaves the same layers out (one rank may have evaluated alone, in eval mode), or all skip;
+        # gathered whatever frozen= is, so that ranks configured differently do not wait for each other
+        names, skip = agreed_names(
+            frozen.names if self.frozen == "skip" else (),
+            options["distributed"],
+            options["process_group"],
+            unsure is not None,
         )
         if self.frozen == "skip":
+            if skip:
+                self._note_unsure(unsure)
+                return None
             frozen.names = names
             try:
                 layers, skipped = self._frozen.excluding(options["layers"], self.model)
@@ -268,6 +275,21 @@ class PreciseBNScheduler:
         self._last_step, self._stale, self._last_report = step, False, report
         self._computations += 1
         return report
+
+    def _note_unsure(self, override: str | None) -> None:
+        if self._unsure_noted:
+            return
+        self._unsure_noted = True
+        whose = f"{override}.train()" if override else "a train() override (on another rank)"
+        warnings.warn(
+            "precisebn: nothing was recomputed: no training step has been seen yet and the model is in eval mode, "
+            f"so which layers training keeps frozen (in eval mode) is unknown — {whose} may keep some, and "
+            "running it to look would run its side effects. The computation runs once a training step has been "
+            "seen (or after scheduler.observe() with the model in training mode); pass frozen='include' to "
+            "recompute every layer now.",
+            PreciseBNWarning,
+            stacklevel=3,
+        )
 
     def _note_skipped(self, skipped: list[str], everything: bool) -> None:
         """Says once per set which frozen layers are left out: a log line, or a warning when that
