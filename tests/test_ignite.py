@@ -302,3 +302,35 @@ def test_an_evaluation_before_the_first_iteration_leaves_frozen_layers() -> None
     reference, expected = train(False)
     assert torch.equal(torch.stack(losses), torch.stack(expected))
     assert torch.equal(model.body[1].running_mean, reference.body[1].running_mean)
+
+
+def test_a_second_run_of_the_trainer_recomputes_at_its_own_steps(float64_truth: Any) -> None:
+    """The last step carried over: a second trainer.run() restarts at iteration 0, and its computations at the
+    first run's steps were skipped (statistics ~1.2 off the truth)."""
+    x, y = make_data()
+    model = make_model()
+    trainer, *_ = engines(model)
+    precise = PreciseBN(model, num_samples="all")
+    precise.attach(trainer, Events.COMPLETED)
+    trainer.run(loader(x, y), max_epochs=1)
+    assert precise.computations == 1 and precise.last_step == 4
+    trainer.run(loader(x, y), max_epochs=1)  # a new run: iterations 1..4 again
+    assert precise.computations == 2
+    assert_precise(float64_truth, model.state_dict(), x)
+
+
+def test_a_resumed_run_keeps_its_last_step() -> None:
+    from precisebn.integrations._trigger import Trigger
+
+    model = make_model()
+    trigger = Trigger("test", num_samples="all")
+    trigger.bind(model, [torch.randn(8, 4)])
+    assert trigger.compute(7) is not None and trigger.last_step == 7
+    trigger.unbind()
+    assert trigger.last_step == 7  # readable after the run
+    trigger.bind(model, [torch.randn(8, 4)])  # a new run: its step 7 is not the last run's
+    assert trigger.last_step is None and trigger.computations == 1
+    trigger.unbind()
+    trigger.load_state_dict({"last_step": 7, "stale": False, "computations": 1})  # a checkpoint's, for a resume
+    trigger.bind(model, [torch.randn(8, 4)])
+    assert trigger.last_step == 7 and trigger.compute(7) is None

@@ -22,7 +22,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveragi
 from lightning.pytorch.loggers import CSVLogger
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
-from conftest import NormEval, assert_adapted, assert_frozen_left_and_trained_precise, set_statistics
+from conftest import (
+    NormEval,
+    assert_adapted,
+    assert_frozen_left_and_trained_precise,
+    compute_truth,
+    max_rel_error,
+    set_statistics,
+)
 from precisebn.errors import InvalidArgumentError, MissingDependencyError, PreciseBNWarning
 from precisebn.integrations.lightning import PreciseBN, PreciseWeightAveraging
 
@@ -678,3 +685,19 @@ def test_the_averaged_copy_keeps_the_layers_frozen_in_the_module(tmp_path: Path)
     for key, value in model.net.body[1].named_buffers():
         assert torch.equal(value, initial[key]), key
     assert_frozen_left_and_trained_precise(model, model, [x], prefix="net.")
+
+
+@pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
+def test_true_precision_batches_are_converted_as_training_batches(tmp_path: Path, precision: str) -> None:
+    """The batches reached a float64/bf16 module as float32 (a raw dtype error at the first validation)."""
+    x, y = make_data()
+    precise = PreciseBN(num_samples="all")
+    trainer = make_trainer(tmp_path, max_epochs=1, precision=precision, callbacks=[precise])
+    model = TinyNet()
+    trainer.fit(model, loader(x, y), loader(x[:16], y[:16]))
+    assert precise.computations == 1
+    dtype = torch.float64 if precision == "64-true" else torch.bfloat16
+    assert model.net[1].running_var.dtype == dtype
+    truth = compute_truth(model, [x.to(dtype)])[BN]
+    tolerance = 1e-9 if dtype == torch.float64 else 1e-2
+    assert max_rel_error(model.net[1].running_var, truth.var) < tolerance

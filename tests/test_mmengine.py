@@ -392,3 +392,16 @@ def test_layers_frozen_for_training_are_left_as_they_are(tmp_path: Path, frozen:
         return
     assert same and all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     assert_frozen_left_and_trained_precise(model, reference, [x], prefix="net.")
+
+
+def test_a_checkpoint_saved_by_rank_0_alone_computes_nothing_and_says_so() -> None:
+    """mmengine saves on rank 0 only: a computation there (which merges every rank) left rank 0 waiting alone."""
+    from types import SimpleNamespace
+
+    hook = ExactPreciseBNHook(num_samples="all", interval=None)
+    hook._training = True
+    runner = SimpleNamespace(world_size=2, rank=0, iter=3)
+    with pytest.warns(PreciseBNWarning, match="saves checkpoints on rank 0 alone"):
+        hook.before_save_checkpoint(runner, {"state_dict": {}})
+    hook.before_save_checkpoint(runner, {"state_dict": {}})  # said once
+    assert hook.computations == 0

@@ -210,6 +210,13 @@ class PreciseBNScheduler:
         self._own_modes, self._trained = False, model  # from now on the modes that count are those of the model trained
         return seen
 
+    def trains(self, model: nn.Module) -> None:
+        """Names the model being trained, when it is not the scheduler's (an averaged copy of it), without
+        observing it yet: :meth:`update` then reads the frozen layers from the observations of ``model``."""
+        if not isinstance(model, nn.Module):
+            raise InvalidArgumentError(f"trains() takes the model being trained, got {type(model).__name__}")
+        self._own_modes, self._trained = model is self.model, model
+
     def is_current(self, step: int) -> bool:
         """Whether the statistics were computed at ``step`` and nothing invalidated them since."""
         return self._last_step == check_step(step, "step") and not self._stale

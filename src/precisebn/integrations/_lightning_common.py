@@ -169,11 +169,15 @@ class _Recalibrator:
         random number generators to put back)."""
         source = self.data if self.data is not None else _training_loader(trainer)
         module = trainer.lightning_module
-        # What the training loop does to each batch: the (datamodule's or module's)
-        # on_before_batch_transfer, then transfer_batch_to_device and on_after_batch_transfer.
+        # What the training loop does to each batch: the precision plugin's convert_input (the batch in the
+        # model's dtype under "64-true"/"bf16-true"), the (datamodule's or module's) on_before_batch_transfer,
+        # then transfer_batch_to_device and on_after_batch_transfer.
         before = getattr(module, "_on_before_batch_transfer", None)
+        convert = getattr(trainer.precision_plugin, "convert_input", None)
 
         def move(batch: Any) -> Any:
+            if convert is not None:
+                batch = convert(batch)
             if before is not None:
                 batch = before(batch, dataloader_idx=0)
             return trainer.strategy.batch_to_device(batch)

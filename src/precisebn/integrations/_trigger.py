@@ -139,6 +139,7 @@ class Trigger:
         self._pending_state: dict[str, Any] | None = None
         self._last_report: Report | None = None
         self._warned_no_layers = False
+        self._finished = False  # a run ended (unbind) and no state was loaded since
 
     # -- binding ----------------------------------------------------------------------
 
@@ -158,6 +159,9 @@ class Trigger:
         state of an earlier run (or a loaded checkpoint) carries over.
         """
         state = self.state_dict()
+        if self._finished:  # a new run after a finished one, no checkpoint's state loaded for it
+            state = {**state, "last_step": None, "stale": False}
+        self._finished = False
         self._scheduler = PreciseBNScheduler(
             model,
             data,
@@ -180,9 +184,17 @@ class Trigger:
         return self._scheduler
 
     def unbind(self) -> None:
-        """Ends a training run: keeps the state, drops the references to the model and data."""
+        """Ends a training run: keeps the number of computations, drops the references to the model and
+        data; the next run forgets the last step — it counts its steps from 0 again, so a step number of
+        this run means nothing there (unless a checkpoint's state is loaded for it: a resumed run)."""
         if self._scheduler is not None:
             self._pending_state, self._scheduler = self._scheduler.state_dict(), None
+            self._finished = True  # (its last step stays readable until the next run starts)
+
+    def new_run(self) -> None:
+        """A bound run starts again from step 0 (an Ignite engine run again): forgets the last step."""
+        if self._scheduler is not None:
+            self._scheduler.load_state_dict({**self._scheduler.state_dict(), "last_step": None, "stale": False})
 
     def observe(self, model: nn.Module | None = None) -> None:
         """After a training step: notes the layers frozen for training (in eval mode while
@@ -263,6 +275,7 @@ class Trigger:
     def load_state_dict(self, state: Any) -> None:
         """Restores :meth:`state_dict`'s output; refuses anything else at once."""
         checked = check_state(state, f"{self.owner}.load_state_dict")
+        self._finished = False  # (a resumed run: its steps go on from the checkpoint's)
         if self._scheduler is not None:
             self._scheduler.load_state_dict(checked)
         else:

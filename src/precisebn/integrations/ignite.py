@@ -144,8 +144,8 @@ class PreciseBN(TriggerState):
         self._data_engine: Any = None
         source: Data = data if data is not None else self._engine_data
         self._trigger.bind(model, source, device=device, progress=progress and _rank_zero())
-        if trained_model is not None:
-            self._trigger.observe(trained_model)  # (update() then no longer reads model's own flags)
+        if trained_model is not None and self._trigger.scheduler is not None:
+            self._trigger.scheduler.trains(trained_model)  # (noted, not observed: it has not trained yet)
         self.log = log
 
     def _engine_data(self) -> Iterable[Any]:
@@ -181,10 +181,17 @@ class PreciseBN(TriggerState):
         if event is None:
             event = _engine.Events.EPOCH_COMPLETED
         steps = step_engine if step_engine is not None else engine
-        completed = _engine.Events.ITERATION_COMPLETED
+        completed, started = _engine.Events.ITERATION_COMPLETED, _engine.Events.STARTED
         if not steps.has_event_handler(self._observe, completed):  # (once per engine)
             steps.add_event_handler(completed, self._observe)
+        if not steps.has_event_handler(self._started, started):
+            steps.add_event_handler(started, self._started)
         return engine.add_event_handler(event, self, steps)
+
+    def _started(self, engine: Any) -> None:
+        """A run of the step engine starts: from iteration 0 (a new run), the last step means nothing."""
+        if int(engine.state.iteration) == 0:
+            self._trigger.new_run()
 
     def _observe(self, engine: Any) -> None:
         """After each training iteration: notes the layers kept in eval mode (frozen)."""

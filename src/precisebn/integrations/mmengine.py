@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -48,7 +49,7 @@ from torch import nn
 from .._optional import require
 from ..checkpoint import buffer_names
 from ..data import Forward
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, PreciseBNWarning
 from ..layers import LayerSelection
 from ..report import Report
 from ..scheduler import Data, MappedBatches, fresh_batches
@@ -180,6 +181,7 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
             self.priority = priority
         self._training = False
         self._iter_ending = False  # inside after_train_iter, before the loop counts the iteration
+        self._warned_alone = False
 
     # -- binding ----------------------------------------------------------------------
 
@@ -238,6 +240,18 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
 
     def before_save_checkpoint(self, runner: Any, checkpoint: dict[str, Any]) -> None:
         if not (self.compute_before_save and self._training):
+            return
+        if runner.world_size > 1:  # saving runs on rank 0 alone: a computation there would wait for the others
+            if not self._trigger.is_current(self._step(runner)) and not self._warned_alone:
+                self._warned_alone = True
+                warnings.warn(
+                    f"{type(self).__name__}: with {runner.world_size} processes mmengine saves checkpoints on rank 0 "
+                    "alone, where a computation (which merges all ranks) cannot run; this checkpoint holds the "
+                    "statistics of the last computation. Make checkpoints fall on computations: the hook's "
+                    "interval, or right after validation (before_val computes on every rank).",
+                    PreciseBNWarning,
+                    stacklevel=2,
+                )
             return
         report = self._compute(runner)
         state = checkpoint.get("state_dict")
