@@ -203,21 +203,19 @@ def test_observe_refuses_what_is_not_a_model_and_keeps_reading_its_own() -> None
     assert scheduler.update(1).updated == [TRAINED]  # type: ignore[union-attr]
 
 
-def test_before_training_a_model_in_eval_mode_with_a_train_override_is_left_alone(
-    snapshot: Any, unchanged: Any
-) -> None:
-    """Its train() may keep layers in eval mode (norm_eval); running it to look ran its side effects (a torchvision
-    feature extractor switched graphs and then measured with dropout on: variance 25x off)."""
-    model = NormEval().eval()  # e.g. from_pretrained, or evaluated before training (HF eval_on_start)
-    before = snapshot(model)
-    scheduler = precisebn.PreciseBNScheduler(model, batches(), num_samples="all")
-    with pytest.warns(PreciseBNWarning, match=r"no training step has been seen yet.*NormEval\.train\(\)"):
-        assert scheduler.update(0) is None
-    unchanged(model, before)
-    assert scheduler.computations == 0
-    model.train()  # training starts: now the modes say
-    report = scheduler.update(1)
-    assert report is not None and report.updated == [TRAINED] and scheduler.frozen_layers == (FROZEN,)
+def test_a_copy_that_never_trains_is_recalibrated_at_every_update(recwarn: pytest.WarningsRecorder) -> None:
+    """An EMA copy stays in eval mode: with a train() override in it (timm's LeViT clears a cache there), the copy
+    was never 'seen training', and every update was skipped as if before training (0 computations in 3 epochs)."""
+
+    class Cached(nn.Sequential):
+        def train(self, mode: bool = True) -> Cached:
+            self.cache = None  # what timm's attention layers do
+            return super().train(mode)
+
+    copy_ = Cached(nn.Linear(4, 6), nn.BatchNorm1d(6)).eval()
+    scheduler = precisebn.PreciseBNScheduler(copy_, batches(), num_samples="all")
+    assert [scheduler.update(step) is not None for step in (1, 2, 3)] == [True, True, True]
+    assert not [w for w in recwarn if issubclass(w.category, PreciseBNWarning)]
 
 
 def test_mc_dropout_evaluation_is_not_training() -> None:

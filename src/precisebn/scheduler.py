@@ -238,6 +238,12 @@ class PreciseBNScheduler:
             PreciseBNError: Whatever :func:`precisebn.recalibrate` raises; the model is
                 then unchanged and the step is not recorded, so the next call tries again.
         """
+        return self._update(step, force=force, before_training=False)
+
+    def _update(self, step: int, *, force: bool, before_training: bool) -> Report | None:
+        """:meth:`update`; ``before_training``: the caller knows no training step has run yet (an
+        integration's evaluation on start), so that a model not seen training may not be in its
+        training modes yet (see :func:`~precisebn.frozen.train_override`)."""
         step = check_step(step, "step")
         if not force and self.is_current(step):
             return None
@@ -245,9 +251,9 @@ class PreciseBNScheduler:
         frozen = self._frozen
         unsure = None  # a train() override that may freeze layers, before any training step was seen
         if self.frozen == "skip":
-            before_training = not frozen.seen
+            unseen = not frozen.seen
             seen_now = self._own_modes and frozen.observe(self.model, relist=True)
-            if before_training and not seen_now:
+            if before_training and unseen and not seen_now:
                 unsure = train_override(self._trained)
         # every rank leaves the same layers out (one rank may have evaluated alone, in eval mode), or all skip;
         # gathered whatever frozen= is, so that ranks configured differently do not wait for each other

@@ -235,10 +235,16 @@ class Trigger:
         return self._scheduler is not None and self._scheduler.is_current(step)
 
     def compute(
-        self, step: int, *, context: contextlib.AbstractContextManager[Any] | None = None, warn: bool = True
+        self,
+        step: int,
+        *,
+        context: contextlib.AbstractContextManager[Any] | None = None,
+        warn: bool = True,
+        before_training: bool = False,
     ) -> Report | None:
         """Recalibrates unless the statistics are current for ``step`` (or there is no run,
-        or nothing to recalibrate); ``context`` wraps the forward passes (autocast...).
+        or nothing to recalibrate); ``context`` wraps the forward passes (autocast...);
+        ``before_training``: no training step has run yet (an evaluation on start).
 
         Returns:
             The :class:`~precisebn.Report` of a computation, ``None`` when nothing ran.
@@ -253,7 +259,7 @@ class Trigger:
         # Evaluation may run under inference_mode; leave it so that what the computation
         # creates (the report's tensors) is made of ordinary tensors.
         with torch.inference_mode(False), context if context is not None else contextlib.nullcontext():
-            report = scheduler.update(step)
+            report = scheduler._update(step, force=False, before_training=before_training)
         if report is not None:
             self._last_report = report
         return report

@@ -203,7 +203,7 @@ class PreciseBN(TriggerState):
         self._data_engine = source
         try:
             step = int(source.state.iteration)
-            report = self._trigger.compute(step, warn=_rank_zero())
+            report = self._trigger.compute(step, warn=_rank_zero(), before_training=step == 0)
         finally:
             self._data_engine = None
         if report is not None and self.log:

@@ -162,7 +162,7 @@ class PreciseBNCallback(TriggerState, _callback.TrainerCallback):  # type: ignor
         progress = self._trigger.progress and state.is_world_process_zero
         self._trigger.bind(model, source, progress=progress)
         if self.before_evaluate and getattr(args, "eval_on_start", False):  # evaluated next, with no step before
-            self._compute(state)
+            self._compute(state, before_training=True)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._trigger.observe()  # the layers the model keeps in eval mode while training: frozen
@@ -183,8 +183,10 @@ class PreciseBNCallback(TriggerState, _callback.TrainerCallback):  # type: ignor
         if (self.before_evaluate and control.should_evaluate) or (self.before_save and control.should_save):
             self._compute(state)
 
-    def _compute(self, state: Any) -> Report | None:
-        report = self._trigger.compute(state.global_step, warn=state.is_world_process_zero)
+    def _compute(self, state: Any, before_training: bool = False) -> Report | None:
+        report = self._trigger.compute(
+            state.global_step, warn=state.is_world_process_zero, before_training=before_training
+        )
         if report is not None and self.log and state.is_world_process_zero:
             metrics = report_metrics(report)
             state.log_history.append({**metrics, "step": state.global_step})
