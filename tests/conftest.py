@@ -122,16 +122,29 @@ class NormEval(nn.Module):
         return self.head(self.body(x))
 
 
-def assert_frozen_left_and_trained_precise(
-    model: nn.Module, reference: nn.Module, batches: Iterable[Any], prefix: str = "", **truth: Any
+def assert_frozen_run(
+    frozen: str,
+    same_losses: bool,
+    model: nn.Module,
+    reference: nn.Module,
+    batches: Iterable[Any],
+    prefix: str = "",
+    **truth: Any,
 ) -> None:
-    """After training with an integration: ``model``'s frozen layer (``{prefix}body.1``) is bitwise
-    that of ``reference`` (trained without it), and its trained layer (``{prefix}head.1``) holds the
-    float64 truth of its inputs on ``batches`` with the frozen layer normalising with its own
-    statistics, as in training (``truth``: ``compute_truth``'s options)."""
-    frozen, trained = f"{prefix}body.1", f"{prefix}head.1"
+    """After training ``model`` with an integration (``frozen=``) and ``reference`` without it, from the same seeds:
+    with ``"include"``, training differed and so did the frozen layer's statistics (what every version did before
+    frozen layers were told apart); with ``"skip"``, the losses and weights are bitwise those of ``reference``,
+    the frozen layer (``{prefix}body.1``) is bitwise ``reference``'s, and the trained layer (``{prefix}head.1``)
+    holds the float64 truth of its inputs on ``batches`` with the frozen layer normalising with its own statistics,
+    as in training (``truth``: ``compute_truth``'s options)."""
+    frozen_layer, trained = model.get_submodule(f"{prefix}body.1"), f"{prefix}head.1"
+    kept = reference.get_submodule(f"{prefix}body.1")
+    if frozen == "include":
+        assert not same_losses and not torch.equal(frozen_layer.running_mean, kept.running_mean)
+        return
+    assert same_losses and all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     for name in ("running_mean", "running_var", "num_batches_tracked"):
-        assert torch.equal(getattr(model.get_submodule(frozen), name), getattr(reference.get_submodule(frozen), name))
+        assert torch.equal(getattr(frozen_layer, name), getattr(kept, name))
     result = compute_truth(model, batches, select=lambda name, m: name == trained, **truth)[trained]
     bn = model.get_submodule(trained)
     assert max_rel_error(bn.running_mean, result.mean, result.var.sqrt()) < 1e-5

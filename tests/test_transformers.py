@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import ResNetConfig, ResNetForImageClassification, Trainer, TrainerCallback, TrainingArguments
 
-from conftest import NormEval, assert_adapted, assert_frozen_left_and_trained_precise, set_statistics
+from conftest import NormEval, assert_adapted, assert_frozen_run, set_statistics
 from precisebn.errors import MissingDependencyError, PreciseBNWarning
 from precisebn.integrations.transformers import PreciseBNCallback
 
@@ -323,63 +323,54 @@ class FrozenBackbone(torch.nn.Module):
         return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
 
 
+def frozen_data() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(N, 4, generator=g) * 2 + 1
+
+
+def train_frozen(directory: Path, callbacks: list[Any], eval_mode: bool = False, **options: Any) -> Trainer:
+    """A SequentialTrainer on ``FrozenBackbone`` (in eval mode first if ``eval_mode``, as from_pretrained gives
+    it) on ``frozen_data()``, evaluated every epoch on its first 16 records."""
+    torch.manual_seed(0)
+    model = FrozenBackbone()
+    if eval_mode:
+        model.eval()
+    x = frozen_data()
+    records = [{"x": x[i], "labels": x[i].sum()} for i in range(N)]
+    args = arguments(directory, eval_strategy="epoch", learning_rate=0.02, **options)
+    return train(
+        SequentialTrainer, model, args, train_dataset=records, eval_dataset=records[:16], data_collator=collate,
+        callbacks=callbacks,
+    )  # fmt: skip
+
+
+def logged_losses(trainer: Trainer) -> list[float]:
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+
 @pytest.mark.parametrize("frozen", ["skip", "include"])
 def test_layers_frozen_for_training_are_left_as_they_are(tmp_path: Path, frozen: str) -> None:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(N, 4, generator=g) * 2 + 1
-    records = [{"x": x[i], "labels": x[i].sum()} for i in range(N)]
-
-    def run(callbacks: list[Any], directory: Path) -> Trainer:
-        torch.manual_seed(0)
-        args = arguments(directory, eval_strategy="epoch", learning_rate=0.02)
-        return train(
-            SequentialTrainer,
-            FrozenBackbone(),
-            args,
-            train_dataset=records,
-            eval_dataset=records[:16],
-            data_collator=collate,
-            callbacks=callbacks,
-        )
-
     precise = PreciseBNCallback(num_samples="all", frozen=frozen)
-    with_callback = run([precise], tmp_path / "with")
-    without = run([], tmp_path / "without")
+    with_callback = train_frozen(tmp_path / "with", [precise])
+    without = train_frozen(tmp_path / "without", [])
     assert precise.computations == 2  # the evaluations after epochs 1 and 2; the end of training shares the last
-    losses = [e["loss"] for e in with_callback.state.log_history if "loss" in e]
-    same = losses == [e["loss"] for e in without.state.log_history if "loss" in e]
+    losses = logged_losses(with_callback)
+    assert len(losses) == 8
+    same = losses == logged_losses(without)
     model, reference = with_callback.model, without.model
-    if frozen == "include":  # what happened before: the frozen layer recalibrated, training changed
-        assert not same and not torch.equal(model.net.body[1].running_mean, reference.net.body[1].running_mean)
-        return
-    assert len(losses) == 8 and same
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
-    assert_frozen_left_and_trained_precise(model, reference, [x], prefix="net.", forward=lambda m, b: m.net(b))
+    assert_frozen_run(frozen, same, model, reference, [frozen_data()], "net.", forward=lambda m, b: m.net(b))
 
 
 def test_the_evaluation_on_start_leaves_frozen_layers_too(tmp_path: Path) -> None:
     # before the Trainer's first model.train(), on a model in eval mode (as from_pretrained gives it) whose train()
     # override keeps a layer in eval mode: what training freezes is unknown, so nothing is computed then
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(N, 4, generator=g) * 2 + 1
-    records = [{"x": x[i], "labels": x[i].sum()} for i in range(N)]
-
-    def run(callbacks: list[Any], directory: Path) -> Trainer:
-        torch.manual_seed(0)
-        model = FrozenBackbone().eval()
-        args = arguments(directory, eval_strategy="epoch", eval_on_start=True, learning_rate=0.02)
-        return train(
-            SequentialTrainer, model, args, train_dataset=records, eval_dataset=records[:16], data_collator=collate,
-            callbacks=callbacks,
-        )  # fmt: skip
-
     precise = PreciseBNCallback(num_samples="all")
     with pytest.warns(PreciseBNWarning, match="no training step has been seen yet"):
-        with_callback = run([precise], tmp_path / "with")
-    without = run([], tmp_path / "without")
+        with_callback = train_frozen(tmp_path / "with", [precise], eval_mode=True, eval_on_start=True)
+    without = train_frozen(tmp_path / "without", [], eval_mode=True, eval_on_start=True)
     assert precise.computations == 2  # after epochs 1 and 2 (not on start)
-    losses = [e["loss"] for e in with_callback.state.log_history if "loss" in e]
-    assert len(losses) == 8 and losses == [e["loss"] for e in without.state.log_history if "loss" in e]
+    losses = logged_losses(with_callback)
+    assert len(losses) == 8 and losses == logged_losses(without)
     model, reference = with_callback.model, without.model
     assert torch.equal(model.net.body[1].running_mean, reference.net.body[1].running_mean)
     assert torch.equal(model.net.body[1].running_var, reference.net.body[1].running_var)

@@ -247,37 +247,9 @@ class PreciseBNScheduler:
         step = check_step(step, "step")
         if not force and self.is_current(step):
             return None
-        options = self._options
-        frozen = self._frozen
-        unsure = None  # a train() override that may freeze layers, before any training step was seen
-        if self.frozen == "skip":
-            unseen = not frozen.seen
-            seen_now = self._own_modes and frozen.observe(self.model, relist=True)
-            if before_training and unseen and not seen_now:
-                unsure = train_override(self._trained)
-        # every rank leaves the same layers out (one rank may have evaluated alone, in eval mode), or all skip;
-        # gathered whatever frozen= is, so that ranks configured differently do not wait for each other
-        names, skip = agreed_names(
-            frozen.names if self.frozen == "skip" else (),
-            options["distributed"],
-            options["process_group"],
-            unsure is not None,
-        )
-        if self.frozen == "skip":
-            if skip:
-                self._note_unsure(unsure)
-                return None
-            frozen.names = names
-            try:
-                layers, skipped = self._frozen.excluding(options["layers"], self.model)
-                everything = skipped and not find_norm_layers(unwrap(self.model), layers, require=False)
-            except PreciseBNError:  # a wrong layers=: raised by recalibrate below, on every rank together
-                layers, skipped, everything = options["layers"], [], False
-            if skipped:
-                self._note_skipped(skipped, everything)
-                if everything:
-                    return None  # every selected layer is frozen: nothing to compute
-                options = {**options, "layers": layers}
+        options = self._without_frozen(before_training)
+        if options is None:
+            return None
         if self.preserve_rng:
             with preserved_rng(self.model):
                 batches = fresh_batches(self.data)
@@ -288,6 +260,40 @@ class PreciseBNScheduler:
         self._last_step, self._stale, self._last_report = step, False, report
         self._computations += 1
         return report
+
+    def _without_frozen(self, before_training: bool) -> dict[str, Any] | None:
+        """The options of this computation, its ``layers=`` without the layers frozen for training
+        (``frozen="skip"``); ``None`` when there is nothing to compute — every selected layer frozen, or,
+        before training, which are frozen unknown (see :meth:`_update`). Every rank takes part in the one
+        gathering of frozen layers, whatever ``frozen=`` says, so that no rank waits for another."""
+        options, frozen = self._options, self._frozen
+        override = None  # a train() override that may freeze layers
+        if self.frozen == "skip":
+            unseen = not frozen.seen
+            seen_now = self._own_modes and frozen.observe(self.model, relist=True)
+            if before_training and unseen and not seen_now:
+                override = train_override(self._trained)
+        names, unsure = agreed_names(
+            frozen.names if self.frozen == "skip" else (),
+            options["distributed"],
+            options["process_group"],
+            override is not None,
+        )
+        if self.frozen != "skip":
+            return options
+        if unsure:
+            self._note_unsure(override)
+            return None
+        frozen.names = names
+        try:
+            layers, skipped = frozen.excluding(options["layers"], self.model)
+            everything = skipped and not find_norm_layers(unwrap(self.model), layers, require=False)
+        except PreciseBNError:  # a wrong layers=: raised by recalibrate, on every rank together
+            return options
+        if not skipped:
+            return options
+        self._note_skipped(skipped, everything)
+        return None if everything else {**options, "layers": layers}
 
     def _note_unsure(self, override: str | None) -> None:
         if self._unsure_noted:
