@@ -105,24 +105,26 @@ def plan_writes(
     write = tuple(name in WRITTEN[adapt] for name in _BUFFERS)  # running_mean, running_var
     buffers = [(m.running_mean, m.running_var) for _, m, _ in entries]  # read once: Module.__getattr__ is slow
     updated = [(pair, s) for pair, (_, _, s) in zip(buffers, entries) if s.reached]
-    new = _converted(
-        [
-            (t, buffer)
-            for (rm, rv), s in updated
-            for t, buffer, w in ((s.mean, rm, write[0]), (s.var, rv, write[1]))
-            if w
-        ]
-    )
-    old = [t for pair in buffers for t in pair]
-    host = _cpu64(old + new)
-    old_host, new_host = host[: len(old)], iter(host[len(old) :])
+    # every written mean, then every written variance (the variances' checks then read one stretch)
+    written = [(s.mean, pair[0]) for pair, s in updated] if write[0] else []
+    written += [(s.var, pair[1]) for pair, s in updated] if write[1] else []
+    new = _converted(written)
+    old = [pair[0] for pair in buffers] + [pair[1] for pair in buffers]
+    host, flat = _cpu64(old + new, start=len(old))
     values = {}
-    for (name, _, s), old_mean, old_var in zip(entries, old_host[::2], old_host[1::2]):
-        mean = next(new_host) if s.reached and write[0] else old_mean
-        var = next(new_host) if s.reached and write[1] else old_var
+    n_means = len(updated) if write[0] else 0
+    at_mean, at_var = len(old), len(old) + n_means
+    for k, (name, _, s) in enumerate(entries):
+        old_mean, old_var = host[k], host[len(entries) + k]
+        mean, var = old_mean, old_var
+        if s.reached:
+            if write[0]:
+                mean, at_mean = host[at_mean], at_mean + 1
+            if write[1]:
+                var, at_var = host[at_var], at_var + 1
         values[name] = (old_mean, old_var, mean, var)
     overflow: list[str] = []
-    if new and not _all_fine(host[len(old) :], write):  # checked at once; layer by layer only to name them
+    if new and not _all_fine(host[len(old) :], flat, n_means, write[1]):  # at once; layer by layer to name them
         for name, m, s in entries:
             mean, var = values[name][2:]
             if s.reached and not all(bool(t.isfinite().all()) for t, w in zip((mean, var), write) if w):
@@ -163,7 +165,7 @@ def plan_writes(
         for (name, m, s), (rm, _) in zip(entries, buffers)
     ]
     report = Report(rows, stats.samples, stats.batches, stats.seconds, stats.mode, stats.world_size)
-    targets = [t for pair, _ in updated for t, w in zip(pair, write) if w]
+    targets = [buffer for _, buffer in written]
     if not shared_checked:
         refuse_shared_buffers(
             [
@@ -206,18 +208,23 @@ def _refuse(what: str, problems: list[str], hint: str | None = None) -> None:
         )
 
 
-def _cpu64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """float64 CPU copies of many small tensors, with one device-to-host copy per device."""
+def _cpu64(tensors: list[torch.Tensor], start: int = 0) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """float64 CPU copies of many small tensors, with one device-to-host copy per device; and, when
+    they all come from one device, ``tensors[start:]`` as one flat float64 tensor (else ``None``)."""
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
     out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    rest = None
     with torch.no_grad():
         for ids in by_device.values():
+            sizes = [tensors[i].numel() for i in ids]
             flat = torch.cat([_flat(tensors[i]) for i in ids]).to("cpu", torch.float64)  # cat promotes dtypes
-            for i, part in zip(ids, flat.split([tensors[i].numel() for i in ids])):
+            for i, part in zip(ids, flat.split(sizes)):
                 out[i] = part
-    return out
+            if len(by_device) == 1:
+                rest = flat[sum(sizes[:start]) :]
+    return out, rest
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -239,13 +246,14 @@ def _converted(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Ten
     return out
 
 
-def _all_fine(new: list[torch.Tensor], write: tuple[bool, bool]) -> bool:
-    """Whether the new values (host float64, in the order of :func:`plan_writes`' ``new``) are all finite
-    and the variances among them non-negative (a sum and a minimum: reductions are far cheaper
-    than element-wise tests; a sum that overflows only sends the caller to its exact check)."""
-    if not math.isfinite(float(torch.cat(new).sum())):
+def _all_fine(new: list[torch.Tensor], flat: torch.Tensor | None, means: int, variances: bool) -> bool:
+    """Whether the new values (host float64, in the order of :func:`plan_writes`' ``new``: ``means``
+    means, then the variances if ``variances``; ``flat``: all of them as one tensor, if known) are all
+    finite and the variances non-negative (a sum and a minimum: reductions are far cheaper than
+    element-wise tests; a sum that overflows only sends the caller to its exact check)."""
+    joined = flat if flat is not None else torch.cat(new)
+    if not math.isfinite(float(joined.sum())):
         return False
-    if not write[1]:
+    if not variances:
         return True
-    variances = new[1::2] if write[0] else new
-    return float(torch.cat(variances).amin()) >= 0
+    return float(joined[sum(t.numel() for t in new[:means]) :].amin()) >= 0
