@@ -120,3 +120,52 @@ def test_batch_size_of_detection_batches_and_named_inputs() -> None:
     gray = tuple(torch.zeros(1, 8, 8) for _ in range(6))  # per-sample grayscale images and masks
     assert batch_size((gray, gray)) == 6
     assert batch_size({"step": torch.tensor(3), "x": torch.zeros(5, 2)}) == 5  # a 0-d value says nothing
+
+
+def test_batch_size_with_per_sample_metadata_first() -> None:
+    x = torch.zeros(8, 4)
+    names = [f"img{i}.png" for i in range(8)]
+    assert batch_size((names, x)) == 8  # default_collate of (path, image) samples (was 2: the tuple's length)
+    assert batch_size(("task", x)) == 8
+    assert batch_size((names, names, {"x": x})) == 8
+    assert batch_size((names,)) == 8  # nothing else tells: one name per sample
+    assert batch_size(["a", "b", "c"]) == 3  # a batch of texts
+
+
+def test_a_prior_is_weighted_by_the_samples_of_batches_with_file_names_first() -> None:
+    import precisebn
+
+    torch.manual_seed(0)
+    xs = [torch.randn(8, 4) + 2 for _ in range(10)]
+    batches = [([f"img{i}_{j}.png" for j in range(8)], x) for i, x in enumerate(xs)]
+    bn = nn.BatchNorm1d(4)
+    bn.running_mean.fill_(5.0)
+    bn.running_var.fill_(3.0)
+    report = precisebn.recalibrate(bn, batches, forward=lambda m, b: m(b[1]), num_samples=64, prior=8)
+    data = torch.cat(xs[:8]).double()  # 64 samples: 8 batches, not 32
+    expected = (8 * 5.0 + 64 * data.mean(0)) / (8 + 64)  # the prior as 8 samples of pseudo-data
+    assert (report.samples, report.batches) == (64, 8)
+    torch.testing.assert_close(bn.running_mean.double(), expected, rtol=0, atol=1e-6)
+
+
+def test_batches_of_unknown_size_are_named_in_the_errors() -> None:
+    import dataclasses
+
+    import precisebn
+    from precisebn.errors import InvalidArgumentError, StatsMismatchError
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+
+    bn = nn.BatchNorm1d(4)
+    batches = [Batch(torch.randn(8, 4)) for _ in range(4)]
+    forward = lambda m, b: m(b.x)  # noqa: E731
+    with pytest.raises(InvalidArgumentError, match=r"num_samples=8192 \(the default\) cannot be counted"):
+        precisebn.recalibrate(bn, batches, forward=forward)  # (said "instead of num_samples=": none was given)
+    with pytest.raises(InvalidArgumentError, match=r"holds, so num_samples= cannot be counted"):
+        precisebn.recalibrate(bn, batches, forward=forward, num_samples=16)
+    before = bn.running_mean.clone()
+    with pytest.raises(StatsMismatchError, match="could not tell it for these batches"):
+        precisebn.recalibrate(bn, batches, forward=forward, num_batches=4, prior=8)
+    assert torch.equal(bn.running_mean, before)

@@ -352,3 +352,26 @@ def test_a_layer_registered_twice_is_selected_by_either_name() -> None:
         assert [layer.name for layer in find_norm_layers(model, names)] == ["bn"]
     with pytest.raises(LayerNotFoundError, match=r"sub\.alia"):
         find_norm_layers(model, ["sub.alia"])
+
+
+def test_running_statistics_held_as_parameters_are_refused_clearly() -> None:
+    import precisebn
+    from precisebn.compat import update_bn, update_bn_stats
+    from precisebn.errors import UnsupportedLayerError
+
+    bn = nn.BatchNorm1d(4)
+    bn.running_mean = nn.Parameter(torch.zeros(4), requires_grad=False)  # (torch's forward runs with them)
+    bn.running_var = nn.Parameter(torch.ones(4), requires_grad=False)
+    model = nn.Sequential(nn.Linear(3, 4), bn)
+    batches = [torch.randn(8, 3) for _ in range(3)]
+    before = copy.deepcopy(model.state_dict())
+    calls = [
+        lambda: precisebn.recalibrate(model, batches),
+        lambda: precisebn.estimate(model, batches),
+        lambda: update_bn(batches, model),
+        lambda: update_bn_stats(model, batches, num_iters=3),
+    ]
+    for call in calls:
+        with pytest.raises(UnsupportedLayerError, match=r"layer '1' \(BatchNorm1d\) keeps its running_mean and "):
+            call()  # (was a bare KeyError: 'running_mean')
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -550,13 +550,23 @@ class Collector:
             if not self._checked_calls[i] or counter is None:
                 continue
             computed = counter._version - self._resets - self._lost[i]  # increments by calls that returned
+            if computed > self.calls[i]:  # (its forward wrote the counter besides torch's increments)
+                raise UnsupportedLayerError(
+                    f"layer {layer.name!r} ({layer.type_name}): its num_batches_tracked, which torch's BatchNorm "
+                    f"forward increments once per call that computes batch statistics, changed {computed} times in "
+                    f"{self.calls[i]} calls: its forward (or a hook) also writes the counter (e.g. "
+                    "reset_running_stats()), so precisebn cannot tell from it that every call left figures to read. "
+                    "Pass capture='float64' (every layer measured in float64 as it is called), or exclude the layer "
+                    "with layers=. The model was left unchanged."
+                )
             if computed != self.calls[i]:
                 raise UnsupportedLayerError(
                     f"layer {layer.name!r} ({layer.type_name}) was called {self.calls[i]} times, but its forward "
                     f"computed batch statistics {computed} times: for some calls after the first batch it did not "
                     "(a forward that normalises some inputs with its running statistics instead, or torch's "
                     "BatchNorm forward replaced at run time), so the figures precisebn would read for those were "
-                    "never written. Pass capture='float64' (every layer measured in float64 as it is called), "
+                    "never written (or its forward replaced its num_batches_tracked, whose increments then went "
+                    "elsewhere). Pass capture='float64' (every layer measured in float64 as it is called), "
                     "restore the layer's forward, or exclude it with layers=. The model was left unchanged."
                 )
         for key, kept in self._kept.items():  # their counts, on the host until now
@@ -661,6 +671,7 @@ class _LayerCall:
         "own_forward",
         "pair",
         "var_view",
+        "verified",
     )
 
     def __init__(self, collector: Collector, i: int) -> None:
@@ -674,6 +685,10 @@ class _LayerCall:
         self.own_forward = normalises_its_input(self.module)  # torch's own forward: what it normalises is its input
         self.active = 0  # calls of the layer running now (more than one: a call inside its own call)
         self.nested = False  # verifying batch: a call ran inside the outermost call running now
+        # the most values per channel of a call whose figures were checked: a later call with more is measured
+        # in float64 (on the CPU also checked, raising this when its figures pass), as a kernel's rounding may
+        # grow with the values it reduces (torch's CPU kernels for channels_last and (N, C) inputs do)
+        self.verified = 0
 
     def watched(
         self, forward: Callable[..., Any], x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -733,6 +748,34 @@ class _LayerCall:
         self.var_view.copy_(var)
         del c._extras[stashed]
 
+    def measure_beyond(self, seen: list[Tensor], x: Tensor, j: int) -> None:
+        """A fast-path call with more values per channel than any call whose figures were checked
+        (see :attr:`verified`): what it normalised is reduced in float64 and kept as its moments, and
+        its figures are taken out of the scratch (the layer's own statistics again: the sums read
+        nothing of this call; an earlier call of this batch was stashed already). On the CPU its figures
+        are also compared with those moments (no synchronisation there): when they pass, later calls of
+        up to this many values are read through their figures again."""
+        c, i = self.c, self.i
+        t = fitting(seen, x, self.channels)
+        moments = moments_of(seen)
+        if t is not None and moments is not None and x.device.type == "cpu" and self.pair.device.type == "cpu":
+            layer = c.layers[i]
+            score = discrepancies([(self.mean_view, self.var_view, moments, float(layer.module.eps))])[0]
+            if score <= TOLERANCE[self.mean_view.dtype]:
+                self.verified = x.numel() // self.channels
+        self.pair.copy_(c._initial_pair(i))
+        if c._guard:
+            c._seen = c._version()
+        c._row[i] = 0
+        c.calls[i] += 1
+        if moments is None:  # (nothing normalised with its buffers: nothing counted, as on the float64 path)
+            return
+        n = sum(v.numel() // self.channels for v in seen)
+        c.counts[i] += n
+        if c.per_call:
+            c._count_call(i, j, n)
+        c._keep((i, j if c.per_call else 0), moments, n)
+
     def count(self, x: Tensor, j: int) -> int:
         """Counts a call that returned: its values per channel are this batch's (in the sums at its end)."""
         c, i = self.c, self.i
@@ -784,10 +827,15 @@ class _LayerCall:
                         raise c._momentum_changed(i)
                 n = x.numel() // self.channels
                 row = c._row
-                unusual = n == 1 or row[i] or c.per_call  # too few values, a second call in this batch, per call
+                beyond = n > self.verified  # more values per channel than any call checked: measured in float64
+                # too few values, a second call in this batch, per call, beyond
+                unusual = n == 1 or row[i] or c.per_call or beyond
                 stashed = self.stash(x, j) if unusual else None
                 try:
-                    out = forward(*args, **kwargs)
+                    if beyond:
+                        out, seen, _ = self.watched(forward, x, args, kwargs)
+                    else:
+                        out = forward(*args, **kwargs)
                 except BaseException:
                     self.unstash(stashed)
                     raise
@@ -798,7 +846,9 @@ class _LayerCall:
                     lent = False
                 if guard and c._changed():
                     raise c._modified_in_place(i, during=True)
-                if unusual:
+                if beyond:
+                    self.measure_beyond(seen, x, j)
+                elif unusual:
                     self.count(x, j)
                 else:  # count() for the usual call, inline: this runs for every layer in every batch
                     row[i] = n
@@ -866,6 +916,8 @@ class _LayerCall:
             raise
         trial = c._trials.get(i) or c._trials.setdefault(i, Trial(c.counts[i]))
         n = self.count(x, j)
+        if n > self.verified:  # (a call that fails moves the layer to the float64 path: this is then unused)
+            self.verified = n
         if c._guard and c._changed():  # its forward changed its buffers in place after normalising: not its figures
             figures = False
         if inside or self.nested:

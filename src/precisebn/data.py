@@ -46,7 +46,8 @@ def batch_size(batch: Any) -> int | None:
     (``(inputs, targets)``), a tuple of per-sample tensors when the next element holds as
     many targets (``(images, targets)``, torchvision's detection batches) and else a tuple of
     batched inputs (``((x, extra), y)``), a mapping of inputs (``({"x": x}, y)``); a list of
-    per-sample records (as detectron2 uses) counts its length. A mapping counts its first
+    per-sample records (as detectron2 uses) counts its length; per-sample metadata before the
+    tensors (file names, ids) counts by the tensors after it, else by its own length. A mapping counts its first
     list of tensors beside as many records (per-sample, as mmengine's ``pseudo_collate``
     gives), or its first tensor of one dimension or more. ``None`` when nothing tells. Some
     shapes cannot be told apart (a list of per-sample images alone, three boxes per image of
@@ -62,6 +63,8 @@ def batch_size(batch: Any) -> int | None:
         5
         >>> batch_size(({"x": torch.zeros(6, 2)}, torch.zeros(6)))
         6
+        >>> batch_size((["a.png", "b.png", "c.png"], torch.zeros(3, 1, 4, 4)))  # (path, image) samples
+        3
     """
     if isinstance(batch, Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
@@ -71,6 +74,13 @@ def batch_size(batch: Any) -> int | None:
         first = batch[0]
         if isinstance(first, Tensor):
             return batch_size(first)
+        if _metadata(first):  # e.g. (file names, images): what default_collate makes of (path, image) samples
+            for other in batch[1:]:
+                size = batch_size(other) if isinstance(other, (Tensor, tuple, list, Mapping)) else None
+                if size is not None and not _metadata(other):
+                    return size
+            if isinstance(first, (tuple, list)):
+                return len(first)  # one entry per sample
         if isinstance(first, (tuple, list)) and first and isinstance(first[0], Tensor):
             second, n = (batch[1] if len(batch) > 1 else None), len(first)
             if isinstance(second, (tuple, list)) and len(second) == n and not _batched_alike(first[0], second[0]):
@@ -94,6 +104,14 @@ def batch_size(batch: Any) -> int | None:
             ):
                 return batch_size(value)
     return None
+
+
+def _metadata(value: Any) -> bool:
+    """Whether ``value`` is a plain value (a name, an id, a number) or a non-empty list/tuple of
+    them, as per-sample metadata beside a batch's tensors is collated."""
+    if isinstance(value, (tuple, list)):
+        return bool(value) and not any(isinstance(v, (Tensor, tuple, list, Mapping)) for v in value)
+    return not isinstance(value, (Tensor, Mapping))
 
 
 def _batched_alike(x: Tensor, y: Any) -> bool:

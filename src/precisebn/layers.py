@@ -267,6 +267,24 @@ def find_norm_layers(
     return found
 
 
+def refuse_parameter_statistics(layers: Sequence[NormLayer]) -> None:
+    """Raises :class:`UnsupportedLayerError` for a layer whose running statistics are not buffers
+    (``nn.Parameter`` objects, as some converted models register them): the passes stand scratch
+    buffers in for its buffers, and there are none to stand in for."""
+    for layer in layers:
+        buffers = layer.module._buffers
+        missing = [k for k in ("running_mean", "running_var") if not isinstance(buffers.get(k), Tensor)]
+        if missing:
+            kind = type(getattr(layer.module, missing[0], None)).__name__
+            raise UnsupportedLayerError(
+                f"layer {layer.name!r} ({layer.type_name}) keeps its {' and '.join(missing)} as {kind}, not as "
+                "buffers; precisebn measures a layer by standing scratch buffers in for its running buffers. Make "
+                f"them buffers (e.g. data = layer.{missing[0]}.data; del layer.{missing[0]}; "
+                f"layer.register_buffer({missing[0]!r}, data)), or exclude the layer with layers=. "
+                "The model was left unchanged."
+            )
+
+
 def refuse_shared_buffers(buffers: list[tuple[str, str, Tensor]]) -> None:
     """Raises :class:`UnsupportedLayerError` if two of the running-statistics buffers about
     to be written, ``(layer name, buffer name, tensor)``, share memory (two layers given the
@@ -497,6 +515,7 @@ def recalibration_state(
     """
     modules = list(model.named_modules()) if modules is None else modules
     refuse_uninitialized(modules)
+    refuse_parameter_statistics(layers)
     swapped = {
         id(t)
         for layer in layers

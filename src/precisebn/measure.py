@@ -77,6 +77,7 @@ class Pass:
         self.per_call = per_call  # one set of statistics per call index for layers called several times per batch
         self.precision = float("nan")  # the last precision looked at (auto)
         self._decided = False  # the ranks voted to stop
+        self.samples_given = True  # num_samples was the caller's (else the default, named so in errors)
 
     def measure(
         self,
@@ -131,9 +132,11 @@ class Pass:
             for batch in self.data:
                 size = batch_size(batch)
                 if size is None and self.num_samples is not None:
+                    given = "num_samples=" if self.samples_given else f"num_samples={self.num_samples} (the default)"
                     raise InvalidArgumentError(
-                        f"cannot tell how many samples a batch of type {type(batch).__name__} holds; "
-                        "pass num_batches= instead of num_samples=."
+                        f"cannot tell how many samples a batch of type {type(batch).__name__} holds, so {given} "
+                        "cannot be counted; pass num_batches= (a number of batches) instead. The model was left "
+                        "unchanged."
                     )
                 self.forward(self.model, to_device(batch, self.device))
                 collector.end_batch()

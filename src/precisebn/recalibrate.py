@@ -31,7 +31,15 @@ from . import distributed as _dist
 from .adapt import WRITTEN, Adapt, check_adapt
 from .data import Forward, default_forward, model_device
 from .errors import InvalidArgumentError
-from .layers import Capture, LayerSelection, Mode, find_norm_layers, refuse_shared_buffers, unwrap
+from .layers import (
+    Capture,
+    LayerSelection,
+    Mode,
+    find_norm_layers,
+    refuse_parameter_statistics,
+    refuse_shared_buffers,
+    unwrap,
+)
 from .measure import AUTO_MAX_SAMPLES, AUTO_MIN_SAMPLES, Pass
 from .population import PopulationStats
 from .report import Report
@@ -353,11 +361,13 @@ def _estimate(
             vote,
             per_call,
         )
+        run.samples_given = explicit or use_all
         modules = list(model.named_modules())  # one walk of the model for the whole call
         if walk is not None:
             walk[:] = modules
         guard.enter_context(exclusive(model, modules))
         selected = find_norm_layers(model, layers, capture=capture, modules=modules)
+        refuse_parameter_statistics(selected)
         if writes:
             refuse_shared_buffers([(layer.name, b, layer.module._buffers[b]) for layer in selected for b in writes])
         abort = ctx.poll if ctx is not None else None

@@ -101,7 +101,12 @@ def plan_writes(
     _refuse("the statistics do not fit this model", problems)
     if prior is not None:  # the current statistics as `prior` samples of pseudo-data, pooled exactly
         entries, problems = with_prior(entries, prior, stats.samples)
-        _refuse("the statistics cannot be pooled with the model's", problems)
+        unknown = (
+            "precisebn counts a batch's samples by the first dimension of its input tensor and could not tell it for "
+            "these batches (a custom batch type?): give batches as tensors, or tuples, lists or dicts of tensors, or "
+            "pass prior=None. Nothing was written."
+        )
+        _refuse("the statistics cannot be pooled with the model's", problems, unknown if stats.samples <= 0 else None)
     write = tuple(name in WRITTEN[adapt] for name in _BUFFERS)  # running_mean, running_var
     buffers = [(m.running_mean, m.running_var) for _, m, _ in entries]  # read once: Module.__getattr__ is slow
     updated = [(pair, s) for pair, (_, _, s) in zip(buffers, entries) if s.reached]
@@ -143,7 +148,8 @@ def plan_writes(
         _refuse(
             "the statistics cannot be written",
             [f"{p} (NaN/Inf values as written)" for p in overflow],
-            "Keep those layers' buffers in a dtype that holds them (e.g. layer.double()), or rescale what they "
+            "Keep those layers in a dtype that holds them (e.g. layer.float() for a float16 layer: its parameters "
+            "and its input must then be float32 too; layer.double() for a float32 one), or rescale what they "
             "receive. Nothing was written.",
         )
     _refuse("the statistics cannot be written", problems)
