@@ -724,3 +724,22 @@ def test_calls_beyond_the_verified_size_within_a_batch_keep_their_own_statistics
         assert s.count == values.shape[0]
         assert max_rel_error(s.mean, values.mean(0), values.var(0, unbiased=False).sqrt()) < 1e-6
         assert max_rel_error(s.var, values.var(0, unbiased=False)) < 1e-6
+
+
+def test_a_larger_call_whose_figures_pass_lets_later_calls_of_its_size_read_them(monkeypatch) -> None:
+    """NCHW on the CPU: the first call beyond the verified size is reduced in float64 and its figures
+    pass the check, so the later calls of that size read their figures (no float64 reduction), exact."""
+    import precisebn.capture as capture
+
+    reductions = []
+    original = capture.moments_of
+    monkeypatch.setattr(capture, "moments_of", lambda seen: reductions.append(seen[0].shape) or original(seen))
+    g = torch.Generator().manual_seed(2)
+    bn = nn.BatchNorm2d(4)
+    batches = [torch.randn(2, 4, 4, 4, generator=g)] + [torch.randn(8, 4, 16, 16, generator=g) + 3 for _ in range(4)]
+    truth = compute_truth(nn.Sequential(bn), batches)["0"]
+    stats = precisebn.estimate(bn, batches, num_samples="all")[""]
+    assert reductions == [(8, 4, 16, 16)]  # the second batch's call only
+    assert stats.path == "fast" and stats.count == truth.count
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(stats.var, truth.var) < 1e-6

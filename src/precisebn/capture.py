@@ -143,6 +143,8 @@ class Collector:
         self._batch = 0  # batches ended so far; the current one goes to fold _batch % FOLDS
         self._summed = [[0] * (n + 1) for _ in range(FOLDS)]  # per fold: values per channel in the sums
         self._trials: dict[int, Trial] = {}  # layers being verified in this batch
+        # this batch's calls beyond their layer's verified size: (call, values per channel, figures, moments)
+        self._beyond: list[tuple[_LayerCall, int, Tensor, RunningMoments]] = []
         self._spots: SpotChecks | None = None  # CPU: the checks of this batch's calls waiting to be made together
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
@@ -329,6 +331,8 @@ class Collector:
             self._run_spot_checks()
         if self._trials:
             self._settle()
+        if self._beyond:
+            self._check_beyond()
         fold = self._batch % FOLDS
         if self._groups:
             self._sum_figures(fold)
@@ -344,6 +348,17 @@ class Collector:
                     buffers["num_batches_tracked"] = counter
         self._seen = self._version()  # (the resets wrote the scratch)
         self._batch += 1
+
+    def _check_beyond(self) -> None:
+        """Checks the figures of this batch's calls beyond their layer's verified size against their
+        float64 moments (one host read per device): a layer whose call passes reads later calls of up to
+        that many values per channel through their figures."""
+        beyond, self._beyond = self._beyond, []
+        eps = [float(self.layers[call.i].module.eps) for call, _, _, _ in beyond]
+        items = [(pair[0], pair[1], moments, e) for (_, _, pair, moments), e in zip(beyond, eps)]
+        for (call, n, pair, _), score in zip(beyond, discrepancies(items)):
+            if score <= TOLERANCE[pair.dtype] and n > call.verified:
+                call.verified = n
 
     def _sum_figures(self, fold: int) -> None:
         """Adds the figures left in the scratch buffers by this batch's last calls to the sums."""
@@ -686,8 +701,8 @@ class _LayerCall:
         self.active = 0  # calls of the layer running now (more than one: a call inside its own call)
         self.nested = False  # verifying batch: a call ran inside the outermost call running now
         # the most values per channel of a call whose figures were checked: a later call with more is measured
-        # in float64 (on the CPU also checked, raising this when its figures pass), as a kernel's rounding may
-        # grow with the values it reduces (torch's CPU kernels for channels_last and (N, C) inputs do)
+        # in float64 (and checked, raising this when its figures pass), as a kernel's rounding may grow with
+        # the values it reduces (torch's CPU kernels for channels_last and (N, C) inputs do)
         self.verified = 0
 
     def watched(
@@ -748,21 +763,18 @@ class _LayerCall:
         self.var_view.copy_(var)
         del c._extras[stashed]
 
-    def measure_beyond(self, seen: list[Tensor], x: Tensor, j: int) -> None:
+    def measure_beyond(self, seen: list[Tensor], figures: bool, x: Tensor, j: int) -> None:
         """A fast-path call with more values per channel than any call whose figures were checked
         (see :attr:`verified`): what it normalised is reduced in float64 and kept as its moments, and
         its figures are taken out of the scratch (the layer's own statistics again: the sums read
-        nothing of this call; an earlier call of this batch was stashed already). On the CPU its figures
-        are also compared with those moments (no synchronisation there): when they pass, later calls of
-        up to this many values are read through their figures again."""
+        nothing of this call; an earlier call of this batch was stashed already). Its figures, if it
+        left them, are checked against those moments at the end of the batch (one host read for all
+        such calls, see :meth:`Collector._check_beyond`): when they pass, later calls of up to this many
+        values are read through their figures again."""
         c, i = self.c, self.i
-        t = fitting(seen, x, self.channels)
         moments = moments_of(seen)
-        if t is not None and moments is not None and x.device.type == "cpu" and self.pair.device.type == "cpu":
-            layer = c.layers[i]
-            score = discrepancies([(self.mean_view, self.var_view, moments, float(layer.module.eps))])[0]
-            if score <= TOLERANCE[self.mean_view.dtype]:
-                self.verified = x.numel() // self.channels
+        if figures and moments is not None and fitting(seen, x, self.channels) is not None:
+            c._beyond.append((self, x.numel() // self.channels, self.pair.clone(), moments))
         self.pair.copy_(c._initial_pair(i))
         if c._guard:
             c._seen = c._version()
@@ -833,7 +845,7 @@ class _LayerCall:
                 stashed = self.stash(x, j) if unusual else None
                 try:
                     if beyond:
-                        out, seen, _ = self.watched(forward, x, args, kwargs)
+                        out, seen, figures = self.watched(forward, x, args, kwargs)
                     else:
                         out = forward(*args, **kwargs)
                 except BaseException:
@@ -847,7 +859,7 @@ class _LayerCall:
                 if guard and c._changed():
                     raise c._modified_in_place(i, during=True)
                 if beyond:
-                    self.measure_beyond(seen, x, j)
+                    self.measure_beyond(seen, figures, x, j)
                 elif unusual:
                     self.count(x, j)
                 else:  # count() for the usual call, inline: this runs for every layer in every batch
