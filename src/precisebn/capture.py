@@ -43,17 +43,20 @@ per call index; on the float64 path, and for a layer that fails verification, ea
 call's float64 moments are kept under its index. The call index is a host integer, and
 so is the check that every batch calls the layer equally often.
 
-Later calls are read through their figures unchecked; what keeps the verified batch valid for
-them: each layer's scratch ``num_batches_tracked`` is set back to 0 after every batch, and put
-back in the layer if its forward replaced it (a forward that counts its calls sees the verified
-counts again); a fast-path call whose layer's momentum is no longer 1.0 is refused; a call that
-raises counts for nothing, and what it wrote into the scratch is taken back
-(:meth:`_LayerCall.unstash`, :meth:`Collector._failed`); a call inside the layer's own call (whose
-figures the enclosing call overwrites) is refused — in the verifying batch such calls, and the calls
-enclosing them, go to the float64 path; :meth:`Collector.finish` refuses a layer whose forward computed
-figures fewer times than it was called.
+Later calls are read through their figures unchecked — except a call with more values per channel
+than any whose figures were checked, measured in float64 (and on the CPU checked at the end of its
+batch, see :meth:`_LayerCall.measure_beyond`); what keeps the verified batch valid for them: each
+layer's scratch ``num_batches_tracked`` is set back to 0 after every batch, and put back in the
+layer if its forward replaced it (a forward that counts its calls sees the verified counts again); a
+fast-path call whose layer's momentum is no longer 1.0 is refused; a call that raises counts for
+nothing, and what it wrote into the scratch is taken back (:meth:`_LayerCall.unstash`,
+:meth:`Collector._failed`); a call inside the layer's own call (whose figures the enclosing call
+overwrites) is refused — in the verifying batch such calls, and the calls enclosing them, go to the
+float64 path; :meth:`Collector.finish` refuses a layer whose forward computed figures fewer times
+than it was called.
 
-Outside the verifying batch nothing here reads a device value on the host; the only
+Outside the verifying batch nothing here reads a device value on the host (the check of calls beyond
+their layer's verified size is made on the CPU only); the only
 host-to-device traffic is the per-channel count vector of each distinct combination
 of per-layer counts (usually one or two per run), kept in a small cache.
 """
@@ -350,9 +353,9 @@ class Collector:
         self._batch += 1
 
     def _check_beyond(self) -> None:
-        """Checks the figures of this batch's calls beyond their layer's verified size against their
-        float64 moments (one host read per device): a layer whose call passes reads later calls of up to
-        that many values per channel through their figures."""
+        """Checks the figures of this batch's calls beyond their layer's verified size (on the CPU)
+        against their float64 moments: a layer whose call passes reads later calls of up to that many
+        values per channel through their figures."""
         beyond, self._beyond = self._beyond, []
         eps = [float(self.layers[call.i].module.eps) for call, _, _, _ in beyond]
         items = [(pair[0], pair[1], moments, e) for (_, _, pair, moments), e in zip(beyond, eps)]
@@ -768,12 +771,14 @@ class _LayerCall:
         (see :attr:`verified`): what it normalised is reduced in float64 and kept as its moments, and
         its figures are taken out of the scratch (the layer's own statistics again: the sums read
         nothing of this call; an earlier call of this batch was stashed already). Its figures, if it
-        left them, are checked against those moments at the end of the batch (one host read for all
-        such calls, see :meth:`Collector._check_beyond`): when they pass, later calls of up to this many
-        values are read through their figures again."""
+        left them, are checked against those moments at the end of the batch (all such calls at once,
+        see :meth:`Collector._check_beyond`): when they pass, later calls of up to this many
+        values are read through their figures again. Only on the CPU, where reading a value costs no
+        synchronisation: elsewhere such calls stay on float64 (exact, no host read in the batch loop)."""
         c, i = self.c, self.i
         moments = moments_of(seen)
-        if figures and moments is not None and fitting(seen, x, self.channels) is not None:
+        on_cpu = x.device.type == "cpu" and self.pair.device.type == "cpu"
+        if on_cpu and figures and moments is not None and fitting(seen, x, self.channels) is not None:
             c._beyond.append((self, x.numel() // self.channels, self.pair.clone(), moments))
         self.pair.copy_(c._initial_pair(i))
         if c._guard:
