@@ -93,7 +93,8 @@ class BiasedVariance1d(nn.BatchNorm1d):
         )
         if self.training:
             with torch.no_grad():
-                self.running_var.sub_(torch.var(x, dim=0, correction=0), alpha=self.momentum / (x.shape[0] - 1))
+                dims, n = [d for d in range(x.dim()) if d != 1], x.numel() // x.shape[1]
+                self.running_var.sub_(torch.var(x, dim=dims, correction=0), alpha=self.momentum / (n - 1))
         return out
 
 

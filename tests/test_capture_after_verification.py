@@ -743,3 +743,76 @@ def test_a_larger_call_whose_figures_pass_lets_later_calls_of_its_size_read_them
     assert stats.path == "fast" and stats.count == truth.count
     assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
     assert max_rel_error(stats.var, truth.var) < 1e-6
+
+
+def test_a_beyond_call_whose_float64_measurement_raises_counts_for_nothing(monkeypatch) -> None:
+    """The float64 reduction of a call beyond the verified size fails (no memory for the copy, simulated)
+    and the model catches the error and goes on: the call counts for nothing, and the same batch's earlier
+    call (kept apart before it) stays as it was (a probe: its figures were summed under the earlier call's
+    count, the mean 5.9e-3 σ off)."""
+    import precisebn.capture as capture
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm2d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            small = self.bn(x[:, :, :4, :4])
+            try:
+                self.bn(x * 3 + 5)
+            except MemoryError:
+                pass
+            return small
+
+    real, armed = capture.moments_of, [True]
+
+    def failing_once(seen):
+        if armed[0] and seen[0].numel() // seen[0].shape[1] > 300:
+            armed[0] = False
+            raise MemoryError("float64 copy")
+        return real(seen)
+
+    monkeypatch.setattr(capture, "moments_of", failing_once)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(4, 4, 4, 4, generator=g)] + [torch.randn(4, 4, 16, 16, generator=g) for _ in range(3)]
+    inputs = [x[:, :, :4, :4] for x in batches] + [x * 3 + 5 for k, x in enumerate(batches) if k != 1]
+    data = torch.cat([t.transpose(0, 1).reshape(4, -1) for t in inputs], 1).double()  # batch 2's large call raised
+    stats = precisebn.estimate(Net(), batches, num_samples="all")["bn"]
+    assert stats.count == data.shape[1]
+    assert max_rel_error(stats.mean, data.mean(1), data.var(1, unbiased=False).sqrt()) < 1e-6
+    assert max_rel_error(stats.var, data.var(1, unbiased=False)) < 1e-6
+
+
+def test_a_layout_the_verifying_batch_did_not_show_is_measured_in_float64() -> None:
+    """Verified on NCHW batches (torch's CPU kernel reduces them in float64), then given channels_last
+    ones of the same size (its kernel rounds more: 2e-4 σ off in the mean at |mean|/σ = 50, a probe)."""
+    g = torch.Generator().manual_seed(4)
+    bn = nn.BatchNorm2d(4)
+    batches = [torch.randn(32, 4, 64, 64, generator=g) + 50]
+    batches += [(torch.randn(32, 4, 64, 64, generator=g) + 50).contiguous(memory_format=torch.channels_last)]
+    truth = compute_truth(nn.Sequential(bn), batches)["0"]
+    stats = precisebn.estimate(bn, batches, num_samples="all")[""]
+    assert stats.count == truth.count
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(stats.var, truth.var) < 1e-6
+
+
+def test_channels_adjacent_in_memory_are_checked_on_every_channel() -> None:
+    """channels_last on the CPU: the kernel's error is largest where |mean|/σ is; a check of a few
+    channels spread over the layer (0, 5, 10, 15 here, mean 0) missed the others (|mean|/σ = 150):
+    1.4e-4 σ off, "fast" (a probe). Every channel of such inputs is checked now."""
+    g = torch.Generator().manual_seed(5)
+    offsets = torch.full((16,), 150.0)
+    offsets[::5] = 0.0
+    batches = [
+        (torch.randn(16, 16, 32, 32, generator=g) + offsets[:, None, None]).contiguous(
+            memory_format=torch.channels_last
+        )
+        for _ in range(3)
+    ]
+    bn = nn.BatchNorm2d(16)
+    truth = compute_truth(nn.Sequential(bn), batches)["0"]
+    stats = precisebn.estimate(bn, batches, num_samples="all")[""]
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(stats.var, truth.var) < 1e-6

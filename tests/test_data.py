@@ -130,6 +130,13 @@ def test_batch_size_with_per_sample_metadata_first() -> None:
     assert batch_size((names, names, {"x": x})) == 8
     assert batch_size((names,)) == 8  # nothing else tells: one name per sample
     assert batch_size(["a", "b", "c"]) == 3  # a batch of texts
+    images = tuple(torch.zeros(3, 6, 6) for _ in range(8))  # per-sample images (a probe: counted as 3)
+    targets = tuple({"boxes": torch.zeros(1, 4)} for _ in range(8))
+    assert batch_size((tuple(names), images, targets)) == 8  # tuple(zip(*samples)) of (path, image, target)
+    assert batch_size(("task", images, targets)) == 8
+    assert batch_size((names, torch.eye(3), x)) == 8
+    assert batch_size((list(range(8)), x)) == 8  # ids first
+    assert batch_size(("task", {"x": x})) == 8
 
 
 def test_a_prior_is_weighted_by_the_samples_of_batches_with_file_names_first() -> None:

@@ -146,8 +146,9 @@ class Collector:
         self._batch = 0  # batches ended so far; the current one goes to fold _batch % FOLDS
         self._summed = [[0] * (n + 1) for _ in range(FOLDS)]  # per fold: values per channel in the sums
         self._trials: dict[int, Trial] = {}  # layers being verified in this batch
-        # this batch's calls beyond their layer's verified size: (call, values per channel, figures, moments)
-        self._beyond: list[tuple[_LayerCall, int, Tensor, RunningMoments]] = []
+        # this batch's calls beyond their layer's verified size: (call, (values per channel, layout), figures,
+        # moments)
+        self._beyond: list[tuple[_LayerCall, tuple[int, int], Tensor, RunningMoments]] = []
         self._spots: SpotChecks | None = None  # CPU: the checks of this batch's calls waiting to be made together
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
@@ -355,13 +356,14 @@ class Collector:
     def _check_beyond(self) -> None:
         """Checks the figures of this batch's calls beyond their layer's verified size (on the CPU)
         against their float64 moments: a layer whose call passes reads later calls of up to that many
-        values per channel through their figures."""
+        values per channel, in that layout, through their figures."""
         beyond, self._beyond = self._beyond, []
         eps = [float(self.layers[call.i].module.eps) for call, _, _, _ in beyond]
         items = [(pair[0], pair[1], moments, e) for (_, _, pair, moments), e in zip(beyond, eps)]
         for (call, n, pair, _), score in zip(beyond, discrepancies(items)):
-            if score <= TOLERANCE[pair.dtype] and n > call.verified:
-                call.verified = n
+            layout = n[1]
+            if score <= TOLERANCE[pair.dtype] and n[0] > call.verified[layout]:
+                call.verified[layout] = n[0]
 
     def _sum_figures(self, fold: int) -> None:
         """Adds the figures left in the scratch buffers by this batch's last calls to the sums."""
@@ -396,6 +398,9 @@ class Collector:
         t = fitting(seen, x, channels)
         if t is None:
             trial.add(seen, x, channels, n)
+            return
+        if _layout(t):  # channels adjacent: torch's kernel rounds more, and most where |mean|/σ is largest,
+            trial.add(seen, x, channels, n)  # a channel a few checked ones can miss: every channel is checked
             return
         eps = float(layer.module.eps)
         if pair.dtype != torch.float32:
@@ -703,10 +708,11 @@ class _LayerCall:
         self.own_forward = normalises_its_input(self.module)  # torch's own forward: what it normalises is its input
         self.active = 0  # calls of the layer running now (more than one: a call inside its own call)
         self.nested = False  # verifying batch: a call ran inside the outermost call running now
-        # the most values per channel of a call whose figures were checked: a later call with more is measured
-        # in float64 (and checked, raising this when its figures pass), as a kernel's rounding may grow with
-        # the values it reduces (torch's CPU kernels for channels_last and (N, C) inputs do)
-        self.verified = 0
+        # the most values per channel of a call whose figures were checked, by layout (see _layout): a later call
+        # with more, or in a layout none was checked in, is measured in float64 (and checked, raising this when
+        # its figures pass), as a kernel's rounding may grow with the values it reduces and differs by layout
+        # (torch's CPU kernels for channels_last and (N, C) inputs round more, and more with more values)
+        self.verified = [0, 0]
 
     def watched(
         self, forward: Callable[..., Any], x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -776,22 +782,25 @@ class _LayerCall:
         values are read through their figures again. Only on the CPU, where reading a value costs no
         synchronisation: elsewhere such calls stay on float64 (exact, no host read in the batch loop)."""
         c, i = self.c, self.i
-        moments = moments_of(seen)
+        moments = moments_of(seen)  # (what can fail comes first: a call that raises leaves nothing counted)
         on_cpu = x.device.type == "cpu" and self.pair.device.type == "cpu"
+        check = None
         if on_cpu and figures and moments is not None and fitting(seen, x, self.channels) is not None:
-            c._beyond.append((self, x.numel() // self.channels, self.pair.clone(), moments))
+            check = (self, (x.numel() // self.channels, _layout(x)), self.pair.clone(), moments)
+        n = sum(v.numel() // self.channels for v in seen)
+        if moments is not None:  # (nothing normalised with its buffers: nothing counted, as on the float64 path)
+            c._keep((i, j if c.per_call else 0), moments, n)
+        if check is not None:
+            c._beyond.append(check)
         self.pair.copy_(c._initial_pair(i))
         if c._guard:
             c._seen = c._version()
         c._row[i] = 0
         c.calls[i] += 1
-        if moments is None:  # (nothing normalised with its buffers: nothing counted, as on the float64 path)
-            return
-        n = sum(v.numel() // self.channels for v in seen)
-        c.counts[i] += n
-        if c.per_call:
-            c._count_call(i, j, n)
-        c._keep((i, j if c.per_call else 0), moments, n)
+        if moments is not None:
+            c.counts[i] += n
+            if c.per_call:
+                c._count_call(i, j, n)
 
     def count(self, x: Tensor, j: int) -> int:
         """Counts a call that returned: its values per channel are this batch's (in the sums at its end)."""
@@ -844,7 +853,8 @@ class _LayerCall:
                         raise c._momentum_changed(i)
                 n = x.numel() // self.channels
                 row = c._row
-                beyond = n > self.verified  # more values per channel than any call checked: measured in float64
+                # more values per channel than any call checked in its layout: measured in float64
+                beyond = n > self.verified[x.dim() < 3 or x.stride(1) == 1]  # (_layout, inline: every call)
                 # too few values, a second call in this batch, per call, beyond
                 unusual = n == 1 or row[i] or c.per_call or beyond
                 stashed = self.stash(x, j) if unusual else None
@@ -864,7 +874,11 @@ class _LayerCall:
                 if guard and c._changed():
                     raise c._modified_in_place(i, during=True)
                 if beyond:
-                    self.measure_beyond(seen, figures, x, j)
+                    try:
+                        self.measure_beyond(seen, figures, x, j)
+                    except BaseException:  # (e.g. no memory for the float64 copy): the call counts for nothing
+                        self.unstash(stashed)
+                        raise
                 elif unusual:
                     self.count(x, j)
                 else:  # count() for the usual call, inline: this runs for every layer in every batch
@@ -882,13 +896,13 @@ class _LayerCall:
                     c.calls[i] += 1
                 else:
                     out, seen, _ = self.watched(forward, x, args, kwargs)
-                    c.calls[i] += 1
-                    if seen:
+                    if seen:  # (what can fail comes first: a call that raises leaves nothing counted)
                         n = sum(t.numel() // self.channels for t in seen)
+                        c._keep((i, j if c.per_call else 0), moments_of(seen), n)  # type: ignore[arg-type]
                         c.counts[i] += n
                         if c.per_call:
                             c._count_call(i, j, n)
-                        c._keep((i, j if c.per_call else 0), moments_of(seen), n)  # type: ignore[arg-type]
+                    c.calls[i] += 1
                 if guard:
                     c._changed()  # (its buffers are not read: whatever its forward did to them is its own)
         except BaseException as exc:
@@ -933,8 +947,9 @@ class _LayerCall:
             raise
         trial = c._trials.get(i) or c._trials.setdefault(i, Trial(c.counts[i]))
         n = self.count(x, j)
-        if n > self.verified:  # (a call that fails moves the layer to the float64 path: this is then unused)
-            self.verified = n
+        layout = _layout(x)
+        if n > self.verified[layout]:  # (a call that fails moves the layer to the float64 path: then unused)
+            self.verified[layout] = n
         if c._guard and c._changed():  # its forward changed its buffers in place after normalising: not its figures
             figures = False
         if inside or self.nested:
@@ -946,6 +961,13 @@ class _LayerCall:
             trial.add(seen, x, self.channels, n, figures)
         trial.counted &= counter is not None and counter._version == before + 1
         return out
+
+
+def _layout(x: Tensor) -> int:
+    """1 if ``x``'s channels (dimension 1) are adjacent in memory — channels_last, ``(N, C)`` — else 0:
+    torch's CPU kernels reduce such inputs differently (in float32, rounding more with more values)
+    from the default layout (in float64)."""
+    return 1 if x.dim() < 3 or x.stride(1) == 1 else 0
 
 
 _BUMPS: dict[str, bool] = {}

@@ -42,16 +42,16 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
 def batch_size(batch: Any) -> int | None:
     """The number of samples in a batch: the first dimension of its input tensor.
 
-    A tensor counts its first dimension; a tuple/list counts its first element: a tensor
-    (``(inputs, targets)``), a tuple of per-sample tensors when the next element holds as
-    many targets (``(images, targets)``, torchvision's detection batches) and else a tuple of
-    batched inputs (``((x, extra), y)``), a mapping of inputs (``({"x": x}, y)``); a list of
-    per-sample records (as detectron2 uses) counts its length; per-sample metadata before the
-    tensors (file names, ids) counts by the tensors after it, else by its own length. A mapping counts its first
-    list of tensors beside as many records (per-sample, as mmengine's ``pseudo_collate``
-    gives), or its first tensor of one dimension or more. ``None`` when nothing tells. Some
-    shapes cannot be told apart (a list of per-sample images alone, three boxes per image of
-    three channels): pass ``num_batches=`` rather than ``num_samples=`` for those.
+    A tensor counts its first dimension; a tuple/list counts its first element: a tensor (``(inputs,
+    targets)``), a tuple of per-sample tensors when the next element holds as many targets
+    (``(images, targets)``, torchvision's detection batches) and else a tuple of batched inputs
+    (``((x, extra), y)``), a mapping of inputs (``({"x": x}, y)``); a list of per-sample records (as
+    detectron2 uses) counts its length; per-sample metadata first (a list or tuple of file names,
+    ids) counts its length, a plain value first (a task name) what follows it. A mapping counts its
+    first list of tensors beside as many records (per-sample, as mmengine's ``pseudo_collate``
+    gives), or its first tensor of one dimension or more. ``None`` when nothing tells. Some shapes
+    cannot be told apart (a list of per-sample images alone, three boxes per image of three
+    channels): pass ``num_batches=`` rather than ``num_samples=`` for those.
 
     Example:
         >>> import torch
@@ -74,13 +74,12 @@ def batch_size(batch: Any) -> int | None:
         first = batch[0]
         if isinstance(first, Tensor):
             return batch_size(first)
-        if _metadata(first):  # e.g. (file names, images): what default_collate makes of (path, image) samples
-            for other in batch[1:]:
-                size = batch_size(other) if isinstance(other, (Tensor, tuple, list, Mapping)) else None
-                if size is not None and not _metadata(other):
-                    return size
-            if isinstance(first, (tuple, list)):
+        if _metadata(first):
+            if isinstance(first, (tuple, list)):  # (file names, images): what collating (path, image) samples gives
                 return len(first)  # one entry per sample
+            rest = batch[1:]  # ("task", x): a plain value first, counted by what follows if that holds tensors
+            if any(isinstance(v, (Tensor, tuple, list, Mapping)) and not _metadata(v) for v in rest):
+                return batch_size(rest[0] if len(rest) == 1 else tuple(rest))
         if isinstance(first, (tuple, list)) and first and isinstance(first[0], Tensor):
             second, n = (batch[1] if len(batch) > 1 else None), len(first)
             if isinstance(second, (tuple, list)) and len(second) == n and not _batched_alike(first[0], second[0]):
