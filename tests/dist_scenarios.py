@@ -294,6 +294,11 @@ def layer_mismatch(rank: int, world_size: int) -> Result:
     return expect_failure(shard(rank, world_size), layers=None if rank == 0 else ["1"])
 
 
+def mode_mismatch(rank: int, world_size: int) -> Result:
+    """mode= differing across ranks: statistics of different activations (was merged silently)."""
+    return expect_failure(shard(rank, world_size), mode="norm" if rank == 0 else "train")
+
+
 def empty_rank(rank: int, world_size: int) -> Result:
     return expect_failure([] if rank == 1 else shard(rank, world_size))
 
@@ -436,6 +441,7 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         auto_failure,
         argument_error,
         layer_mismatch,
+        mode_mismatch,
         recalibrate_argument_error,
         auto_on_one_rank,
         prior_fails_on_one_rank,

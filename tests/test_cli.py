@@ -1034,3 +1034,35 @@ def test_an_encoding_that_holds_greek_letters_but_not_dashes_is_escaped_too(monk
     assert stdout.errors == "strict"
     stdout.flush()
     assert stdout.buffer.getvalue().startswith(b"a \\u2013 b")
+
+
+@pytest.mark.parametrize("when", ["before the write", "after the write", "after the command"])
+def test_ctrl_c_says_whether_the_output_was_written(files, tmp_path, capsys, monkeypatch, when):
+    """Ctrl-C before the commit: exit 130, nothing written. After it — while the command prints, or while
+    a large checkpoint is freed once it returned — the output is complete: exit 0, saying so (a probe: exit
+    130 or death by SIGINT with the file replaced, and 130 is documented as "nothing was written")."""
+    import precisebn.cli as cli
+    import precisebn.cli.commands as commands
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if when == "before the write":
+        monkeypatch.setattr("precisebn.checkpoint.write_checkpoint", interrupt)
+    elif when == "after the write":
+        say = commands._say  # ("wrote ...", printed after the commit)
+        monkeypatch.setattr(commands, "_say", lambda text: interrupt() if text.startswith("wrote") else say(text))
+    else:
+        real = cli._main
+        monkeypatch.setattr(cli, "_main", lambda argv, parsed: (real(argv, parsed), interrupt()))
+    out = tmp_path / "out.pt"
+    code = main(_recalibrate_args(files, out, "--num-samples", "all"))
+    err = capsys.readouterr().err
+    if when == "before the write":
+        assert (code, out.exists()) == (130, False) and "no output was written" in err
+        assert sorted(p.name for p in tmp_path.iterdir()) == []
+    else:
+        assert code == 0 and f"interrupted after the output was written ({out}: complete)" in err
+        _check_against_direct(
+            torch.load(out, weights_only=True), torch.load(files["ckpt"], weights_only=True), files["images"]
+        )

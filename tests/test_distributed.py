@@ -92,6 +92,7 @@ def test_two_ranks(tmp_path: Path) -> None:
         "float64_union",
         "argument_error",
         "layer_mismatch",
+        "mode_mismatch",
         "empty_rank",
         "non_finite",
         "ctrl_c",
@@ -157,6 +158,8 @@ def test_two_ranks(tmp_path: Path) -> None:
     for res in results:
         m = res["layer_mismatch"]
         assert m["error"] == "DistributedError" and "different normalization layers" in m["message"] and m["unchanged"]
+        m = res["mode_mismatch"]
+        assert m["error"] == "DistributedError" and "different mode=" in m["message"] and m["unchanged"]
         e = res["empty_rank"]
         assert e["error"] == "DistributedError" and e["failed_ranks"] == [1] and e["unchanged"]
         assert "rank 1: EmptyDataError" in e["message"]

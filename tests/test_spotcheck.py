@@ -423,3 +423,19 @@ def test_many_layers_fill_the_workspace_several_times(monkeypatch) -> None:
         assert s.path == ("float64" if k == 7 else "fast"), k
         assert max_rel_error(s.mean, t.mean, t.var.sqrt()) <= 1e-6, k
         assert max_rel_error(s.var, t.var) <= 1e-5, k
+
+
+def test_every_channel_is_checked_when_asked() -> None:
+    """A figure off on a channel between the spread ones: missed by the spread check, found when
+    every channel is checked (waiting or at once)."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(64, 9, generator=g) * 2 + 1
+    figures = own_figures(x)
+    figures[1, 3] *= 1.001  # channel 3: not among the spread channels 0, 2, 4, 6
+    assert 3 not in range(9)[checked_channels(9)]
+    for every, verdict in ((False, True), (True, False)):
+        checks = SpotChecks(F32, UNIT32)
+        checks.add("x", 0, x, figures, 1e-5, nbytes(x), every)
+        assert checks.run() == [("x", verdict)]
+        assert SpotChecks(F32, UNIT32).check_now(x, figures, 1e-5, every) is verdict
+    assert SpotChecks(F32, UNIT32).check_now(x, own_figures(x), 1e-5, True)

@@ -390,7 +390,8 @@ class Collector:
 
     def _check_on_cpu(self, i: int, trial: Trial, seen: list[Tensor], x: Tensor, n: int, pair: Tensor) -> None:
         """On the CPU, where reading a value costs no synchronisation: checks a call's own figures
-        on a few channels (float32 figures: together with other calls', see
+        on a few channels — every channel where the channels are adjacent in memory (channels_last,
+        ``(N, C)``: see :func:`_layout`) — (float32 figures: together with other calls', see
         :mod:`~precisebn.spotcheck`; float64 figures: at once) rather than reducing all it
         normalised in float64; a call that passes keeps its figures as its moments."""
         layer = self.layers[i]
@@ -399,9 +400,9 @@ class Collector:
         if t is None:
             trial.add(seen, x, channels, n)
             return
-        if _layout(t):  # channels adjacent: torch's kernel rounds more, and most where |mean|/σ is largest,
-            trial.add(seen, x, channels, n)  # a channel a few checked ones can miss: every channel is checked
-            return
+        # channels adjacent in memory: torch's kernel rounds more, and most where |mean|/σ is largest, in a
+        # channel a few checked ones can miss: every channel is checked
+        every = bool(_layout(t))
         eps = float(layer.module.eps)
         if pair.dtype != torch.float32:
             trial.add_checked(t, x, channels, n, pair, eps)
@@ -411,13 +412,13 @@ class Collector:
         spots = self._spots
         nbytes = t.numel() * t.element_size()
         if spots.at_once(nbytes):  # checked now: holding it until the others' checks costs fresh pages
-            trial.checked(spots.check_now(t, pair, eps), seen, x, channels, n)
+            trial.checked(spots.check_now(t, pair, eps, every), seen, x, channels, n)
             return
-        if not spots.room(n, nbytes, channels):
+        if not spots.room(n, nbytes, channels, every):
             self._run_spot_checks()
         version = version_of(t)  # None: an inference tensor, checked at once (nothing can have changed it yet)
         trial.calls.append((n, None, n, trial.slot))  # passed, unless the check says otherwise
-        spots.add((i, trial, len(trial.calls) - 1, seen, x, n, version), i, t, pair, eps, nbytes)
+        spots.add((i, trial, len(trial.calls) - 1, seen, x, n, version), i, t, pair, eps, nbytes, every)
         if version is None:
             self._run_spot_checks()
 

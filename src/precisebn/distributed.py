@@ -304,7 +304,7 @@ class RankContext:
 
     def merge(self, local: Measurement) -> Measurement:
         """Merges every rank's moments exactly; the same result on every rank."""
-        digest = zlib.crc32(_layout(local).encode())
+        digest = zlib.crc32(f"mode={local.mode}\n{_layout(local)}".encode())  # (the mode too: one slot)
         calls_digest = zlib.crc32("\n".join(layer.name for layer in local.layers).encode())
         table = self._exchange(_OK, local.samples, local.batches, digest, local.seconds, calls_digest=calls_digest)
         if any(row[0] in (_FAILED, _STOPPED) for row in table):
@@ -315,8 +315,9 @@ class RankContext:
         if len(digests) > 1:
             per_rank = ", ".join(f"rank {r}: {int(row[3]):08x}" for r, row in enumerate(table))
             raise DistributedError(
-                f"ranks selected different normalization layers (layout digests {per_rank}); every rank must "
-                "pass the same model architecture and the same layers= selection. No model was changed."
+                f"ranks selected different normalization layers or passed a different mode= (digests {per_rank}); "
+                "every rank must pass the same model architecture, the same layers= selection and the same mode= "
+                "(statistics of different activations cannot be pooled). No model was changed."
             )
         if len({int(row[7]) for row in table}) > 1:
             raise DistributedError(

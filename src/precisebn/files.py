@@ -138,6 +138,7 @@ class OutputPlan:
     def __init__(self, inputs: Mapping[str, str | os.PathLike[str]] | None = None) -> None:
         self.inputs = {label: (os.fspath(p), real_path(p)) for label, p in (inputs or {}).items()}
         self.outputs: dict[str, tuple[str, Path]] = {}
+        self.committed = False  # every output is in place (an interrupt after this changes nothing)
 
     def add(self, label: str, path: str | os.PathLike[str], *, replaces: str | None = None) -> Path:
         """Plans one output; returns its real path.
@@ -206,7 +207,7 @@ class OutputPlan:
                         raise
                     raise renamed from exc
                 self._commit(temps)
-                committed = True
+                committed = self.committed = True
             finally:
                 for tmp in temps.values():
                     with contextlib.suppress(FileNotFoundError):

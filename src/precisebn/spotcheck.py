@@ -5,7 +5,8 @@ left in its buffers) are compared with a float64 reduction of what it normalised
 CPU, where reading a value costs no synchronisation, that reduction covers only
 :data:`CHECKED_CHANNELS` channels spread over the layer — a float64 copy of every input
 would cost more than the check is worth — and the rounding term is computed over every
-channel from the figures (see :func:`~precisebn.watch.discrepancies`).
+channel from the figures (see :func:`~precisebn.watch.discrepancies`). A caller may ask for every
+channel instead (``every=True``: inputs whose kernel rounds most on channels a few would miss).
 
 Each call copies its checked channels, as float64 and channel after channel, into one
 workspace (one kernel), and its check waits there — unless its input is larger than
@@ -100,10 +101,10 @@ def checked_channels(channels: int) -> slice:
 
 
 @functools.lru_cache(maxsize=256)
-def _picked(channels: int) -> tuple[int, tuple[int, ...]]:
-    """The step between the checked channels of a layer, and those channels."""
-    idx = checked_channels(channels)
-    return idx.step, tuple(range(channels)[idx])
+def _picked(channels: int, every: bool = False) -> tuple[int, tuple[int, ...]]:
+    """The step between the checked channels of a layer, and those channels (``every``: all of them)."""
+    idx = slice(None) if every else checked_channels(channels)
+    return idx.step or 1, tuple(range(channels)[idx])
 
 
 def reference(sums: Tensor, squares: Tensor, shifts: Tensor, n: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -228,19 +229,22 @@ class SpotChecks:
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def room(self, n: int, nbytes: int, channels: int) -> bool:
+    def room(self, n: int, nbytes: int, channels: int, every: bool = False) -> bool:
         """Whether a call that normalised ``n`` values per channel (``nbytes`` in all) of
-        ``channels`` can wait with those waiting now: its checked values fit in the
-        workspace, and the inputs held stay within :data:`HELD` bytes."""
-        return self._used + n * len(_picked(channels)[1]) <= self.capacity and self._held + nbytes <= HELD
+        ``channels`` (``every`` one of them checked) can wait with those waiting now: its checked
+        values fit in the workspace, and the inputs held stay within :data:`HELD` bytes."""
+        checked = len(_picked(channels, every)[1])
+        return self._used + n * checked <= self.capacity and self._held + nbytes <= HELD
 
-    def add(self, owner: Any, layer: int, t: Tensor, pair: Tensor, eps: float, nbytes: int) -> None:
+    def add(
+        self, owner: Any, layer: int, t: Tensor, pair: Tensor, eps: float, nbytes: int, every: bool = False
+    ) -> None:
         """Copies the checked channels of ``t`` (what the layer normalised, channels in
         dimension 1; ``nbytes`` in all, held until the checks run) and keeps the call's
         figures ``pair`` (its ``(2, C)`` view of the scratch buffer, read when the checks run)
         for :meth:`run`; make :meth:`room` first (a call alone too large for it gets a
-        workspace of its own size)."""
-        step, picked = _picked(pair.shape[1])
+        workspace of its own size). ``every``: every channel is checked, not a few."""
+        step, picked = _picked(pair.shape[1], every)
         size = len(picked) * (t.numel() // t.shape[1])
         if self._workspace is None or self._used + size > self._workspace.numel():
             if self._used:
@@ -257,13 +261,14 @@ class SpotChecks:
         """Whether a call with ``nbytes`` of input is checked at once (see :data:`AT_ONCE`)."""
         return nbytes > AT_ONCE
 
-    def check_now(self, t: Tensor, pair: Tensor, eps: float) -> bool:
+    def check_now(self, t: Tensor, pair: Tensor, eps: float, every: bool = False) -> bool:
         """Checks one call at once, nothing held: whether its figures ``pair`` (its ``(2, C)``
         view of the scratch buffer, this call's) pass against ``t``, what it normalised — the
         check :meth:`run` makes, with :func:`reference`'s bounds and :func:`passes`' test
         computed on the host for the few checked channels (a handful of kernels rather than
-        the few dozen of a run), and the rounding term by :func:`rounding_passes`."""
-        step, picked = _picked(pair.shape[1])
+        the few dozen of a run), and the rounding term by :func:`rounding_passes`. ``every``: every
+        channel is checked, not a few."""
+        step, picked = _picked(pair.shape[1], every)
         k = len(picked)
         n = t.numel() // t.shape[1]
         taken = None
@@ -274,7 +279,7 @@ class SpotChecks:
             values = taken[: k * n]
         try:
             _copy_checked(t, step, k, values)
-            figures = pair[:, checked_channels(pair.shape[1])]
+            figures = pair if every else pair[:, checked_channels(pair.shape[1])]
             block = values.view(k, n).sub_(figures[0].unsqueeze(1))  # shifted by the figures' means
             sums = torch.stack([block.sum(1), block.square_().sum(1)]).tolist()
         finally:

@@ -32,17 +32,34 @@ __all__ = ["EXIT_FAILED", "EXIT_FLAGGED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_U
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command line; returns the exit code (0 done, 1 failed, 2 usage, 3 flagged, 130 interrupted)."""
-    with _encodable_output():
-        return _main(argv)
+    """Runs the command line; returns the exit code (0 done, 1 failed, 2 usage, 3 flagged, 130 interrupted
+    before any output was written)."""
+    parsed: list[Any] = []  # the command's arguments, once parsed (their plan tells what was written)
+    try:
+        with _encodable_output():
+            return _main(argv, parsed)
+    except KeyboardInterrupt:  # (after the command returned: freeing a large checkpoint takes time)
+        return _interrupted(parsed[0] if parsed else None)
 
 
-def _main(argv: list[str] | None) -> int:
+def _interrupted(args: Any) -> int:
+    """Ctrl-C: exit 130 and "no output was written" — unless every output was written already."""
+    plan = getattr(args, "plan", None)
+    if plan is not None and getattr(plan, "committed", False):
+        written = ", ".join(text for text, _ in plan.outputs.values())
+        print(f"precisebn: interrupted after the output was written ({written}: complete).", file=sys.stderr)
+        return EXIT_OK
+    print("precisebn: interrupted; no output was written.", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None, parsed: list[Any]) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, usage errors (already printed)
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
+    parsed.append(args)
     debug, quiet = getattr(args, "debug", False), getattr(args, "quiet", False)
     with _warnings_as_notes(), _quiet(quiet), _threads(getattr(args, "threads", None)):
         try:
@@ -62,8 +79,7 @@ def _main(argv: list[str] | None) -> int:
         try:
             return int(args.func(args))
         except KeyboardInterrupt:
-            print("precisebn: interrupted; no output was written.", file=sys.stderr)
-            return EXIT_INTERRUPTED
+            return _interrupted(args)
         except SystemExit as exc:  # from the user's code (a model factory, a script parsing its arguments)
             if debug:
                 traceback.print_exc()  # (re-raised, the exit would look like the command's own)
