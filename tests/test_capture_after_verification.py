@@ -727,22 +727,31 @@ def test_calls_beyond_the_verified_size_within_a_batch_keep_their_own_statistics
 
 
 def test_a_larger_call_whose_figures_pass_lets_later_calls_of_its_size_read_them(monkeypatch) -> None:
-    """NCHW on the CPU: the first call beyond the verified size is reduced in float64 and its figures
-    pass the check, so the later calls of that size read their figures (no float64 reduction), exact."""
+    """(N, C) on the CPU, where the kernel's rounding grows with the values: the first call beyond the
+    verified size is reduced in float64 and its figures pass the check, so the later calls of that size
+    read their figures (no float64 reduction), exact. In the default layout (which torch's CPU kernel
+    reduces in float64) larger calls read their figures at once: length-sorted data (every batch larger
+    than the last) paid a float64 reduction per batch, 1.6x slower (a probe)."""
     import precisebn.capture as capture
 
     reductions = []
     original = capture.moments_of
     monkeypatch.setattr(capture, "moments_of", lambda seen: reductions.append(seen[0].shape) or original(seen))
     g = torch.Generator().manual_seed(2)
-    bn = nn.BatchNorm2d(4)
-    batches = [torch.randn(2, 4, 4, 4, generator=g)] + [torch.randn(8, 4, 16, 16, generator=g) + 3 for _ in range(4)]
-    truth = compute_truth(nn.Sequential(bn), batches)["0"]
-    stats = precisebn.estimate(bn, batches, num_samples="all")[""]
-    assert reductions == [(8, 4, 16, 16)]  # the second batch's call only
-    assert stats.path == "fast" and stats.count == truth.count
-    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
-    assert max_rel_error(stats.var, truth.var) < 1e-6
+    cases = {  # (first batch, later batches, expected float64 reductions)
+        "(N, C)": ((16, 4), [(512, 4)] * 4, [(512, 4)]),
+        "NCHW": ((2, 4, 4, 4), [(8, 4, 4 * k, 4 * k) for k in range(2, 6)], []),
+    }
+    for first, later, expected in cases.values():
+        reductions.clear()
+        bn = nn.BatchNorm1d(4) if len(first) == 2 else nn.BatchNorm2d(4)
+        batches = [torch.randn(*shape, generator=g) + 3 for shape in [first, *later]]
+        truth = compute_truth(nn.Sequential(bn), batches)["0"]
+        stats = precisebn.estimate(bn, batches, num_samples="all")[""]
+        assert reductions == expected
+        assert stats.path == "fast" and stats.count == truth.count
+        assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
+        assert max_rel_error(stats.var, truth.var) < 1e-6
 
 
 def test_a_beyond_call_whose_float64_measurement_raises_counts_for_nothing(monkeypatch) -> None:
@@ -775,7 +784,8 @@ def test_a_beyond_call_whose_float64_measurement_raises_counts_for_nothing(monke
 
     monkeypatch.setattr(capture, "moments_of", failing_once)
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randn(4, 4, 4, 4, generator=g)] + [torch.randn(4, 4, 16, 16, generator=g) for _ in range(3)]
+    shapes = [(4, 4, 4, 4)] + [(4, 4, 16, 16)] * 3  # channels_last: larger calls are measured (and checked)
+    batches = [torch.randn(*shape, generator=g).contiguous(memory_format=torch.channels_last) for shape in shapes]
     inputs = [x[:, :, :4, :4] for x in batches] + [x * 3 + 5 for k, x in enumerate(batches) if k != 1]
     data = torch.cat([t.transpose(0, 1).reshape(4, -1) for t in inputs], 1).double()  # batch 2's large call raised
     stats = precisebn.estimate(Net(), batches, num_samples="all")["bn"]
@@ -798,15 +808,18 @@ def test_a_layout_the_verifying_batch_did_not_show_is_measured_in_float64() -> N
     assert max_rel_error(stats.var, truth.var) < 1e-6
 
 
-def test_channels_adjacent_in_memory_are_checked_on_every_channel() -> None:
+@pytest.mark.parametrize("size", [16, 64])
+def test_channels_adjacent_in_memory_are_checked_where_they_round_most(size: int) -> None:
     """channels_last on the CPU: the kernel's error is largest where |mean|/σ is; a check of a few
     channels spread over the layer (0, 5, 10, 15 here, mean 0) missed the others (|mean|/σ = 150):
-    1.4e-4 σ off, "fast" (a probe). Every channel of such inputs is checked now."""
+    1.4e-4 σ off, "fast" (a probe). Every channel of such inputs is checked now — of a large input
+    (64 samples: 1M values), the spread channels and the 4 with the largest |mean|/σ by its figures (a
+    float64 copy of every channel cost more than the float64 path: 48 ms against 33, a probe)."""
     g = torch.Generator().manual_seed(5)
     offsets = torch.full((16,), 150.0)
     offsets[::5] = 0.0
     batches = [
-        (torch.randn(16, 16, 32, 32, generator=g) + offsets[:, None, None]).contiguous(
+        (torch.randn(size, 16, 32, 32, generator=g) + offsets[:, None, None]).contiguous(
             memory_format=torch.channels_last
         )
         for _ in range(3)

@@ -64,6 +64,7 @@ of per-layer counts (usually one or two per run), kept in a small cache.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -362,8 +363,8 @@ class Collector:
         items = [(pair[0], pair[1], moments, e) for (_, _, pair, moments), e in zip(beyond, eps)]
         for (call, n, pair, _), score in zip(beyond, discrepancies(items)):
             layout = n[1]
-            if score <= TOLERANCE[pair.dtype] and n[0] > call.verified[layout]:
-                call.verified[layout] = n[0]
+            if score <= TOLERANCE[pair.dtype]:
+                call.verified[layout] = max(call.verified[layout], _verified_size(n[0], layout, pair.device))
 
     def _sum_figures(self, fold: int) -> None:
         """Adds the figures left in the scratch buffers by this batch's last calls to the sums."""
@@ -709,10 +710,10 @@ class _LayerCall:
         self.own_forward = normalises_its_input(self.module)  # torch's own forward: what it normalises is its input
         self.active = 0  # calls of the layer running now (more than one: a call inside its own call)
         self.nested = False  # verifying batch: a call ran inside the outermost call running now
-        # the most values per channel of a call whose figures were checked, by layout (see _layout): a later call
-        # with more, or in a layout none was checked in, is measured in float64 (and checked, raising this when
-        # its figures pass), as a kernel's rounding may grow with the values it reduces and differs by layout
-        # (torch's CPU kernels for channels_last and (N, C) inputs round more, and more with more values)
+        # by layout (see _layout), the most values per channel a later call may have to be read through its
+        # figures (see _verified_size; 0: no call in that layout was checked): a call with more is measured in
+        # float64 (and on the CPU checked, raising this when its figures pass) — torch's CPU kernels for
+        # channels_last and (N, C) inputs round more, and more with more values; other layouts round otherwise
         self.verified = [0, 0]
 
     def watched(
@@ -948,9 +949,8 @@ class _LayerCall:
             raise
         trial = c._trials.get(i) or c._trials.setdefault(i, Trial(c.counts[i]))
         n = self.count(x, j)
-        layout = _layout(x)
-        if n > self.verified[layout]:  # (a call that fails moves the layer to the float64 path: then unused)
-            self.verified[layout] = n
+        layout = _layout(x)  # (a call that fails moves the layer to the float64 path: then unused)
+        self.verified[layout] = max(self.verified[layout], _verified_size(n, layout, x.device))
         if c._guard and c._changed():  # its forward changed its buffers in place after normalising: not its figures
             figures = False
         if inside or self.nested:
@@ -962,6 +962,15 @@ class _LayerCall:
             trial.add(seen, x, self.channels, n, figures)
         trial.counted &= counter is not None and counter._version == before + 1
         return out
+
+
+def _verified_size(n: int, layout: int, device: torch.device) -> int:
+    """Up to how many values per channel a call whose figures passed with ``n`` lets later calls in
+    its layout read their figures: ``n`` where the kernel's rounding grows with them (the CPU's
+    float32 reductions of channels adjacent in memory), any number elsewhere (the CPU's default
+    layout reduces in float64; accelerators are checked in the verifying batch only, and checking
+    a larger call later would take a host read inside the loop)."""
+    return n if layout and device.type == "cpu" else sys.maxsize
 
 
 def _layout(x: Tensor) -> int:
