@@ -426,12 +426,14 @@ def test_many_layers_fill_the_workspace_several_times(monkeypatch) -> None:
 
 
 def test_every_channel_is_checked_when_asked() -> None:
-    """A figure off on a channel between the spread ones: missed by the spread check, found when
-    every channel is checked (waiting or at once)."""
+    """A figure off on a channel between the spread ones: missed by the spread check, found when every
+    channel is checked (a waiting call), or, for a call checked at once, when it is among those whose
+    figures give the largest mean² / (var + eps) (where a float32 reduction rounds most)."""
     g = torch.Generator().manual_seed(6)
     x = torch.randn(64, 9, generator=g) * 2 + 1
+    x[:, 3] += 20  # channel 3: |mean|/σ ~ 10, the largest; not among the spread channels 0, 2, 4, 6
     figures = own_figures(x)
-    figures[1, 3] *= 1.001  # channel 3: not among the spread channels 0, 2, 4, 6
+    figures[1, 3] *= 1.001
     assert 3 not in range(9)[checked_channels(9)]
     for every, verdict in ((False, True), (True, False)):
         checks = SpotChecks(F32, UNIT32)
@@ -439,3 +441,8 @@ def test_every_channel_is_checked_when_asked() -> None:
         assert checks.run() == [("x", verdict)]
         assert SpotChecks(F32, UNIT32).check_now(x, figures, 1e-5, every) is verdict
     assert SpotChecks(F32, UNIT32).check_now(x, own_figures(x), 1e-5, True)
+    quiet = own_figures(x)
+    quiet[1, 5] *= 1.001  # off on a channel neither spread nor among the largest |mean|/σ: a waiting call only
+    checks = SpotChecks(F32, UNIT32)
+    checks.add("x", 0, x, quiet, 1e-5, nbytes(x), True)
+    assert checks.run() == [("x", False)]

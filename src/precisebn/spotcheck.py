@@ -300,9 +300,9 @@ class SpotChecks:
         check :meth:`run` makes, with :func:`reference`'s bounds and :func:`passes`' test
         computed on the host for the few checked channels (a handful of kernels rather than
         the few dozen of a run), and the rounding term by :func:`rounding_passes`. ``every``: every
-        channel is checked, not a few — of an input larger than the workspace, the spread channels and
-        those whose figures say it rounds most (:func:`_worst_and_spread`)."""
-        if every and t.numel() > self.capacity:  # (a float64 copy of every channel: what the float64 path costs)
+        channel is checked, not a few — here, for an input large enough to be checked at once, the spread
+        channels and those whose figures say it rounds most (:func:`_worst_and_spread`)."""
+        if every:  # (a large input: a float64 copy of every channel would cost about what the float64 path does)
             if not rounding_passes(pair, eps, self.unit, self.tolerance):  # (over every channel, from the figures)
                 return False
             chosen = _worst_and_spread(pair, eps)
