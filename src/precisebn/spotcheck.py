@@ -216,15 +216,15 @@ def rounding_passes(pair: Tensor, eps: float, unit: float, tolerance: float) -> 
     return float(pair[0].square().div_(pair[1] + eps).amax()) * unit * unit <= tolerance
 
 
-def _worst_and_spread(pair: Tensor, eps: float, worst: int = CHECKED_CHANNELS) -> Tensor:
-    """The channels a large call whose channels are adjacent in memory is checked on: the spread ones
-    and the ``worst`` with the largest ``mean² / (var + eps)`` by its figures ``pair`` (NaN first) —
-    where torch's float32 reduction of such inputs rounds most (its error grows with |mean|/σ)."""
+def _worst(pair: Tensor, eps: float, count: int = CHECKED_CHANNELS) -> list[int]:
+    """The ``count`` channels with the largest ``mean² / (var + eps)`` by the figures ``pair`` (NaN
+    first), beyond the spread ones (:func:`checked_channels`), ascending: where torch's float32
+    reduction of inputs whose channels are adjacent in memory rounds most (its error grows with
+    |mean|/σ)."""
     channels = pair.shape[1]
-    score = pair[0].double().square().div_(pair[1].double() + eps).nan_to_num_(nan=float("inf"))
-    top = score.topk(min(worst, channels)).indices
-    spread = torch.arange(channels)[checked_channels(channels)]
-    return torch.cat([spread, top]).unique()
+    score = pair[0].square().div_(pair[1] + eps).nan_to_num_(nan=float("inf"))
+    spread = set(range(channels)[checked_channels(channels)])
+    return sorted(set(score.topk(min(count, channels)).indices.tolist()) - spread)
 
 
 def _copy_checked(t: Tensor, step: int, k: int, into: Tensor) -> None:
@@ -301,17 +301,17 @@ class SpotChecks:
         computed on the host for the few checked channels (a handful of kernels rather than
         the few dozen of a run), and the rounding term by :func:`rounding_passes`. ``every``: every
         channel is checked, not a few — here, for an input large enough to be checked at once, the spread
-        channels and those whose figures say it rounds most (:func:`_worst_and_spread`)."""
+        channels and those whose figures say it rounds most (:func:`_worst`)."""
         if every:  # (a large input: a float64 copy of every channel would cost about what the float64 path does)
-            if not rounding_passes(pair, eps, self.unit, self.tolerance):  # (over every channel, from the figures)
-                return False
-            chosen = _worst_and_spread(pair, eps)
-            return self._check_now(t.index_select(1, chosen), pair.index_select(1, chosen), eps, every=True)
+            return self._check_now(t, pair, eps, every=False, extra=_worst(pair, eps))
         return self._check_now(t, pair, eps, every)
 
-    def _check_now(self, t: Tensor, pair: Tensor, eps: float, every: bool) -> bool:
+    def _check_now(self, t: Tensor, pair: Tensor, eps: float, every: bool, extra: list[int] | None = None) -> bool:
+        """:meth:`check_now` of the spread channels (or every one), and of the ``extra`` ones (each copied
+        on its own: ``index_select`` across a channels_last tensor is several times slower)."""
         step, picked = _picked(pair.shape[1], every)
-        k = len(picked)
+        extra = extra or []
+        k = len(picked) + len(extra)
         n = t.numel() // t.shape[1]
         taken = None
         if self._workspace is not None and self._used + k * n <= self._workspace.numel():
@@ -320,8 +320,12 @@ class SpotChecks:
             taken = _take_workspace(self.capacity if k * n <= self.capacity else k * n)
             values = taken[: k * n]
         try:
-            _copy_checked(t, step, k, values)
+            _copy_checked(t, step, len(picked), values[: len(picked) * n])
+            for at, c in enumerate(extra, start=len(picked)):
+                _copy_checked(t[:, c : c + 1], 1, 1, values[at * n : (at + 1) * n])
             figures = pair if every else pair[:, checked_channels(pair.shape[1])]
+            if extra:
+                figures = torch.cat([figures, pair[:, extra]], 1)
             block = values.view(k, n).sub_(figures[0].unsqueeze(1))  # shifted by the figures' means
             sums = torch.stack([_row_sums(block), _row_sums(block.square_())])  # (new: the workspace is free)
         finally:
@@ -329,7 +333,7 @@ class SpotChecks:
                 _give_back(taken)
         if not rounding_passes(pair, eps, self.unit, self.tolerance):
             return False
-        if every:  # (many channels: the test on tensors, not channel by channel on the host)
+        if k > 32:  # (many channels: the test on tensors, not channel by channel on the host)
             s1, s2 = sums
             shift = figures[0].double()
             ref = reference(s1, s2, shift, torch.full_like(s1, float(n)))
