@@ -43,9 +43,9 @@ per call index; on the float64 path, and for a layer that fails verification, ea
 call's float64 moments are kept under its index. The call index is a host integer, and
 so is the check that every batch calls the layer equally often.
 
-Later calls are read through their figures unchecked — except a call with more values per channel
-than any whose figures were checked, measured in float64 (and on the CPU checked at the end of its
-batch, see :meth:`_LayerCall.measure_beyond`); what keeps the verified batch valid for them: each
+Later calls are read through their figures unchecked — except a call beyond the size its layer was
+verified for in its layout (:func:`_verified_size`), measured in float64 (and on the CPU checked at the
+end of its batch, see :meth:`_LayerCall.measure_beyond`); what keeps the verified batch valid for them: each
 layer's scratch ``num_batches_tracked`` is set back to 0 after every batch, and put back in the
 layer if its forward replaced it (a forward that counts its calls sees the verified counts again); a
 fast-path call whose layer's momentum is no longer 1.0 is refused; a call that raises counts for
@@ -147,9 +147,9 @@ class Collector:
         self._batch = 0  # batches ended so far; the current one goes to fold _batch % FOLDS
         self._summed = [[0] * (n + 1) for _ in range(FOLDS)]  # per fold: values per channel in the sums
         self._trials: dict[int, Trial] = {}  # layers being verified in this batch
-        # this batch's calls beyond their layer's verified size: (call, (values per channel, layout), figures,
-        # moments)
-        self._beyond: list[tuple[_LayerCall, tuple[int, int], Tensor, RunningMoments]] = []
+        # this batch's calls beyond their layer's verified size, on the CPU: (call, values per channel, layout,
+        # figures, float64 moments)
+        self._beyond: list[tuple[_LayerCall, int, int, Tensor, RunningMoments]] = []
         self._spots: SpotChecks | None = None  # CPU: the checks of this batch's calls waiting to be made together
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
@@ -359,12 +359,10 @@ class Collector:
         against their float64 moments: a layer whose call passes reads later calls of up to that many
         values per channel, in that layout, through their figures."""
         beyond, self._beyond = self._beyond, []
-        eps = [float(self.layers[call.i].module.eps) for call, _, _, _ in beyond]
-        items = [(pair[0], pair[1], moments, e) for (_, _, pair, moments), e in zip(beyond, eps)]
-        for (call, n, pair, _), score in zip(beyond, discrepancies(items)):
-            layout = n[1]
+        items = [(pair[0], pair[1], moments, float(call.module.eps)) for call, _, _, pair, moments in beyond]
+        for (call, n, layout, pair, _), score in zip(beyond, discrepancies(items)):
             if score <= TOLERANCE[pair.dtype]:
-                call.verified[layout] = max(call.verified[layout], _verified_size(n[0], layout, pair.device))
+                call.verified[layout] = max(call.verified[layout], _verified_size(n, layout, pair.device))
 
     def _sum_figures(self, fold: int) -> None:
         """Adds the figures left in the scratch buffers by this batch's last calls to the sums."""
@@ -667,10 +665,9 @@ class Collector:
                     pooled, se_mean, se_var = fold_errors(folds)
                     var = pooled.var.reshape(se_mean.shape)
                 live = var > 0  # (NaN: not counted)
-                nan = torch.full_like(se_mean, float("nan"))
-                median = torch.maximum(
-                    torch.where(live, se_mean, nan).nanquantile(0.5),  # (nanquantile: no host read, unlike indexing)
-                    torch.where(live, se_var, nan).nanquantile(0.5),
+                median = torch.maximum(  # (masks and nanquantile: no host read, unlike indexing)
+                    se_mean.masked_fill(~live, float("nan")).nanquantile(0.5),
+                    se_var.masked_fill(~live, float("nan")).nanquantile(0.5),
                 )
                 worst = torch.where(live.any() | (var != var).any(), median, torch.zeros_like(median))
                 by_device.setdefault(worst.device, []).append(worst)
@@ -775,8 +772,8 @@ class _LayerCall:
         del c._extras[stashed]
 
     def measure_beyond(self, seen: list[Tensor], figures: bool, x: Tensor, j: int) -> None:
-        """A fast-path call with more values per channel than any call whose figures were checked
-        (see :attr:`verified`): what it normalised is reduced in float64 and kept as its moments, and
+        """A fast-path call beyond the size its layer was verified for in its layout (see
+        :attr:`verified`, :func:`_verified_size`): what it normalised is reduced in float64 and kept as its moments, and
         its figures are taken out of the scratch (the layer's own statistics again: the sums read
         nothing of this call; an earlier call of this batch was stashed already). Its figures, if it
         left them, are checked against those moments at the end of the batch (all such calls at once,
@@ -788,7 +785,7 @@ class _LayerCall:
         on_cpu = x.device.type == "cpu" and self.pair.device.type == "cpu"
         check = None
         if on_cpu and figures and moments is not None and fitting(seen, x, self.channels) is not None:
-            check = (self, (x.numel() // self.channels, _layout(x)), self.pair.clone(), moments)
+            check = (self, x.numel() // self.channels, _layout(x), self.pair.clone(), moments)
         n = sum(v.numel() // self.channels for v in seen)
         if moments is not None:  # (nothing normalised with its buffers: nothing counted, as on the float64 path)
             c._keep((i, j if c.per_call else 0), moments, n)
@@ -855,7 +852,7 @@ class _LayerCall:
                         raise c._momentum_changed(i)
                 n = x.numel() // self.channels
                 row = c._row
-                # more values per channel than any call checked in its layout: measured in float64
+                # beyond the size verified for its layout (see _verified_size): measured in float64
                 beyond = n > self.verified[x.dim() < 3 or x.stride(1) == 1]  # (_layout, inline: every call)
                 # too few values, a second call in this batch, per call, beyond
                 unusual = n == 1 or row[i] or c.per_call or beyond

@@ -339,7 +339,6 @@ class ScratchGroup:
     offsets: list[int] = field(default_factory=list)
     channels: list[int] = field(default_factory=list)
     initial: Tensor | None = None
-    _packed: bool | None = field(default=None, repr=False)
 
     def reset(self) -> None:
         """Puts the layers' own statistics back into ``buffer`` (one copy, no host sync)."""
@@ -349,16 +348,17 @@ class ScratchGroup:
     def slices(self, t: Tensor, dim: int = -1) -> list[Tensor]:
         """Each of this group's layers' stretch of ``t`` along ``dim`` (laid out as the
         buffer's columns), in ``layer_ids`` order: views, made by one split."""
-        if self._packed is None:  # whether the stretches follow one another from column 0, no gaps
-            self._packed = (
-                list(self.offsets) == list(itertools.accumulate(self.channels[:-1], initial=0))[: len(self.offsets)]
-            )
         if self._packed:  # one piece per layer (a third of tensor_split's cost with the gaps)
             rest = t.shape[dim] - sum(self.channels)
             pieces = t.split([*self.channels, rest] if rest else self.channels, dim=dim)
             return list(pieces[:-1] if rest else pieces)
         bounds = [b for off, c in zip(self.offsets, self.channels) for b in (off, off + c)]
         return list(t.tensor_split(bounds, dim=dim)[1::2])  # the pieces between are alignment gaps
+
+    @functools.cached_property
+    def _packed(self) -> bool:
+        """Whether the stretches follow one another from column 0, with no gaps between them."""
+        return list(self.offsets) == list(itertools.accumulate(self.channels[:-1], initial=0))
 
     def positions(self, keep: Iterable[int], other: int) -> Tensor:
         """The layer of each of the buffer's columns (host): ``i`` for the channels of layer

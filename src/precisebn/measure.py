@@ -67,6 +67,7 @@ class Pass:
         tolerance: float | None = None,
         vote: Vote | None = None,
         per_call: bool = False,
+        samples_given: bool = True,
     ) -> None:
         self.model, self.data, self.forward = model, data, forward
         self.num_samples, self.num_batches = num_samples, num_batches
@@ -77,7 +78,7 @@ class Pass:
         self.per_call = per_call  # one set of statistics per call index for layers called several times per batch
         self.precision = float("nan")  # the last precision looked at (auto)
         self._decided = False  # the ranks voted to stop
-        self.samples_given = True  # num_samples was the caller's (else the default, named so in errors)
+        self.samples_given = samples_given  # num_samples was the caller's (else the default, named so in errors)
 
     def measure(
         self,

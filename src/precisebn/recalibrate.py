@@ -36,7 +36,6 @@ from .layers import (
     LayerSelection,
     Mode,
     find_norm_layers,
-    refuse_parameter_statistics,
     refuse_shared_buffers,
     unwrap,
 )
@@ -360,16 +359,22 @@ def _estimate(
             tolerance if auto else None,
             vote,
             per_call,
+            samples_given=explicit or use_all,
         )
-        run.samples_given = explicit or use_all
         modules = list(model.named_modules())  # one walk of the model for the whole call
         if walk is not None:
             walk[:] = modules
         guard.enter_context(exclusive(model, modules))
         selected = find_norm_layers(model, layers, capture=capture, modules=modules)
-        refuse_parameter_statistics(selected)
-        if writes:
-            refuse_shared_buffers([(layer.name, b, layer.module._buffers[b]) for layer in selected for b in writes])
+        if writes:  # (statistics held otherwise than as buffers: refused by the passes, see recalibration_state)
+            refuse_shared_buffers(
+                [
+                    (layer.name, b, t)
+                    for layer in selected
+                    for b in writes
+                    if isinstance(t := layer.module._buffers.get(b), torch.Tensor)
+                ]
+            )
         abort = ctx.poll if ctx is not None else None
         local = run.measure(selected, abort=abort, modules=modules, keep_folds=ctx is not None)
     except BaseException as exc:

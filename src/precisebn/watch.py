@@ -41,14 +41,17 @@ Above the rounding of torch's own kernels in the default memory layout (float32:
 whose float32 figures carry about 2e-5 — is measured in float64 instead."""
 
 _NORMS = (F.batch_norm, F.instance_norm)  # both (input, running_mean, running_var, ...)
-# What those call, called directly by some layers (input, weight, bias, running_mean, running_var, training or
-# use_input_stats, momentum, ...): (running_mean's position, the batch flag's keyword and default)
-_OPS = {
+# Every normalization call watched — those, and the ops they call, which some layers call directly (input, weight,
+# bias, running_mean, running_var, training or use_input_stats, momentum, ...): (running_mean's position, the
+# batch flag's keyword and default); the batch flag is argument 5 and the momentum 6 in all of them.
+_CALLS = {
     f: spec
     for f, spec in (
-        (getattr(torch, "batch_norm", None), ("training", False)),
-        (getattr(torch, "native_batch_norm", None), ("training", False)),
-        (getattr(torch, "instance_norm", None), ("use_input_stats", True)),
+        (F.batch_norm, (1, "training", False)),
+        (F.instance_norm, (1, "use_input_stats", True)),
+        (getattr(torch, "batch_norm", None), (3, "training", False)),
+        (getattr(torch, "native_batch_norm", None), (3, "training", False)),
+        (getattr(torch, "instance_norm", None), (3, "use_input_stats", True)),
     )
     if f is not None
 }
@@ -157,23 +160,17 @@ class Watch:
 def _norm_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, bool] | None:
     """``(input, running_mean, whether it overwrites the buffers with its batch figures)`` of a
     normalization call (or of torch's gathering of batch figures across processes), else ``None``."""
-    if func in _OPS:
-        key, default = _OPS[func]
-        x = args[0] if args else kwargs.get("input")
-        batch = args[5] if len(args) > 5 else kwargs.get(key, default)
-        momentum = args[6] if len(args) > 6 else kwargs.get("momentum", 0.1)
-        return x, args[3] if len(args) > 3 else kwargs.get("running_mean"), bool(batch) and momentum == 1.0
-    if func in _NORMS or func in _GATHERS:
-        at = 1 if func in _NORMS else 3  # running_mean's position
-        x = args[0] if args else kwargs.get("input")
-        figures = True  # torch's gathering: the layer's running buffers get the batch figures
-        if func in _NORMS:  # batch_norm(..., training=False, momentum=0.1), instance_norm(..., True, 0.1)
-            key, default = ("training", False) if func is F.batch_norm else ("use_input_stats", True)
-            batch = args[5] if len(args) > 5 else kwargs.get(key, default)
-            momentum = args[6] if len(args) > 6 else kwargs.get("momentum", 0.1)
-            figures = bool(batch) and momentum == 1.0
-        return x, args[at] if len(args) > at else kwargs.get("running_mean"), figures
-    return None
+    spec = _CALLS.get(func)
+    if spec is None and func not in _GATHERS:
+        return None
+    x = args[0] if args else kwargs.get("input")
+    at = 3 if spec is None else spec[0]  # running_mean's position
+    running_mean = args[at] if len(args) > at else kwargs.get("running_mean")
+    if spec is None:  # torch's gathering: the layer's running buffers get the batch figures
+        return x, running_mean, True
+    batch = args[5] if len(args) > 5 else kwargs.get(spec[1], spec[2])
+    momentum = args[6] if len(args) > 6 else kwargs.get("momentum", 0.1)
+    return x, running_mean, bool(batch) and momentum == 1.0
 
 
 _no_subclass = torch._C.DisableTorchFunctionSubclass

@@ -115,7 +115,7 @@ def plan_writes(
     written += [(s.var, pair[1]) for pair, s in updated] if write[1] else []
     new = _converted(written)
     old = [pair[0] for pair in buffers] + [pair[1] for pair in buffers]
-    host, flat = _cpu64(old + new, start=len(old))
+    host = _cpu64(old + new)
     values = {}
     n_means = len(updated) if write[0] else 0
     at_mean, at_var = len(old), len(old) + n_means
@@ -129,7 +129,7 @@ def plan_writes(
                 var, at_var = host[at_var], at_var + 1
         values[name] = (old_mean, old_var, mean, var)
     overflow: list[str] = []
-    if new and not _all_fine(host[len(old) :], flat, n_means, write[1]):  # at once; layer by layer to name them
+    if new and not _all_fine(host[len(old) :], n_means, write[1]):  # checked at once; layer by layer to name them
         for name, m, s in entries:
             mean, var = values[name][2:]
             if s.reached and not all(bool(t.isfinite().all()) for t, w in zip((mean, var), write) if w):
@@ -214,23 +214,18 @@ def _refuse(what: str, problems: list[str], hint: str | None = None) -> None:
         )
 
 
-def _cpu64(tensors: list[torch.Tensor], start: int = 0) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """float64 CPU copies of many small tensors, with one device-to-host copy per device; and, when
-    they all come from one device, ``tensors[start:]`` as one flat float64 tensor (else ``None``)."""
+def _cpu64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """float64 CPU copies of many small tensors, with one device-to-host copy per device."""
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
     out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
-    rest = None
     with torch.no_grad():
         for ids in by_device.values():
-            sizes = [tensors[i].numel() for i in ids]
             flat = torch.cat([_flat(tensors[i]) for i in ids]).to("cpu", torch.float64)  # cat promotes dtypes
-            for i, part in zip(ids, flat.split(sizes)):
+            for i, part in zip(ids, flat.split([tensors[i].numel() for i in ids])):
                 out[i] = part
-            if len(by_device) == 1:
-                rest = flat[sum(sizes[:start]) :]
-    return out, rest
+    return out
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -252,14 +247,11 @@ def _converted(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Ten
     return out
 
 
-def _all_fine(new: list[torch.Tensor], flat: torch.Tensor | None, means: int, variances: bool) -> bool:
+def _all_fine(new: list[torch.Tensor], means: int, variances: bool) -> bool:
     """Whether the new values (host float64, in the order of :func:`plan_writes`' ``new``: ``means``
-    means, then the variances if ``variances``; ``flat``: all of them as one tensor, if known) are all
-    finite and the variances non-negative (a sum and a minimum: reductions are far cheaper than
-    element-wise tests; a sum that overflows only sends the caller to its exact check)."""
-    joined = flat if flat is not None else torch.cat(new)
-    if not math.isfinite(float(joined.sum())):
+    means, then the variances if ``variances``) are all finite and the variances non-negative (a
+    sum and a minimum: reductions are far cheaper than element-wise tests; a sum that overflows
+    only sends the caller to its exact check)."""
+    if not math.isfinite(float(torch.cat(new).sum())):
         return False
-    if not variances:
-        return True
-    return float(joined[sum(t.numel() for t in new[:means]) :].amin()) >= 0
+    return not variances or float(torch.cat(new[means:]).amin()) >= 0

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _encodable_output():
             return _main(argv, parsed)
-    except KeyboardInterrupt:  # (after the command returned: freeing a large checkpoint takes time)
+    except KeyboardInterrupt:  # (during the command, or after it returned: freeing a large checkpoint takes time)
         return _interrupted(parsed[0] if parsed else None)
 
 
@@ -78,8 +78,6 @@ def _main(argv: list[str] | None, parsed: list[Any]) -> int:
             return EXIT_FAILED
         try:
             return int(args.func(args))
-        except KeyboardInterrupt:
-            return _interrupted(args)
         except SystemExit as exc:  # from the user's code (a model factory, a script parsing its arguments)
             if debug:
                 traceback.print_exc()  # (re-raised, the exit would look like the command's own)
