@@ -829,3 +829,65 @@ def test_channels_adjacent_in_memory_are_checked_where_they_round_most(size: int
     stats = precisebn.estimate(bn, batches, num_samples="all")[""]
     assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
     assert max_rel_error(stats.var, truth.var) < 1e-6
+
+
+class Ghost(nn.BatchNorm2d):
+    """A "ghost" BatchNorm: normalises each chunk of 8 samples apart, with its running buffers — so
+    that its buffers are left with the last chunk's figures when a batch has more than 8."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.num_batches_tracked.add_(1)
+        chunks = [
+            F.batch_norm(
+                c, self.running_mean, self.running_var, self.weight, self.bias, self.training, self.momentum, self.eps
+            )
+            for c in x.split(8)
+        ]
+        return torch.cat(chunks)
+
+
+class OwnForward(nn.BatchNorm2d):
+    """A forward of its own that normalises its input once (as timm's BatchNormAct2d does)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(x))
+
+
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+def test_a_forward_whose_normalisations_depend_on_the_input_shape_is_exact(capture: str) -> None:
+    """A ghost BatchNorm verified on a batch of 8 (one normalisation, its input: its figures pass),
+    then given batches of 32 (four normalisations per call, the buffers left with the last chunk's
+    figures): read 0.66 σ off, "fast", before (a probe). A layer with a forward of its own is now
+    watched again at every input shape it was not seen to normalise whole, and such a call is measured
+    in float64 from what it normalised."""
+    g = torch.Generator().manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), Ghost(4))
+    batches = [torch.randn(n, 3, 5, 5, generator=g) * (1 + k) + 2 * k for k, n in enumerate((8, 32, 32, 24, 8))]
+    truth = compute_truth(model, batches)
+    stats = precisebn.estimate(model, batches, num_samples="all", capture=capture)
+    assert stats["1"].count == truth["1"].count == 104 * 25
+    mean_error, var_error = _errors(stats, truth)
+    assert mean_error < 1e-6 and var_error < 1e-6, (mean_error, var_error)
+
+
+def test_a_forward_of_its_own_is_watched_once_per_input_shape(monkeypatch) -> None:
+    """The cost side: a layer with a forward of its own that normalises its input whole is watched in
+    the verifying batch and at the first call of each new input shape, not at every call, and read
+    through its figures (no float64 reduction), exact."""
+    import precisebn.capture as capture
+
+    watched, reductions = [], []
+    watch, moments_of = capture.Watch, capture.moments_of
+    monkeypatch.setattr(capture, "Watch", lambda module, x: watched.append(x.shape) or watch(module, x))
+    monkeypatch.setattr(capture, "moments_of", lambda seen: reductions.append(seen[0].shape) or moments_of(seen))
+    g = torch.Generator().manual_seed(4)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), OwnForward(4))
+    sizes = (8, 8, 16, 8, 16, 4, 4)
+    batches = [torch.randn(n, 3, 5, 5, generator=g) + k for k, n in enumerate(sizes)]
+    truth = compute_truth(model, batches)["1"]
+    stats = precisebn.estimate(model, batches, num_samples="all")["1"]
+    assert [s[0] for s in watched] == [8, 16, 4] and reductions == []
+    assert stats.path == "fast" and stats.count == truth.count
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(stats.var, truth.var) < 1e-6

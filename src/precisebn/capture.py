@@ -84,6 +84,7 @@ logger = logging.getLogger("precisebn")
 __all__ = ["Collector", "times"]
 
 _COUNT_CACHE = 16  # distinct per-layer count combinations kept on the device
+_SHAPES = 256  # input shapes remembered per layer with a forward of its own (more: each call of a new one watched)
 
 FOLDS = 16
 """Batches are accumulated into this many interleaved folds (batch b into fold b mod FOLDS),
@@ -692,6 +693,7 @@ class _LayerCall:
         "nested",
         "own_forward",
         "pair",
+        "shapes",
         "var_view",
         "verified",
     )
@@ -712,6 +714,10 @@ class _LayerCall:
         # float64 (and on the CPU checked, raising this when its figures pass) — torch's CPU kernels for
         # channels_last and (N, C) inputs round more, and more with more values; other layouts round otherwise
         self.verified = [0, 0]
+        # a layer with a forward of its own (not torch's): the input shapes its calls were seen, watched, to
+        # normalise exactly that input once with batch figures — a call of another shape is watched again (its
+        # behaviour may depend on the shape: a "ghost" BatchNorm normalising per chunk of the batch)
+        self.shapes: set[torch.Size] = set()
 
     def watched(
         self, forward: Callable[..., Any], x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -801,6 +807,18 @@ class _LayerCall:
             if c.per_call:
                 c._count_call(i, j, n)
 
+    def _known_shape(self, seen: list[Tensor], figures: bool, x: Tensor) -> bool:
+        """After a watched call of a layer with a forward of its own, with an input shape not seen
+        before: whether it normalised exactly its input (a tensor of its size) once, with batch figures
+        — then later calls of that shape are read through their figures unwatched. Else the call is
+        measured in float64 from what it normalised (:meth:`measure_beyond`): its behaviour depends on the
+        shape (a "ghost" BatchNorm normalising each chunk of the batch apart leaves the last chunk's figures)."""
+        if not figures or fitting(seen, x, self.channels) is None:
+            return False
+        if len(self.shapes) < _SHAPES:
+            self.shapes.add(x.shape)
+        return True
+
     def count(self, x: Tensor, j: int) -> int:
         """Counts a call that returned: its values per channel are this batch's (in the sums at its end)."""
         c, i = self.c, self.i
@@ -854,11 +872,13 @@ class _LayerCall:
                 row = c._row
                 # beyond the size verified for its layout (see _verified_size): measured in float64
                 beyond = n > self.verified[x.dim() < 3 or x.stride(1) == 1]  # (_layout, inline: every call)
-                # too few values, a second call in this batch, per call, beyond
-                unusual = n == 1 or row[i] or c.per_call or beyond
+                # a forward of its own, called with an input shape not yet seen: watched (see _known_shape)
+                new_shape = not self.own_forward and x.shape not in self.shapes
+                # too few values, a second call in this batch, per call, beyond, new shape
+                unusual = n == 1 or row[i] or c.per_call or beyond or new_shape
                 stashed = self.stash(x, j) if unusual else None
                 try:
-                    if beyond:
+                    if beyond or new_shape:
                         out, seen, figures = self.watched(forward, x, args, kwargs)
                     else:
                         out = forward(*args, **kwargs)
@@ -872,6 +892,8 @@ class _LayerCall:
                     lent = False
                 if guard and c._changed():
                     raise c._modified_in_place(i, during=True)
+                if new_shape and not self._known_shape(seen, figures, x):
+                    beyond = True  # (not its input alone, once, with batch figures: what it normalised, in float64)
                 if beyond:
                     try:
                         self.measure_beyond(seen, figures, x, j)
@@ -953,6 +975,8 @@ class _LayerCall:
         if inside or self.nested:
             figures = False
         trial.slot = sum(1 for e in c._extras if e[0] == i)  # this call's figures: kept next, else in its buffers
+        if not self.own_forward and figures and fitting(seen, x, self.channels) is not None:
+            self.shapes.add(x.shape)  # (a layer whose trial fails goes to the float64 path: then unused)
         if figures and x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads: free
             c._check_on_cpu(i, trial, seen, x, n, self.pair)
         else:  # (no figures of this call in its buffers, whatever they hold: the float64 path)
