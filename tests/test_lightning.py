@@ -181,7 +181,7 @@ def test_before_validation_and_checkpoint_once_per_step(tmp_path: Path, float64_
     for path in files:
         checkpoint = torch.load(path, weights_only=False)
         assert_precise(float64_truth, checkpoint["state_dict"], x)
-        assert checkpoint["callbacks"]["PreciseBN"]["last_step"] == checkpoint["global_step"]
+        assert checkpoint["callbacks"][precise.state_key]["last_step"] == checkpoint["global_step"]
     with open(tmp_path / "log" / "version_0" / "metrics.csv") as f:
         row = next(r for r in csv.DictReader(f) if r.get("precisebn/seconds"))
     assert float(row["precisebn/samples"]) == 64
@@ -258,6 +258,43 @@ def test_resumes_from_a_checkpoint(tmp_path: Path, float64_truth: Any) -> None:
     last = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert last["global_step"] == 12
     assert_precise(float64_truth, last["state_dict"], x)
+
+
+def test_two_callbacks_in_one_trainer_keep_their_own_state(tmp_path: Path, float64_truth: Any) -> None:
+    """Two PreciseBN with different schedules in one Trainer: Lightning refused the Trainer ("more than one
+    stateful callback of type PreciseBN", one state key) before. Each now keeps its own state in the
+    checkpoint and gets it back on resume; a checkpoint of 0.1.0 (the state under the class name) still
+    resumes."""
+    x, y = make_data()
+
+    def pair() -> tuple[PreciseBN, PreciseBN]:
+        return PreciseBN(num_samples="all"), PreciseBN(
+            num_samples=32, on_validation=False, on_checkpoint=False, every_n_epochs=2
+        )
+
+    first, second = pair()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer = make_trainer(tmp_path, max_epochs=2, callbacks=[first, second, checkpoints], enable_checkpointing=True)
+    trainer.fit(TinyNet(), loader(x, y), loader(x[:16], y[:16]))
+    assert (first.computations, first.last_step) == (2, 8)
+    assert (second.computations, second.last_step) == (1, 8)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert first.state_key != second.state_key and {first.state_key, second.state_key} <= set(saved["callbacks"])
+    assert_precise(float64_truth, saved["state_dict"], x[:32])  # the second's, after the first's
+
+    resumed = pair()
+    trainer = make_trainer(tmp_path / "again", max_epochs=2, callbacks=list(resumed))
+    trainer.fit(TinyNet(), loader(x, y), loader(x[:16], y[:16]), ckpt_path=tmp_path / "last.ckpt")
+    assert [(c.computations, c.last_step) for c in resumed] == [(2, 8), (1, 8)]
+
+    old = torch.load(tmp_path / "last.ckpt", weights_only=False)  # as 0.1.0 saved it: one callback, its class name
+    old["callbacks"] = {"PreciseBN": old["callbacks"][first.state_key]}
+    torch.save(old, tmp_path / "old.ckpt")
+    alone = PreciseBN(num_samples="all")
+    make_trainer(tmp_path / "old", max_epochs=2, callbacks=[alone]).fit(
+        TinyNet(), loader(x, y), loader(x[:16], y[:16]), ckpt_path=tmp_path / "old.ckpt"
+    )
+    assert (alone.computations, alone.last_step) == (2, 8)
 
 
 def test_schedules_and_gradient_accumulation(tmp_path: Path, float64_truth: Any) -> None:

@@ -46,6 +46,7 @@ averaging starts: no weights are swapped and nothing is computed.
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from collections.abc import Iterable, Mapping
@@ -337,11 +338,51 @@ class PreciseBNMixin(_Recalibrator):
             self._refresh_own_state(checkpoint)
         super().on_save_checkpoint(trainer, pl_module, checkpoint)  # type: ignore[misc]
 
+    @property
+    def state_key(self) -> str:
+        """Where the Trainer's checkpoints keep this callback's state: the class name and the options
+        that say when it computes and what, so that two callbacks of one Trainer (e.g. one before
+        validation, one every epoch on other layers) each keep their own (Lightning refuses two
+        stateful callbacks with one key, at the Trainer's construction)."""
+        return self._generate_state_key(  # type: ignore[attr-defined, no-any-return]
+            on_validation=self.on_validation,
+            on_checkpoint=self.on_checkpoint,
+            every_n_train_steps=self.every_n_train_steps,
+            every_n_epochs=self.every_n_epochs,
+            num_samples=self.num_samples,
+            num_batches=self.num_batches,
+            mode=self.mode,
+            layers=_stable(self.layers),
+            capture=self.capture,
+            prior=self.prior,
+            adapt=self.adapt,
+            frozen=self.frozen,
+        )
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        # A checkpoint of precisebn 0.1.0, whose state key was the class name alone (Lightning then loads
+        # the state by state_key, right after this hook, where there is one).
+        states = checkpoint.get("callbacks")
+        if isinstance(states, dict) and self.state_key not in states:
+            state = states.get(type(self).__qualname__)
+            if isinstance(state, dict) and state:
+                self.load_state_dict(copy.deepcopy(state))
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)  # type: ignore[misc]
+
     def state_dict(self) -> dict[str, Any]:
         return self._scheduler_state()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._load_scheduler_state(state_dict)
+
+
+def _stable(layers: LayerSelection) -> Any:
+    """``layers=`` as the same text in every run (a function by its qualified name, not its address)."""
+    if layers is None or isinstance(layers, str):
+        return layers
+    if isinstance(layers, (list, tuple)) and all(isinstance(x, str) for x in layers):
+        return tuple(layers)
+    return getattr(layers, "__qualname__", type(layers).__qualname__)
 
 
 class AveragingMixin(_Recalibrator):
