@@ -137,6 +137,8 @@ def test_batch_size_with_per_sample_metadata_first() -> None:
     assert batch_size((names, torch.eye(3), x)) == 8
     assert batch_size((list(range(8)), x)) == 8  # ids first
     assert batch_size(("task", {"x": x})) == 8
+    assert batch_size((["cat", "dog"], x)) == 8  # names not one per sample (was 2): no tensor has as many
+    assert batch_size((["cat", "dog"], torch.eye(3), x)) == 3  # (the first tensor then counts)
 
 
 def test_a_prior_is_weighted_by_the_samples_of_batches_with_file_names_first() -> None:

@@ -47,8 +47,9 @@ def batch_size(batch: Any) -> int | None:
     (``(images, targets)``, torchvision's detection batches) and else a tuple of batched inputs
     (``((x, extra), y)``), a mapping of inputs (``({"x": x}, y)``); a list of per-sample records (as
     detectron2 uses) counts its length; per-sample metadata first (a list or tuple of file names,
-    ids) counts its length, a plain value first (a task name) what follows it. A mapping counts its
-    first list of tensors beside as many records (per-sample, as mmengine's ``pseudo_collate``
+    ids) counts its length, unless no tensor beside it has as many (class names beside a batch of
+    images: the first tensor beside it counts); a plain value first (a task name) counts what follows
+    it. A mapping counts its first list of tensors beside as many records (per-sample, as mmengine's ``pseudo_collate``
     gives), or its first tensor of one dimension or more. ``None`` when nothing tells. Some shapes
     cannot be told apart (a list of per-sample images alone, three boxes per image of three
     channels): pass ``num_batches=`` rather than ``num_samples=`` for those.
@@ -65,6 +66,8 @@ def batch_size(batch: Any) -> int | None:
         6
         >>> batch_size((["a.png", "b.png", "c.png"], torch.zeros(3, 1, 4, 4)))  # (path, image) samples
         3
+        >>> batch_size((["cat", "dog"], torch.zeros(5, 1, 4, 4)))  # names, not one per sample
+        5
     """
     if isinstance(batch, Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
@@ -76,6 +79,9 @@ def batch_size(batch: Any) -> int | None:
             return batch_size(first)
         if _metadata(first):
             if isinstance(first, (tuple, list)):  # (file names, images): what collating (path, image) samples gives
+                sizes = [int(v.shape[0]) for v in batch[1:] if isinstance(v, Tensor) and v.dim()]
+                if sizes and len(first) not in sizes:  # (class names, images): not one per sample, the tensor tells
+                    return sizes[0]
                 return len(first)  # one entry per sample
             rest = batch[1:]  # ("task", x): a plain value first, counted by what follows if that holds tensors
             if any(isinstance(v, (Tensor, tuple, list, Mapping)) and not _metadata(v) for v in rest):
