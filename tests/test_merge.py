@@ -143,6 +143,12 @@ def test_mismatches_are_refused() -> None:
         a.merge(b, a)
     with pytest.raises(InvalidArgumentError, match="inputs 1 and 2 are the same statistics object"):
         a.merge(b, b)
+    twice = lambda m, x: m[5](m[:5](x)) + m[5](m[:5](x) * 2)  # noqa: E731
+    pooled = precisebn.estimate(model, data[:2], forward=twice, capture="float64")
+    per_call = precisebn.estimate(model, data[2:], forward=twice, capture="float64", per_call=True)
+    assert {"5", "5.calls.0", "5.calls.1"} <= set(pooled) | set(per_call)  # (was merged into both, fitting no model)
+    with pytest.raises(StatsMismatchError, match=r"layer '1' is pooled over its calls in some"):
+        pooled.merge(per_call)
 
 
 def _sha(path) -> str:

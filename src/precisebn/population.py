@@ -148,7 +148,8 @@ class PopulationStats(Mapping[str, LayerStats]):
             InvalidArgumentError: An input is not a ``PopulationStats``, or one object is given
                 twice (its data would count twice).
             StatsMismatchError: A layer has different channel counts or layer types in
-                two inputs, or the inputs were measured in different modes.
+                two inputs, is pooled over its calls in one and per call in another, or the
+                inputs were measured in different modes.
 
         Example:
             >>> import torch, precisebn
@@ -185,6 +186,13 @@ class PopulationStats(Mapping[str, LayerStats]):
         for stats in inputs:
             for name, layer in stats.items():
                 layers.setdefault(name, []).append(layer)
+        both = sorted({n.rpartition(".calls.")[0] for n in layers if ".calls." in n} & set(layers))
+        if both:
+            raise StatsMismatchError(
+                f"PopulationStats.merge: layer {both[0]!r} is pooled over its calls in some inputs and kept per "
+                f"call ('{both[0]}.calls.<i>') in others; the result would hold both, and fit no model. Estimate "
+                "every part the same way (per_call=True for all, or for none)."
+            )
         merged = {name: _merge_layer(name, parts) for name, parts in layers.items()}
         versions = inputs[0].versions if all(s.versions == inputs[0].versions for s in inputs) else None
         return PopulationStats(
