@@ -44,8 +44,12 @@ call's float64 moments are kept under its index. The call index is a host intege
 so is the check that every batch calls the layer equally often.
 
 Later calls are read through their figures unchecked — except a call beyond the size its layer was
-verified for in its layout (:func:`_verified_size`), measured in float64 (and on the CPU checked at the
-end of its batch, see :meth:`_LayerCall.measure_beyond`); what keeps the verified batch valid for them: each
+verified for in the layout of what it normalises (:func:`_verified_size`), measured in float64 (and on the
+CPU checked at the end of its batch, see :meth:`_LayerCall.measure_beyond`), and a call of a layer with a
+forward of its own at an input shape not seen before, watched (:meth:`_LayerCall._known_shape`: measured in
+float64 unless it normalises one tensor of its input's size once with batch figures into its own buffers;
+the counter increments of calls measured in float64 are left out of :meth:`Collector.finish`'s check); what
+keeps the verified batch valid for them: each
 layer's scratch ``num_batches_tracked`` is set back to 0 after every batch, and put back in the
 layer if its forward replaced it (a forward that counts its calls sees the verified counts again); a
 fast-path call whose layer's momentum is no longer 1.0 is refused; a call that raises counts for
@@ -412,7 +416,11 @@ class Collector:
         spots = self._spots
         nbytes = t.numel() * t.element_size()
         if spots.at_once(nbytes):  # checked now: holding it until the others' checks costs fresh pages
-            trial.checked(spots.check_now(t, pair, eps, every), seen, x, channels, n)
+            verdict = spots.check_now(t, pair, eps, every)
+            if verdict is None:  # passed too narrowly to vouch for the channels not checked: all, in float64
+                trial.add(seen, x, channels, n)
+            else:
+                trial.checked(verdict, seen, x, channels, n)
             return
         if not spots.room(n, nbytes, channels, every):
             self._run_spot_checks()
@@ -715,9 +723,10 @@ class _LayerCall:
         # channels_last and (N, C) inputs round more, and more with more values; other layouts round otherwise
         self.verified = [0, 0]
         # a layer with a forward of its own (not torch's): the input shapes its calls were seen, watched, to
-        # normalise exactly that input once with batch figures — a call of another shape is watched again (its
-        # behaviour may depend on the shape: a "ghost" BatchNorm normalising per chunk of the batch)
-        self.shapes: set[torch.Size] = set()
+        # normalise a tensor of the input's size once with batch figures in its buffers, and that tensor's layout
+        # (which `verified` is read by) — a call of another shape is watched again (its behaviour may depend on the
+        # shape: a "ghost" BatchNorm normalising per chunk of the batch, a copy in another memory layout)
+        self.shapes: dict[torch.Size, int] = {}
 
     def watched(
         self, forward: Callable[..., Any], x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -753,7 +762,7 @@ class _LayerCall:
         inside the layer's own call (``inside``): the enclosing call kept them already, and the
         scratch holds nothing of a call's since. Returns where they are kept, for :meth:`unstash`."""
         c, i = self.c, self.i
-        if x.numel() // self.channels == 1:
+        if self.own_forward and x.numel() // self.channels == 1:  # (a forward of its own may handle it)
             raise c._too_few(i, x)
         if not c._row[i] or inside:
             return None
@@ -790,8 +799,9 @@ class _LayerCall:
         moments = moments_of(seen)  # (what can fail comes first: a call that raises leaves nothing counted)
         on_cpu = x.device.type == "cpu" and self.pair.device.type == "cpu"
         check = None
-        if on_cpu and figures and moments is not None and fitting(seen, x, self.channels) is not None:
-            check = (self, x.numel() // self.channels, _layout(x), self.pair.clone(), moments)
+        t = fitting(seen, x, self.channels) if on_cpu and figures and moments is not None else None
+        if t is not None and t.numel() // self.channels > 1:
+            check = (self, t.numel() // self.channels, _layout(t), self.pair.clone(), moments)
         n = sum(v.numel() // self.channels for v in seen)
         if moments is not None:  # (nothing normalised with its buffers: nothing counted, as on the float64 path)
             c._keep((i, j if c.per_call else 0), moments, n)
@@ -807,17 +817,21 @@ class _LayerCall:
             if c.per_call:
                 c._count_call(i, j, n)
 
-    def _known_shape(self, seen: list[Tensor], figures: bool, x: Tensor) -> bool:
+    def _known_shape(self, seen: list[Tensor], figures: bool, x: Tensor) -> int | None:
         """After a watched call of a layer with a forward of its own, with an input shape not seen
-        before: whether it normalised exactly its input (a tensor of its size) once, with batch figures
-        — then later calls of that shape are read through their figures unwatched. Else the call is
-        measured in float64 from what it normalised (:meth:`measure_beyond`): its behaviour depends on the
-        shape (a "ghost" BatchNorm normalising each chunk of the batch apart leaves the last chunk's figures)."""
-        if not figures or fitting(seen, x, self.channels) is None:
-            return False
+        before: the layout (:func:`_layout`) of what it normalised if that is one tensor of the input's
+        size, normalised once with its running buffers and batch figures — later calls of that shape are
+        then read through their figures unwatched (up to the size verified for that layout). Else
+        ``None``: the call is measured in float64 from what it normalised (:meth:`measure_beyond`), its
+        behaviour depending on the shape (a "ghost" BatchNorm normalising each chunk of the batch apart
+        leaves the last chunk's figures)."""
+        t = fitting(seen, x, self.channels) if figures and x.numel() // self.channels > 1 else None
+        if t is None:
+            return None
+        layout = _layout(t)
         if len(self.shapes) < _SHAPES:
-            self.shapes.add(x.shape)
-        return True
+            self.shapes[x.shape] = layout
+        return layout
 
     def count(self, x: Tensor, j: int) -> int:
         """Counts a call that returned: its values per channel are this batch's (in the sums at its end)."""
@@ -870,13 +884,19 @@ class _LayerCall:
                         raise c._momentum_changed(i)
                 n = x.numel() // self.channels
                 row = c._row
+                if self.own_forward:  # what it normalises is its input: its layout (_layout, inline: every call)
+                    layout: int | None = x.dim() < 3 or x.stride(1) == 1
+                    new_shape = False
+                else:  # a forward of its own, called with an input shape not yet seen: watched (see _known_shape)
+                    layout = self.shapes.get(x.shape)
+                    new_shape = layout is None
                 # beyond the size verified for its layout (see _verified_size): measured in float64
-                beyond = n > self.verified[x.dim() < 3 or x.stride(1) == 1]  # (_layout, inline: every call)
-                # a forward of its own, called with an input shape not yet seen: watched (see _known_shape)
-                new_shape = not self.own_forward and x.shape not in self.shapes
+                beyond = layout is not None and n > self.verified[layout]
                 # too few values, a second call in this batch, per call, beyond, new shape
                 unusual = n == 1 or row[i] or c.per_call or beyond or new_shape
                 stashed = self.stash(x, j) if unusual else None
+                counter = c._counters[i]
+                before = counter._version if counter is not None else 0
                 try:
                     if beyond or new_shape:
                         out, seen, figures = self.watched(forward, x, args, kwargs)
@@ -892,14 +912,18 @@ class _LayerCall:
                     lent = False
                 if guard and c._changed():
                     raise c._modified_in_place(i, during=True)
-                if new_shape and not self._known_shape(seen, figures, x):
-                    beyond = True  # (not its input alone, once, with batch figures: what it normalised, in float64)
+                if new_shape:
+                    layout = self._known_shape(seen, figures, x)
+                    # not its input alone, once, with batch figures: what it normalised, in float64; else as usual
+                    beyond = layout is None or n > self.verified[layout]
                 if beyond:
                     try:
                         self.measure_beyond(seen, figures, x, j)
                     except BaseException:  # (e.g. no memory for the float64 copy): the call counts for nothing
                         self.unstash(stashed)
                         raise
+                    if counter is not None:  # figures not read: whatever its forward did to the counter is its own
+                        c._lost[i] += counter._version - before - 1
                 elif unusual:
                     self.count(x, j)
                 else:  # count() for the usual call, inline: this runs for every layer in every batch
@@ -968,15 +992,17 @@ class _LayerCall:
             raise
         trial = c._trials.get(i) or c._trials.setdefault(i, Trial(c.counts[i]))
         n = self.count(x, j)
-        layout = _layout(x)  # (a call that fails moves the layer to the float64 path: then unused)
-        self.verified[layout] = max(self.verified[layout], _verified_size(n, layout, x.device))
         if c._guard and c._changed():  # its forward changed its buffers in place after normalising: not its figures
             figures = False
-        if inside or self.nested:
+        if inside or self.nested or n == 1:  # (one value per channel: a forward of its own that handles it)
             figures = False
         trial.slot = sum(1 for e in c._extras if e[0] == i)  # this call's figures: kept next, else in its buffers
-        if not self.own_forward and figures and fitting(seen, x, self.channels) is not None:
-            self.shapes.add(x.shape)  # (a layer whose trial fails goes to the float64 path: then unused)
+        # the layout of what it normalised, if it fits the fast path (else the layer goes to the float64 path)
+        t = fitting(seen, x, self.channels)
+        layout = _layout(x if t is None else t)
+        self.verified[layout] = max(self.verified[layout], _verified_size(n, layout, x.device))
+        if not self.own_forward and figures and t is not None and len(self.shapes) < _SHAPES:
+            self.shapes[x.shape] = layout
         if figures and x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads: free
             c._check_on_cpu(i, trial, seen, x, n, self.pair)
         else:  # (no figures of this call in its buffers, whatever they hold: the float64 path)

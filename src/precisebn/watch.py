@@ -8,7 +8,8 @@ buffers at all.
 
 :class:`Watch` is active only around one layer's forward: it records the ``input`` of
 every ``F.batch_norm``/``F.instance_norm`` call (or of the ops they call, ``torch.batch_norm``,
-``torch.native_batch_norm``, ``torch.instance_norm``, which some layers call directly) that is
+``torch.native_batch_norm``, ``torch.instance_norm``, and their ``torch.ops.aten`` forms, which some
+layers and traced code call directly) that is
 given that layer's own ``running_mean`` (through an alias of that buffer, a tensor subclass), and of torch's
 cross-process gathering of batch figures
 (``SyncBatchNorm`` across processes: its running buffers get the figures of all
@@ -41,18 +42,35 @@ Above the rounding of torch's own kernels in the default memory layout (float32:
 whose float32 figures carry about 2e-5 — is measured in float64 instead."""
 
 _NORMS = (F.batch_norm, F.instance_norm)  # both (input, running_mean, running_var, ...)
+
+
 # Every normalization call watched — those, and the ops they call, which some layers call directly (input, weight,
 # bias, running_mean, running_var, training or use_input_stats, momentum, ...): (running_mean's position, the
 # batch flag's keyword and default); the batch flag is argument 5 and the momentum 6 in all of them.
+def _aten(name: str) -> list[Any]:
+    """The op ``torch.ops.aten.<name>`` as layers may call it: the packet and its default overload."""
+    packet = getattr(torch.ops.aten, name, None)
+    return [] if packet is None else [packet, getattr(packet, "default", None)]
+
+
 _CALLS = {
     f: spec
-    for f, spec in (
-        (F.batch_norm, (1, "training", False)),
-        (F.instance_norm, (1, "use_input_stats", True)),
-        (getattr(torch, "batch_norm", None), (3, "training", False)),
-        (getattr(torch, "native_batch_norm", None), (3, "training", False)),
-        (getattr(torch, "instance_norm", None), (3, "use_input_stats", True)),
+    for fs, spec in (
+        ([F.batch_norm], (1, "training", False)),
+        ([F.instance_norm], (1, "use_input_stats", True)),
+        ([getattr(torch, "batch_norm", None), *_aten("batch_norm")], (3, "training", False)),
+        (
+            [
+                getattr(torch, "native_batch_norm", None),
+                getattr(torch, "_native_batch_norm_legit", None),
+                *_aten("native_batch_norm"),
+                *_aten("_native_batch_norm_legit"),
+            ],
+            (3, "training", False),
+        ),
+        ([getattr(torch, "instance_norm", None), *_aten("instance_norm")], (3, "use_input_stats", True)),
     )
+    for f in fs
     if f is not None
 }
 # torch.nn.modules._functions.SyncBatchNorm (world size > 1) does not call F.batch_norm: it
@@ -107,15 +125,16 @@ class Watch:
         seen: The ``input`` of every normalization call given the module's running mean.
         frozen: Whether one of those calls did not overwrite the running buffers with its
             batch figures: it normalised with them (``training=False``,
-            ``use_input_stats=False``), or passed a momentum other than 1.0 of its own (the
-            layer's momentum is 1.0 during the passes). What they hold is then never that
-            call's own figures.
+            ``use_input_stats=False``), passed a momentum other than 1.0 of its own (the
+            layer's momentum is 1.0 during the passes), or a ``running_var`` other than the
+            layer's. What they hold is then never that call's own figures.
     """
 
     def __init__(self, module: nn.Module, x: Any = None) -> None:
         self._plain_input = x is None or type(x) is Tensor
         self._buffers = module._buffers
         self.running_mean = self._buffers.get("running_mean")
+        self.running_var = self._buffers.get("running_var")  # (batch figures land in it only if given it)
         self.seen: list[Tensor] = []
         self.frozen = False
         self._versions: list[int | None] = []  # of each tensor in seen, when it was normalised
@@ -157,20 +176,22 @@ class Watch:
             self.frozen |= not figures
 
 
-def _norm_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, bool] | None:
-    """``(input, running_mean, whether it overwrites the buffers with its batch figures)`` of a
-    normalization call (or of torch's gathering of batch figures across processes), else ``None``."""
+def _norm_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any, bool] | None:
+    """``(input, running_mean, running_var, whether it overwrites those buffers with its batch
+    figures)`` of a normalization call (or of torch's gathering of batch figures across processes),
+    else ``None``."""
     spec = _CALLS.get(func)
     if spec is None and func not in _GATHERS:
         return None
     x = args[0] if args else kwargs.get("input")
-    at = 3 if spec is None else spec[0]  # running_mean's position
+    at = 3 if spec is None else spec[0]  # running_mean's position (running_var's is next)
     running_mean = args[at] if len(args) > at else kwargs.get("running_mean")
+    running_var = args[at + 1] if len(args) > at + 1 else kwargs.get("running_var")
     if spec is None:  # torch's gathering: the layer's running buffers get the batch figures
-        return x, running_mean, True
+        return x, running_mean, running_var, True
     batch = args[5] if len(args) > 5 else kwargs.get(spec[1], spec[2])
     momentum = args[6] if len(args) > 6 else kwargs.get("momentum", 0.1)
-    return x, running_mean, bool(batch) and momentum == 1.0
+    return x, running_mean, running_var, bool(batch) and momentum == 1.0
 
 
 _no_subclass = torch._C.DisableTorchFunctionSubclass
@@ -186,7 +207,8 @@ class _Tap(Tensor):
         kwargs = kwargs or {}
         call = _norm_call(func, args, kwargs)
         if call is not None and type(call[1]) is cls and getattr(call[1], "_watch", None) is not None:
-            call[1]._watch.record(call[0], call[2])
+            watch = call[1]._watch
+            watch.record(call[0], call[3] and call[2] is watch.running_var)
         with _no_subclass():
             return func(*args, **kwargs)
 
@@ -202,7 +224,7 @@ class _WatchMode(TorchFunctionMode):
         kwargs = kwargs or {}
         call = _norm_call(func, args, kwargs)
         if call is not None and call[1] is not None and call[1] is self.watch.running_mean:
-            self.watch.record(call[0], call[2])
+            self.watch.record(call[0], call[3] and call[2] is self.watch.running_var)
         return func(*args, **kwargs)
 
 
