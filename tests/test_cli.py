@@ -480,6 +480,22 @@ def exits():
 def batches(n=3):
     g = torch.Generator().manual_seed(3)
     return [torch.randn(5, 3, 12, 12, generator=g) * 2 + 1 for _ in range(n)]
+
+
+class WithExtraState(nn.Module):
+    # a module that keeps a Python value in its state_dict (torch's get_extra_state/set_extra_state)
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.scale = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), 1.0
+
+    def forward(self, x):
+        return self.bn(self.conv(x)) * self.scale
+
+    def get_extra_state(self):
+        return {"scale": self.scale}
+
+    def set_extra_state(self, state):
+        self.scale = state["scale"]
 '''
 
 
@@ -627,6 +643,28 @@ def test_refusals_through_the_installed_script(tiny, work):
         assert phrase in done.stderr, case
         assert _sha(work["ckpt"]) == work["sha"], case
     assert not (work["dir"] / "newdir").exists() and _stray(work["dir"]) == []
+
+
+def test_a_state_dict_with_a_modules_extra_state_is_recalibrated_and_kept(tiny, work, capsys):
+    """A ``model.state_dict()`` holding a module's extra state (a dict, not a tensor) was refused as "a dict
+    without a state_dict" (a probe); now recalibrated, the extra state carried over, and ``diff`` reads it."""
+    import cli_tiny
+
+    model = cli_tiny.WithExtraState()
+    model.scale = 2.5
+    source, out = work["dir"] / "extra.pt", work["dir"] / "extra_out.pt"
+    torch.save(model.state_dict(), source)
+    args = ["recalibrate", str(source), "--model", "cli_tiny:WithExtraState", "--data", "cli_tiny:batches",
+            "--out", str(out), "--num-samples", "all", "--no-progress", "--device", "cpu"]  # fmt: skip
+    assert main(args) == 0
+    written = torch.load(out, weights_only=True)
+    assert written["_extra_state"] == {"scale": 2.5}
+    truth = compute_truth(model, cli_tiny.batches())["bn"]
+    assert max_rel_error(written["bn.running_mean"], truth.mean, truth.var.sqrt()) < 1e-5
+    assert max_rel_error(written["bn.running_var"], truth.var) < 1e-5
+    capsys.readouterr()
+    assert main(["diff", str(source), str(out)]) == 0
+    assert "other tensors: 5 identical, 0 differ" in capsys.readouterr().out
 
 
 def test_every_alias_of_a_shared_layer_is_written(tiny, work, capsys):

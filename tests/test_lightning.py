@@ -295,6 +295,33 @@ def test_two_callbacks_in_one_trainer_keep_their_own_state(tmp_path: Path, float
         TinyNet(), loader(x, y), loader(x[:16], y[:16]), ckpt_path=tmp_path / "old.ckpt"
     )
     assert (alone.computations, alone.last_step) == (2, 8)
+    both = pair()  # (0.1.0 could hold only one: which it was is unknown, so neither takes it)
+    make_trainer(tmp_path / "old2", max_epochs=2, callbacks=list(both)).fit(
+        TinyNet(), loader(x, y), loader(x[:16], y[:16]), ckpt_path=tmp_path / "old.ckpt"
+    )
+    assert [(c.computations, c.last_step) for c in both] == [(0, None), (0, None)]
+
+
+def test_callbacks_differing_in_functions_types_or_data_have_their_own_state_keys(tmp_path: Path) -> None:
+    """The state key tells apart layers= predicates (each lambda by where it is defined), collections of
+    types, and data= loaders of other lengths (a probe: all "<lambda>", "list"... before, and Lightning
+    refused the Trainer); the same options give the same key (a resumed run finds its state)."""
+    x, y = make_data()
+
+    def make(**options: Any) -> list[PreciseBN]:
+        return [PreciseBN(num_samples="all", every_n_epochs=1, **o) for o in options.values()]
+
+    pairs = [
+        make(a={"layers": lambda n, m: n == "net.1"}, b={"layers": lambda n, m: n != "net.1"}),
+        make(a={"layers": [torch.nn.BatchNorm1d]}, b={"layers": [torch.nn.SyncBatchNorm]}),
+        make(a={"data": loader(x, y)}, b={"data": loader(x[:32], y[:32])}),
+        make(a={"forward": lambda m, b: m(b[0])}, b={"forward": lambda m, b: m(b[0] * 1)}),
+    ]
+    for pair in pairs:
+        assert pair[0].state_key != pair[1].state_key
+        make_trainer(tmp_path, callbacks=pair)  # (Lightning refuses two stateful callbacks with one key)
+    same = [PreciseBN(data=loader(x, y), layers=[torch.nn.BatchNorm1d]) for _ in range(2)]
+    assert same[0].state_key == same[1].state_key
 
 
 def test_schedules_and_gradient_accumulation(tmp_path: Path, float64_truth: Any) -> None:

@@ -45,6 +45,7 @@ __all__ = [
 
 Format = Literal["torch", "safetensors"]
 _CONTAINER_KEYS = ("state_dict", "model")
+_EXTRA = "_extra_state"  # torch's suffix for a module's get_extra_state() in its state_dict
 
 
 class CheckpointError(InvalidArgumentError):
@@ -199,10 +200,12 @@ def _load_safetensors(path: Path) -> Checkpoint:
 
 
 def _is_state_dict(obj: Any) -> bool:
+    """Names → tensors (and, under names ending in ``_extra_state``, whatever a module's
+    ``get_extra_state`` returns: carried over as it is)."""
     return (
         isinstance(obj, Mapping)
-        and bool(obj)
-        and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items())
+        and any(isinstance(v, Tensor) for v in obj.values())
+        and all(isinstance(k, str) and (isinstance(v, Tensor) or k.endswith(_EXTRA)) for k, v in obj.items())
     )
 
 
@@ -432,6 +435,8 @@ def load_into(model: nn.Module, ckpt: Checkpoint) -> str:
         f"{k}: checkpoint {tuple(stripped[k].shape)}, model {tuple(v.shape)}"
         for k, v in expected.items()
         if k in stripped
+        and isinstance(v, Tensor)  # (not a module's extra state)
+        and isinstance(stripped[k], Tensor)
         and not isinstance(v, nn.parameter.UninitializedTensorMixin)  # (lazy: the load gives it its shape)
         and tuple(stripped[k].shape) != tuple(v.shape)
     ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -193,10 +194,9 @@ def diff_stats(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> StatsDiff:
         rows.append(LayerReport(name, "", x.channels, 0, 0, x.mean, x.var, y.mean, y.var, DEFAULT_EPS, True, ""))
     stat_keys = {buffer_key(n, s) for n in {*ea, *eb} for s in ("running_mean", "running_var")}
     others = [k for k in a if k in b and k not in stat_keys and not k.endswith("num_batches_tracked")]
-    same = sum(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and _same_bits(a[k], b[k]) for k in others)
-    dtypes = [
-        f"{k}: {a[k].dtype} vs {b[k].dtype}".replace("torch.", "") for k in a if k in b and a[k].dtype != b[k].dtype
-    ]
+    same = sum(_same_entry(a[k], b[k]) for k in others)
+    tensors = [k for k in a if k in b and isinstance(a[k], Tensor) and isinstance(b[k], Tensor)]
+    dtypes = [f"{k}: {a[k].dtype} vs {b[k].dtype}".replace("torch.", "") for k in tensors if a[k].dtype != b[k].dtype]
     return StatsDiff(
         Report(rows, 0, 0, 0.0, "diff"),
         [n for n in ea if n not in eb],
@@ -255,6 +255,18 @@ def format_diff(diff: StatsDiff, name_a: str = "A", name_b: str = "B") -> str:
         f"{diff.other_same} identical, {diff.other_differ} differ"
     )
     return "\n".join(lines)
+
+
+def _same_entry(a: Any, b: Any) -> bool:
+    """Whether two state_dict entries are the same: tensors bit for bit, a module's extra state by ``==``."""
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and _same_bits(a, b)
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # (an extra state whose == is not a truth value)
+        return False
 
 
 def _same_bits(a: Tensor, b: Tensor) -> bool:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
@@ -354,16 +355,20 @@ class PreciseBNMixin(_Recalibrator):
             mode=self.mode,
             layers=_stable(self.layers),
             capture=self.capture,
+            tolerance=self.tolerance,
             prior=self.prior,
             adapt=self.adapt,
             frozen=self.frozen,
+            data=_stable(self.data),
+            forward=_stable(self.forward),
         )
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         # A checkpoint of precisebn 0.1.0, whose state key was the class name alone (Lightning then loads
         # the state by state_key, right after this hook, where there is one).
         states = checkpoint.get("callbacks")
-        if isinstance(states, dict) and self.state_key not in states:
+        alone = sum(isinstance(c, type(self)) for c in trainer.callbacks) == 1  # (0.1.0 allowed only one)
+        if alone and isinstance(states, dict) and self.state_key not in states:
             state = states.get(type(self).__qualname__)
             if isinstance(state, dict) and state:
                 self.load_state_dict(copy.deepcopy(state))
@@ -376,13 +381,31 @@ class PreciseBNMixin(_Recalibrator):
         self._load_scheduler_state(state_dict)
 
 
-def _stable(layers: LayerSelection) -> Any:
-    """``layers=`` as the same text in every run (a function by its qualified name, not its address)."""
-    if layers is None or isinstance(layers, str):
-        return layers
-    if isinstance(layers, (list, tuple)) and all(isinstance(x, str) for x in layers):
-        return tuple(layers)
-    return getattr(layers, "__qualname__", type(layers).__qualname__)
+def _stable(option: Any) -> Any:
+    """An option (``layers=``, ``data=``, ``forward=``) as the same text in every run of a script, and as
+    different texts for different options where it can tell: a function by where it is defined (lambdas
+    included), a class by its qualified name, a collection by its items, data by its type and length."""
+    if option is None or isinstance(option, (str, int, float, bool)):
+        return option
+    if isinstance(option, type):
+        return f"{option.__module__}.{option.__qualname__}"
+    if isinstance(option, (list, tuple, set, frozenset)):
+        items = [_stable(x) for x in option]
+        return tuple(sorted(items, key=repr) if isinstance(option, (set, frozenset)) else items)
+    code = getattr(option, "__code__", None)
+    if code is not None:  # a function or lambda: its module, name, line and a digest of its code (two on one line)
+        consts = [c for c in code.co_consts if not hasattr(c, "co_code")]  # (a nested code object's repr has its id)
+        body = code.co_code + repr((consts, code.co_names)).encode()
+        where = f"{getattr(option, '__module__', '')}.{getattr(option, '__qualname__', '')}:{code.co_firstlineno}"
+        return f"{where}:{hashlib.sha256(body).hexdigest()[:8]}"
+    description = f"{type(option).__module__}.{type(option).__qualname__}"
+    dataset = getattr(option, "dataset", None)  # a DataLoader: its dataset's type and length
+    for what in (dataset, option) if dataset is not None else (option,):
+        try:
+            description += f"[{type(what).__qualname__} of {len(what)}]"
+        except TypeError:  # (no length)
+            pass
+    return description
 
 
 class AveragingMixin(_Recalibrator):
