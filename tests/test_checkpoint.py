@@ -53,6 +53,23 @@ def test_torch_roundtrip_replaces_only_named_tensors(layout, tmp_path):
         assert torch.equal(written[key], sd[key])
 
 
+def test_a_legacy_torch_file_is_written_back_in_its_format(tmp_path):
+    """A checkpoint saved before zip archives (``_use_new_zipfile_serialization=False``) came back as a zip
+    archive (a probe), against "the input's format"; now in its own."""
+    import zipfile
+
+    sd = _sd()
+    torch.save(sd, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    torch.save(sd, tmp_path / "zip.pt")
+    for name, archive in (("legacy.pt", False), ("zip.pt", True)):
+        ckpt = load_checkpoint(tmp_path / name)
+        save_checkpoint(ckpt, {"1.running_var": torch.arange(4.0)}, tmp_path / f"out-{name}")
+        assert zipfile.is_zipfile(tmp_path / f"out-{name}") == archive
+        written = torch.load(tmp_path / f"out-{name}", weights_only=True)
+        assert torch.equal(written["1.running_var"], torch.arange(4.0))
+        assert all(torch.equal(written[k], v) for k, v in sd.items() if k != "1.running_var")
+
+
 def test_safetensors_roundtrip_keeps_metadata(tmp_path):
     st = pytest.importorskip("safetensors.torch")
     sd = _sd()
@@ -283,7 +300,7 @@ def test_a_failed_torch_save_is_an_os_error_naming_the_file(tmp_path, monkeypatc
     torch.save({"bn.running_mean": torch.zeros(2)}, path)
     ckpt = checkpoint.load_checkpoint(path)
 
-    def full(obj, f):
+    def full(obj, f, **options):
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1133248 vs 1133144")
 
     monkeypatch.setattr(checkpoint.torch, "save", full)

@@ -397,7 +397,8 @@ def test_trust_checkpoint_loads_pickled_objects_with_a_warning(files, tmp_path, 
 @pytest.mark.parametrize(
     "args",
     [["frobnicate"], ["recalibrate", "x.pt"], ["recalibrate", "x.pt", "--model", "m:f", "--data", "d"],
-     ["demo", "--epochs", "0"], ["inspect"]],
+     ["demo", "--epochs", "0"], ["inspect"], ["diff", "a.pt", "b.pt", "--plot", "plots/"],
+     ["inspect", "a.pt", "--collapse-ratio", "nan"], ["inspect", "a.pt", "--collapse-ratio", "-1"]],
 )  # fmt: skip
 def test_usage_errors_exit_2(args, capsys):
     assert main(args) == 2
@@ -1025,7 +1026,7 @@ def test_an_output_encoding_without_the_reports_letters_still_writes(tiny, work,
 def test_wildcards_matching_no_layer_are_named_and_a_folder_is_no_statistics_file(tiny, work, capsys):
     assert main(_tiny_args(tiny, work["ckpt"], "out.pt", "--layers", "zz*")) == 1
     err = capsys.readouterr().err
-    assert "--layers 'zz*'" in err and "lambda" not in err
+    assert "(model Tiny, --layers 'zz*')" in err and "lambda" not in err
     assert main(["apply", str(work["ckpt"]), ".", "--out", "x.pt"]) == 1
     assert "is a folder" in capsys.readouterr().err
 

@@ -202,7 +202,8 @@ def test_stale_temporaries_of_killed_runs_are_removed(tmp_path) -> None:
     backup = tmp_path / f".out.pt.precisebn-{dead.pid}-0123abcd.old.tmp"  # a killed commit's copy of the old file
     alive = tmp_path / f".out.pt.precisebn-{os.getppid()}-0123abcd.tmp"  # a running process: kept
     other = tmp_path / ".other.pt.precisebn-1-0123abcd.tmp"
-    for p in (stale, backup, alive, other):
+    impossible = tmp_path / ".out.pt.precisebn-99999999999999999999-ab.tmp"  # no process has it (OverflowError before)
+    for p in (stale, backup, alive, other, impossible):
         p.write_text("left by a SIGKILL")
     with atomic_path(tmp_path / "out.pt") as tmp:
         tmp.write_text("new")

@@ -41,6 +41,15 @@ def test_report_plot_saves_a_png(report, tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["report.png"]  # no temporary file left
 
 
+@pytest.mark.parametrize(
+    ("name", "magic"), [("r.pdf", b"%PDF"), ("r.svg", b"<?xml"), ("r", b"\x89PNG"), ("r.xyz", b"\x89PNG")]
+)
+def test_the_figure_is_saved_in_the_format_its_extension_names(report, tmp_path, name, magic):
+    """A .pdf or .svg name got a PNG (a probe); an unknown or missing extension still gets one."""
+    report.plot(tmp_path / name)
+    assert (tmp_path / name).read_bytes().startswith(magic)
+
+
 def test_plot_report_on_given_axes(report):
     from matplotlib.figure import Figure
 

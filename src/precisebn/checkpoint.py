@@ -15,6 +15,7 @@ import errno
 import os
 import re
 import warnings
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,8 @@ class Checkpoint:
             ``"state_dict_ema"``): left as they are.
         versions: The state_dict's ``_metadata`` (module versions, which
             ``load_state_dict`` reads), kept on save.
+        legacy: A torch file in the format before zip archives (``torch.save(...,
+            _use_new_zipfile_serialization=False)``): written back in it.
     """
 
     path: Path
@@ -81,6 +84,7 @@ class Checkpoint:
     metadata: dict[str, str] = field(default_factory=dict)
     others: list[str] = field(default_factory=list)
     versions: Any = None
+    legacy: bool = False
 
 
 def checkpoint_format(path: str | os.PathLike[str]) -> Format:
@@ -126,7 +130,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, trust: bool = False, key: s
     sd, container, key = _find_state_dict(obj, path, key)
     others = [k for k, v in (container or {}).items() if k != key and isinstance(k, str) and _is_state_dict(v)]
     versions = getattr(obj if container is None else container[key], "_metadata", None)  # type: ignore[index]
-    return Checkpoint(path, "torch", sd, container, key, others=others, versions=versions)
+    legacy = not zipfile.is_zipfile(path)
+    return Checkpoint(path, "torch", sd, container, key, others=others, versions=versions, legacy=legacy)
 
 
 def _first_sentence(text: str, limit: int = 300) -> str:
@@ -278,7 +283,7 @@ def write_checkpoint(ckpt: Checkpoint, replace: Mapping[str, Tensor], path: str 
     else:
         obj: Any = sd if ckpt.container is None else {**ckpt.container, ckpt.key: sd}
         try:
-            torch.save(obj, path)
+            torch.save(obj, path, _use_new_zipfile_serialization=not ckpt.legacy)  # (the input's format)
         except RuntimeError as exc:  # torch's zip writer reports a failed write as "enforce fail ... unexpected pos"
             why = f"torch.save failed ({_first_sentence(str(exc)).strip()}): a full disk, or a file size limit"
             raise OSError(errno.EIO, why, str(path)) from exc

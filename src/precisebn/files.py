@@ -95,7 +95,7 @@ def _sigterm_as_exception() -> Iterator[None]:
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):  # (no such process; no process can have that number)
         return False
     except OSError:  # e.g. another user's process
         return True
@@ -105,8 +105,8 @@ def _pid_alive(pid: int) -> bool:
 def _remove_stale_temporaries(target: Path) -> None:
     """Removes ``.NAME.precisebn-PID-*.tmp`` (and ``*.old.tmp`` backups) left by a killed run whose process is gone."""
     pattern = re.compile(re.escape(f".{target.name}{_MARK}") + r"(\d+)-[0-9a-f]+(?:\.old)?\.tmp")  # (and backups)
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(target.parent):
+    with contextlib.suppress(OSError), os.scandir(target.parent) as entries:
+        for entry in entries:
             found = pattern.fullmatch(entry.name)
             if found and int(found.group(1)) != os.getpid() and not _pid_alive(int(found.group(1))):
                 with contextlib.suppress(OSError):

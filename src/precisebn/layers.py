@@ -255,9 +255,11 @@ def find_norm_layers(
         "trace it again."
     )
     if require and not found:
+        chosen = repr(layers)  # (the command line's selection shows itself as its option: "--layers ...")
         raise LayerNotFoundError(
             "no normalization layer with running statistics was selected "
-            f"(model {type(model).__name__}, layers={layers!r}); precisebn recalibrates "
+            f"(model {type(model).__name__}, {chosen if chosen.startswith('--') else f'layers={chosen}'}); "
+            "precisebn recalibrates "
             "BatchNorm*/SyncBatchNorm/InstanceNorm* layers with track_running_stats=True."
             + (f" The {script}" if scripted else "")
         )

@@ -31,8 +31,12 @@ def _new_figure(purpose: str, size: tuple[float, float], interactive: bool) -> A
 
 
 def _save(fig: Any, path: str | os.PathLike[str]) -> None:
+    """Saves in the format the file's extension names (``.pdf``, ``.svg``...) if matplotlib writes it,
+    else as a PNG (an unknown or missing extension), atomically."""
+    suffix = os.path.splitext(os.fspath(path))[1][1:].lower()
+    kind = suffix if suffix in fig.canvas.get_supported_filetypes() else "png"
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
+        fig.savefig(tmp, format=kind, dpi=110)
 
 
 def plot_report(report: Report, path_or_ax: Any = None, *, title: str | None = None) -> Any:
@@ -40,7 +44,8 @@ def plot_report(report: Report, path_or_ax: Any = None, *, title: str | None = N
 
     Args:
         report: A :class:`~precisebn.Report` (``old`` = before, ``new`` = after).
-        path_or_ax: A path to save a PNG to (written atomically), a matplotlib
+        path_or_ax: A path to save the figure to (written atomically; in the format its
+            extension names, e.g. ``.pdf`` or ``.svg``, else PNG), a matplotlib
             ``Axes`` to draw on (the variance ratio then goes on a twin axis), or
             ``None`` for a new pyplot figure.
         title: The figure's title; default says how many layers and samples.

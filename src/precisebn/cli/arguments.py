@@ -52,6 +52,10 @@ def _non_negative_float(text: str) -> float:
     return float(_number(text, float, lambda v: 0 <= v < float("inf"), "a number >= 0 (e.g. 16)"))
 
 
+def _positive_float(text: str) -> float:
+    return float(_number(text, float, lambda v: 0 < v < float("inf"), "a number > 0 (e.g. 1e-4)"))
+
+
 def _num_samples(text: str) -> int | str:
     return text if text in ("all", "auto") else _positive_int(text)
 
@@ -310,7 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ins.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help=".pt/.pth or .safetensors file")
     ins.add_argument(
-        "--collapse-ratio", type=float, default=1e-4, metavar="R", help="'collapsed': var < ratio × layer median"
+        "--collapse-ratio",
+        type=_positive_float,
+        default=1e-4,
+        metavar="R",
+        help="'collapsed': var < ratio × layer median",
     )
     ins.add_argument(
         "--strict", action="store_true", help=f"exit with {commands.EXIT_FLAGGED} when any layer is flagged"
@@ -331,7 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     diff.add_argument("a", type=Path, metavar="A")
     diff.add_argument("b", type=Path, metavar="B")
-    diff.add_argument("--plot", type=Path, metavar="PATH", help="save a PNG of the per-layer shifts")
+    diff.add_argument(
+        "--plot", type=_file_path, metavar="PATH", help="save a figure of the per-layer shifts (PNG, or .pdf, .svg...)"
+    )
     diff.add_argument("--trust-checkpoint", action="store_true", help="allow full unpickling (trusted files only)")
     diff.add_argument("--key", metavar="K", help=KEY_HELP + " (in both files)")
     diff.set_defaults(func=commands.run_diff, check=commands.check_diff, parser=diff)
