@@ -914,6 +914,8 @@ def test_apply_patches_a_checkpoint_from_a_statistics_file(tiny, work, capsys):
     assert "shape mismatch" in capsys.readouterr().err and not Path("p2.pt").exists()
     assert main(["apply", str(wrapped), "s.safetensors", "--out", "s.safetensors"]) == 2
     assert "is the input STATS" in capsys.readouterr().err and _sha(wrapped) == sha
+    assert main(["apply", "s.safetensors", str(wrapped), "--out", "p3.safetensors"]) == 1  # swapped
+    assert "(swapped?)" in capsys.readouterr().err and not Path("p3.safetensors").exists()
 
 
 def test_capture_float64_is_passed_and_reported(tiny, work, capsys):

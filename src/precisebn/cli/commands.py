@@ -374,12 +374,18 @@ def check_apply(args: argparse.Namespace) -> Any:
 
 
 def run_apply(args: argparse.Namespace) -> int:
-    from ..checkpoint import load_checkpoint, stats_replacement
+    from ..checkpoint import CheckpointError, load_checkpoint, stats_replacement
     from ..population import PopulationStats
 
     if args.trust_checkpoint:
         print("precisebn: warning: --trust-checkpoint unpickles the file; that can run any code.", file=sys.stderr)
     ckpt = load_checkpoint(args.checkpoint, trust=args.trust_checkpoint, key=args.key)
+    if ckpt.metadata.get("format", "").startswith("precisebn."):
+        raise CheckpointError(
+            f"CHECKPOINT {str(args.checkpoint)!r} is a precisebn statistics file (PopulationStats.save), not a "
+            f"checkpoint: the arguments go checkpoint first, then statistics — precisebn apply {args.stats} "
+            f"{args.checkpoint} --out OUT (swapped?)."
+        )
     _say_others(ckpt)
     if not args.stats.is_file():
         raise InvalidArgumentError(_not_a_file(args.stats))
