@@ -303,17 +303,18 @@ class Collector:
         assert pair is not None  # (every layer is in a group)
         return pair
 
-    def _failed(self, i: int, j: int) -> None:
+    def _failed(self, i: int, j: int, before: int) -> None:
         """Takes back the call of layer ``i`` (index ``j`` in the batch) that raised: nothing of it was
         counted (and its scratch is as before it, see :meth:`_LayerCall.unstash`), so that if the model
         goes on (catching the error), the layer is as before the call — but for what the call did to its
-        counter, taken off the check in :meth:`finish`."""
+        counter (from version ``before``), taken off the check in :meth:`finish` (only that: a shortfall of
+        earlier calls still shows there)."""
         if self._in_batch[i] == j + 1:
             self._in_batch[i] = j
         self._seen = self._version()  # (unstash wrote the scratch)
         counter = self._counters[i]
         if counter is not None:
-            self._lost[i] = counter._version - self.calls[i] - self._resets
+            self._lost[i] += counter._version - before
 
     def _count_call(self, i: int, j: int, n: int) -> None:
         counts = self.call_counts[i]
@@ -722,11 +723,12 @@ class _LayerCall:
         # float64 (and on the CPU checked, raising this when its figures pass) — torch's CPU kernels for
         # channels_last and (N, C) inputs round more, and more with more values; other layouts round otherwise
         self.verified = [0, 0]
-        # a layer with a forward of its own (not torch's): the input shapes its calls were seen, watched, to
-        # normalise a tensor of the input's size once with batch figures in its buffers, and that tensor's layout
-        # (which `verified` is read by) — a call of another shape is watched again (its behaviour may depend on the
-        # shape: a "ghost" BatchNorm normalising per chunk of the batch, a copy in another memory layout)
-        self.shapes: dict[torch.Size, int] = {}
+        # a layer with a forward of its own (not torch's), by its input's layout (see _layout): the input shapes
+        # its calls were seen, watched, to normalise a tensor of the input's size once with batch figures in its
+        # buffers, and that tensor's layout (which `verified` is read by) — a call of another shape or layout is
+        # watched again (its behaviour may depend on them: a "ghost" BatchNorm normalising per chunk of the batch,
+        # a copy in another memory layout)
+        self.shapes: tuple[dict[torch.Size, int], dict[torch.Size, int]] = ({}, {})
 
     def watched(
         self, forward: Callable[..., Any], x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -817,20 +819,22 @@ class _LayerCall:
             if c.per_call:
                 c._count_call(i, j, n)
 
-    def _known_shape(self, seen: list[Tensor], figures: bool, x: Tensor) -> int | None:
+    def _known_shape(self, seen: list[Tensor], figures: bool, x: Tensor, counted: bool) -> int | None:
         """After a watched call of a layer with a forward of its own, with an input shape not seen
         before: the layout (:func:`_layout`) of what it normalised if that is one tensor of the input's
         size, normalised once with its running buffers and batch figures — later calls of that shape are
         then read through their figures unwatched (up to the size verified for that layout). Else
         ``None``: the call is measured in float64 from what it normalised (:meth:`measure_beyond`), its
         behaviour depending on the shape (a "ghost" BatchNorm normalising each chunk of the batch apart
-        leaves the last chunk's figures)."""
+        leaves the last chunk's figures). The shape is remembered only if the call also moved the layer's
+        counter once (``counted``): the check of calls read unwatched relies on it."""
         t = fitting(seen, x, self.channels) if figures and x.numel() // self.channels > 1 else None
         if t is None:
             return None
         layout = _layout(t)
-        if len(self.shapes) < _SHAPES:
-            self.shapes[x.shape] = layout
+        shapes = self.shapes[_layout(x)]
+        if counted and len(shapes) < _SHAPES:
+            shapes[x.shape] = layout
         return layout
 
     def count(self, x: Tensor, j: int) -> int:
@@ -859,6 +863,8 @@ class _LayerCall:
         if inside:
             self.nested = True  # (read by the enclosing call in the verifying batch; it cleared it)
         pushed = False  # (a Ctrl-C before the push must not pop another call's entry)
+        counter = c._counters[i]
+        before = counter._version if counter is not None else 0  # (what a call that raises did to it: not counted)
         try:
             if guard:  # (inline: this runs for every layer in every batch)
                 stack = c._stack
@@ -884,19 +890,16 @@ class _LayerCall:
                         raise c._momentum_changed(i)
                 n = x.numel() // self.channels
                 row = c._row
-                if self.own_forward:  # what it normalises is its input: its layout (_layout, inline: every call)
-                    layout: int | None = x.dim() < 3 or x.stride(1) == 1
-                    new_shape = False
-                else:  # a forward of its own, called with an input shape not yet seen: watched (see _known_shape)
-                    layout = self.shapes.get(x.shape)
+                layout: int | None = x.dim() < 3 or x.stride(1) == 1 or x.dtype in _REDUCED  # (_layout, inline)
+                new_shape = False
+                if not self.own_forward:  # a forward of its own, called with a new input shape: watched (_known_shape)
+                    layout = self.shapes[layout].get(x.shape)  # (what it normalises: its layout)
                     new_shape = layout is None
                 # beyond the size verified for its layout (see _verified_size): measured in float64
                 beyond = layout is not None and n > self.verified[layout]
                 # too few values, a second call in this batch, per call, beyond, new shape
                 unusual = n == 1 or row[i] or c.per_call or beyond or new_shape
                 stashed = self.stash(x, j) if unusual else None
-                counter = c._counters[i]
-                before = counter._version if counter is not None else 0
                 try:
                     if beyond or new_shape:
                         out, seen, figures = self.watched(forward, x, args, kwargs)
@@ -912,18 +915,23 @@ class _LayerCall:
                     lent = False
                 if guard and c._changed():
                     raise c._modified_in_place(i, during=True)
+                moved = counter._version - before if counter is not None else 1
                 if new_shape:
-                    layout = self._known_shape(seen, figures, x)
+                    layout = self._known_shape(seen, figures, x, moved == 1)
                     # not its input alone, once, with batch figures: what it normalised, in float64; else as usual
                     beyond = layout is None or n > self.verified[layout]
+                    if counter is not None:  # (watched: its figures' fate is known, its counts are its own business)
+                        c._lost[i] += moved - 1
                 if beyond:
                     try:
                         self.measure_beyond(seen, figures, x, j)
                     except BaseException:  # (e.g. no memory for the float64 copy): the call counts for nothing
+                        if counter is not None and new_shape:
+                            c._lost[i] -= moved - 1  # (_failed takes off all it did)
                         self.unstash(stashed)
                         raise
-                    if counter is not None:  # figures not read: whatever its forward did to the counter is its own
-                        c._lost[i] += counter._version - before - 1
+                    if counter is not None and not new_shape:  # (figures not read: its counts are its own business)
+                        c._lost[i] += moved - 1
                 elif unusual:
                     self.count(x, j)
                 else:  # count() for the usual call, inline: this runs for every layer in every batch
@@ -951,7 +959,7 @@ class _LayerCall:
                 if guard:
                     c._changed()  # (its buffers are not read: whatever its forward did to them is its own)
         except BaseException as exc:
-            c._failed(i, j)
+            c._failed(i, j, before)
             if isinstance(exc, UnsupportedLayerError):
                 c._refused = exc
             raise
@@ -1001,8 +1009,10 @@ class _LayerCall:
         t = fitting(seen, x, self.channels)
         layout = _layout(x if t is None else t)
         self.verified[layout] = max(self.verified[layout], _verified_size(n, layout, x.device))
-        if not self.own_forward and figures and t is not None and len(self.shapes) < _SHAPES:
-            self.shapes[x.shape] = layout
+        shapes = self.shapes[_layout(x)]
+        once = counter is not None and counter._version == before + 1
+        if not self.own_forward and figures and t is not None and once and len(shapes) < _SHAPES:
+            shapes[x.shape] = layout
         if figures and x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads: free
             c._check_on_cpu(i, trial, seen, x, n, self.pair)
         else:  # (no figures of this call in its buffers, whatever they hold: the float64 path)
@@ -1020,11 +1030,15 @@ def _verified_size(n: int, layout: int, device: torch.device) -> int:
     return n if layout and device.type == "cpu" else sys.maxsize
 
 
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
 def _layout(x: Tensor) -> int:
-    """1 if ``x``'s channels (dimension 1) are adjacent in memory — channels_last, ``(N, C)`` — else 0:
-    torch's CPU kernels reduce such inputs differently (in float32, rounding more with more values)
-    from the default layout (in float64)."""
-    return 1 if x.dim() < 3 or x.stride(1) == 1 else 0
+    """1 if torch's CPU kernels reduce ``x`` in float32, rounding more with more values — its channels
+    (dimension 1) adjacent in memory (channels_last, ``(N, C)``), or a half-precision input (autocast, or a
+    half-precision module before a float32 layer) — else 0 (the default layout of float32 and float64
+    inputs, reduced in float64)."""
+    return 1 if x.dim() < 3 or x.stride(1) == 1 or x.dtype in _REDUCED else 0
 
 
 _BUMPS: dict[str, bool] = {}

@@ -21,7 +21,7 @@ float64 reduction of what it normalised.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,34 +44,54 @@ whose float32 figures carry about 2e-5 — is measured in float64 instead."""
 _NORMS = (F.batch_norm, F.instance_norm)  # both (input, running_mean, running_var, ...)
 
 
-# Every normalization call watched — those, and the ops they call, which some layers call directly (input, weight,
-# bias, running_mean, running_var, training or use_input_stats, momentum, ...): (running_mean's position, the
-# batch flag's keyword and default); the batch flag is argument 5 and the momentum 6 in all of them.
-def _aten(name: str) -> list[Any]:
-    """The op ``torch.ops.aten.<name>`` as layers may call it: the packet and its default overload."""
-    packet = getattr(torch.ops.aten, name, None)
-    return [] if packet is None else [packet, getattr(packet, "default", None)]
+class _Spec(NamedTuple):
+    """Where a normalization op takes what the watch reads (``input`` is always argument 0)."""
+
+    running_mean: int  # its position (running_var's is next)
+    batch: int | bool  # the batch flag's position (training / use_input_stats), or the op's constant
+    batch_keyword: str
+    batch_default: bool
+    momentum: int  # its position
+    writes: bool = True  # False: an op that returns the new running statistics instead of writing them
 
 
-_CALLS = {
+def _ops(*names: str) -> list[Any]:
+    """``torch.<name>`` and ``torch.ops.aten.<name>`` (its packet and overloads) for each name, as layers and
+    traced code may call them."""
+    out: list[Any] = []
+    for name in names:
+        out.append(getattr(torch, name, None))
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            out += [packet, *(getattr(packet, o, None) for o in packet.overloads() if not o.startswith("no_stats"))]
+    return [f for f in out if f is not None]
+
+
+# Every normalization call watched: F.batch_norm/F.instance_norm, and the ops under them, which some layers and
+# traced code call directly.
+_CALLS: dict[Any, _Spec] = {
     f: spec
     for fs, spec in (
-        ([F.batch_norm], (1, "training", False)),
-        ([F.instance_norm], (1, "use_input_stats", True)),
-        ([getattr(torch, "batch_norm", None), *_aten("batch_norm")], (3, "training", False)),
+        ([F.batch_norm], _Spec(1, 5, "training", False, 6)),
+        ([F.instance_norm], _Spec(1, 5, "use_input_stats", True, 6)),
         (
-            [
-                getattr(torch, "native_batch_norm", None),
-                getattr(torch, "_native_batch_norm_legit", None),
-                *_aten("native_batch_norm"),
-                *_aten("_native_batch_norm_legit"),
-            ],
-            (3, "training", False),
+            _ops(
+                "batch_norm",
+                "native_batch_norm",
+                "_native_batch_norm_legit",
+                "_batch_norm_impl_index",
+                "cudnn_batch_norm",
+                "miopen_batch_norm",
+            ),
+            _Spec(3, 5, "training", False, 6),
         ),
-        ([getattr(torch, "instance_norm", None), *_aten("instance_norm")], (3, "use_input_stats", True)),
+        (_ops("instance_norm"), _Spec(3, 5, "use_input_stats", True, 6)),
+        (_ops("_batch_norm_with_update"), _Spec(3, True, "", True, 5)),
+        (_ops("_batch_norm_no_update"), _Spec(3, False, "", False, 5)),  # (with the running statistics)
+        (_ops("_batch_norm_with_update_functional"), _Spec(3, True, "", True, 5, writes=False)),
+        (_ops("_native_batch_norm_legit_functional"), _Spec(3, 5, "training", False, 6, writes=False)),
     )
     for f in fs
-    if f is not None
 }
 # torch.nn.modules._functions.SyncBatchNorm (world size > 1) does not call F.batch_norm: it
 # passes its input and running buffers to these (input first, running_mean fourth).
@@ -184,14 +204,17 @@ def _norm_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
     if spec is None and func not in _GATHERS:
         return None
     x = args[0] if args else kwargs.get("input")
-    at = 3 if spec is None else spec[0]  # running_mean's position (running_var's is next)
+    at = 3 if spec is None else spec.running_mean  # (running_var's position is next)
     running_mean = args[at] if len(args) > at else kwargs.get("running_mean")
     running_var = args[at + 1] if len(args) > at + 1 else kwargs.get("running_var")
     if spec is None:  # torch's gathering: the layer's running buffers get the batch figures
         return x, running_mean, running_var, True
-    batch = args[5] if len(args) > 5 else kwargs.get(spec[1], spec[2])
-    momentum = args[6] if len(args) > 6 else kwargs.get("momentum", 0.1)
-    return x, running_mean, running_var, bool(batch) and momentum == 1.0
+    batch = spec.batch
+    if batch is not True and batch is not False:
+        batch = args[batch] if len(args) > batch else kwargs.get(spec.batch_keyword, spec.batch_default)
+    at = spec.momentum
+    momentum = args[at] if len(args) > at else kwargs.get("momentum", kwargs.get("exponential_average_factor", 0.1))
+    return x, running_mean, running_var, spec.writes and bool(batch) and momentum == 1.0
 
 
 _no_subclass = torch._C.DisableTorchFunctionSubclass
