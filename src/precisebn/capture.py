@@ -897,11 +897,12 @@ class _LayerCall:
                     new_shape = layout is None
                 # beyond the size verified for its layout (see _verified_size): measured in float64
                 beyond = layout is not None and n > self.verified[layout]
+                watching = beyond or new_shape
                 # too few values, a second call in this batch, per call, beyond, new shape
-                unusual = n == 1 or row[i] or c.per_call or beyond or new_shape
+                unusual = n == 1 or row[i] or c.per_call or watching
                 stashed = self.stash(x, j) if unusual else None
                 try:
-                    if beyond or new_shape:
+                    if watching:
                         out, seen, figures = self.watched(forward, x, args, kwargs)
                     else:
                         out = forward(*args, **kwargs)
@@ -915,29 +916,25 @@ class _LayerCall:
                     lent = False
                 if guard and c._changed():
                     raise c._modified_in_place(i, during=True)
-                moved = counter._version - before if counter is not None else 1
                 if new_shape:
-                    layout = self._known_shape(seen, figures, x, moved == 1)
+                    once = counter is None or counter._version == before + 1
+                    layout = self._known_shape(seen, figures, x, once)
                     # not its input alone, once, with batch figures: what it normalised, in float64; else as usual
                     beyond = layout is None or n > self.verified[layout]
-                    if counter is not None:  # (watched: its figures' fate is known, its counts are its own business)
-                        c._lost[i] += moved - 1
                 if beyond:
                     try:
                         self.measure_beyond(seen, figures, x, j)
                     except BaseException:  # (e.g. no memory for the float64 copy): the call counts for nothing
-                        if counter is not None and new_shape:
-                            c._lost[i] -= moved - 1  # (_failed takes off all it did)
                         self.unstash(stashed)
                         raise
-                    if counter is not None and not new_shape:  # (figures not read: its counts are its own business)
-                        c._lost[i] += moved - 1
                 elif unusual:
                     self.count(x, j)
                 else:  # count() for the usual call, inline: this runs for every layer in every batch
                     row[i] = n
                     c.counts[i] += n
                     c.calls[i] += 1
+                if watching and counter is not None:  # (what it left is known: its counts are its own business)
+                    c._lost[i] += counter._version - before - 1
             elif path == "verify":
                 out = self.verify(forward, args, kwargs, j, inside > 0)
             else:
@@ -1010,7 +1007,7 @@ class _LayerCall:
         layout = _layout(x if t is None else t)
         self.verified[layout] = max(self.verified[layout], _verified_size(n, layout, x.device))
         shapes = self.shapes[_layout(x)]
-        once = counter is not None and counter._version == before + 1
+        once = counter is None or counter._version == before + 1
         if not self.own_forward and figures and t is not None and once and len(shapes) < _SHAPES:
             shapes[x.shape] = layout
         if figures and x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads: free
