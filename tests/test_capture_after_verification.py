@@ -1169,3 +1169,30 @@ def test_new_shapes_normalised_without_a_count_or_through_other_ops_are_exact(la
     assert stats.count == truth.count
     assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
     assert max_rel_error(stats.var, truth.var) < 1e-6
+
+
+class Either(nn.Module):
+    """Calls one of two layers, named by the batch."""
+
+    def __init__(self, layer: type, channels: int) -> None:
+        super().__init__()
+        self.a, self.b = layer(channels), layer(channels)
+
+    def forward(self, batch: tuple[str, torch.Tensor]) -> torch.Tensor:
+        which, x = batch
+        return getattr(self, which)(x)
+
+
+def test_a_float64_layer_first_called_after_the_first_batch_is_summed_around_its_own_mean() -> None:
+    """The sums are taken around each channel's first figures; a layer the first batch did not call got 0,
+    and its float64 variance lost (u·|mean|/σ)² to cancellation: 5e-7 at |mean|/σ = 1e5, against the 1e-10 of
+    float64 layers (a probe). Its own first figures are now its shift."""
+    torch.manual_seed(0)
+    xs = [torch.randn(64, 4, dtype=torch.float64) * 0.1 + 1e4 for _ in range(4)]
+    batches = [("a", xs[0])] + [("b", x) for x in xs[1:]]
+    model = Either(nn.BatchNorm1d, 4).double()
+    truth = compute_truth(model, batches, forward=lambda m, b: m(b))["b"]
+    stats = precisebn.estimate(model, batches, forward=lambda m, b: m(b), num_samples="all")["b"]
+    assert stats.path == "fast" and stats.count == truth.count
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-10
+    assert max_rel_error(stats.var, truth.var) < 1e-10

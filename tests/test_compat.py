@@ -13,6 +13,7 @@ from torch.optim import swa_utils
 
 from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
 from precisebn import compat
+from precisebn.errors import ShortDataWarning
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -191,6 +192,17 @@ def test_update_bn_failure_leaves_model_untouched() -> None:
 
     with pytest.raises(RuntimeError, match="broken loader"):
         compat.update_bn(loader(), model)
+    assert_unchanged(model, before)
+
+
+def test_update_bn_on_an_empty_loader_returns_as_torchs_does_and_keeps_the_model() -> None:
+    """torch's returns (its statistics reset to 0/1); the drop-in raised EmptyDataError, which can break an
+    SWA script that torch's does not (a probe). Now a warning, and the model as it was."""
+    model = net()
+    before = state_snapshot(model)
+    assert torch.optim.swa_utils.update_bn([], net()) is None
+    with pytest.warns(ShortDataWarning, match="yielded no batch"):
+        assert compat.update_bn([], model) is None
     assert_unchanged(model, before)
 
 

@@ -554,6 +554,16 @@ def test_a_layer_on_the_meta_device_is_refused_by_name() -> None:
     stats = precisebn.estimate(small_net(), images())
     with pytest.raises(StatsMismatchError, match=r"'5' is on the meta device"):
         precisebn.apply(model, stats)
+    # one tensor of the layer on the meta device: torch's own errors before ("Cannot copy out of meta tensor", a probe)
+    for where, key in (("_buffers", "running_var"), ("_parameters", "weight")):
+        model = small_net()
+        getattr(model[5], where)[key] = torch.empty(8, device="meta")
+        before = state_snapshot(nn.Sequential(*list(model)[:5]))
+        with pytest.raises(
+            UninitializedLayerError, match=rf"layer '5' \(BatchNorm2d\) is on the meta device \(its {key}\)"
+        ):
+            precisebn.estimate(model, images())
+        assert_unchanged(nn.Sequential(*list(model)[:5]), before)
 
 
 def test_data_parallel_wrapper_is_looked_through() -> None:
@@ -566,6 +576,10 @@ def test_data_parallel_wrapper_is_looked_through() -> None:
     precisebn.apply(nn.DataParallel(model), stats)
     for v, w in zip(model.state_dict().values(), plain.state_dict().values()):
         assert torch.equal(v, w)
+    # layers= by the wrapper's own names (refused as "not found in the model" before, a probe): the module's
+    assert set(precisebn.estimate(nn.DataParallel(model), batches, layers=["module.5", "9"])) == {"5", "9"}
+    with pytest.raises(LayerNotFoundError, match=r"'module\.12'"):  # (a name found under neither: named as given)
+        precisebn.estimate(nn.DataParallel(model), batches, layers=["module.12"])
 
 
 @pytest.mark.parametrize("capture", ["auto", "float64"])

@@ -8,7 +8,7 @@ Two paths, chosen per layer by verifying it, not by its class:
   layer leaves exactly the batch mean and unbiased variance in its running buffers,
   which :func:`~precisebn.layers.recalibration_state` has pointed at one flat scratch
   buffer per device/dtype. After each batch that whole buffer is added to two float64
-  sums around a fixed shift per channel (the first batch's mean):
+  sums around a fixed shift per channel (the mean of the first batch that calls the layer):
   ``s1 += n·(μ_b − K)`` and ``s2 += n·(μ_b − K)² + (n − 1)·σ²_b`` — five whole-buffer
   kernels, whatever the number of layers (see
   :meth:`~precisebn.stats.RunningMoments.from_shifted_sums` for the precision); at the
@@ -383,6 +383,13 @@ class Collector:
                 mean, var = mean.to(g.device), var.to(g.device)
             if g.shift is None:  # the first batch's figures; 0 for a layer it did not call (its scratch
                 g.shift = torch.where(count > 0, mean.to(torch.float64), 0.0)  # holds the model's statistics)
+                g.pending = {i for i in g.scratch.layer_ids if not row[i]}
+            elif g.pending and any(row[i] for i in g.pending):  # a layer's first batch: its figures (its sums are 0)
+                first = [i for i in g.pending if row[i]]
+                g.pending.difference_update(first)
+                host = torch.zeros(len(row), dtype=torch.float64)
+                host[first] = 1.0
+                g.shift = torch.where(g.per_channel(host) > 0, mean.to(torch.float64), g.shift)
             d = torch.sub(mean, g.shift, out=g.d)  # float64; garbage only where count is 0
             s1, s2 = g.s1[fold], g.s2[fold]
             if self._batch < FOLDS:  # this fold's first batch: its rows are written, not added to
@@ -1062,13 +1069,16 @@ def times(k: int) -> str:
 class _Group:
     """Accumulators of one scratch buffer: float64 sums around a per-channel shift."""
 
-    __slots__ = ("d", "device", "nd", "position_layer", "s1", "s2", "scratch", "shift")
+    __slots__ = ("d", "device", "nd", "pending", "position_layer", "s1", "s2", "scratch", "shift")
 
     def __init__(self, scratch: ScratchGroup, position_layer: Tensor, device: torch.device) -> None:
         self.scratch = scratch
         self.position_layer = position_layer  # host: the layer of each channel (or the padding index)
         self.device = device
         self.shift: Tensor | None = None
+        # layers not called yet when the shift was set: each gets its own first figures as its shift when it is
+        # first called (around 0, a float64 layer's variance lost (u·|mean|/σ)²: 5e-7 at |mean|/σ = 1e5, a probe)
+        self.pending: set[int] = set()
         size = scratch.buffer.shape[1]
         # per fold; fold k is written by the batch that first uses it (a short pass touches only a few)
         self.s1 = torch.empty(FOLDS, size, dtype=torch.float64, device=device)

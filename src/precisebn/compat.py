@@ -110,7 +110,8 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
     training flags are as before afterwards. Unlike it, the statistics are the exact
     pooled mean and variance (torch averages per-batch variances, dropping the
     variance of batch means), per-module training flags are restored exactly, and an
-    empty loader or a failing forward leaves the model unchanged.
+    empty loader (a :class:`~precisebn.errors.ShortDataWarning`, no error, as torch's returns)
+    or a failing forward leaves the model unchanged.
 
     Example:
         >>> import torch
@@ -130,19 +131,28 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
         return
     walk: list[tuple[str, nn.Module]] = []
     with contextlib.ExitStack() as guard:  # one hold on the model from the passes to the writes
-        stats = _measure(
-            guard,
-            walk,
-            model,
-            loader,
-            num_samples="all",
-            num_batches=None,
-            forward=forward,
-            layers=selected,
-            device=device,
-            progress=False,
-            _mode="all",  # model.train(), as torch's: InstanceNorm layers with running statistics too
-        )
+        try:
+            stats = _measure(
+                guard,
+                walk,
+                model,
+                loader,
+                num_samples="all",
+                num_batches=None,
+                forward=forward,
+                layers=selected,
+                device=device,
+                progress=False,
+                _mode="all",  # model.train(), as torch's: InstanceNorm layers with running statistics too
+            )
+        except EmptyDataError:  # torch's returns (its statistics reset to 0/1): a drop-in must not raise here
+            warnings.warn(
+                "update_bn: the loader yielded no batch; the model's statistics were kept (torch's update_bn "
+                "would have reset them to 0 and 1).",
+                ShortDataWarning,
+                stacklevel=2,
+            )
+            return
         plan_writes(unwrap(model), stats, modules=walk, shared_checked=True).commit()
 
 

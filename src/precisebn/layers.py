@@ -179,6 +179,9 @@ def layer_matcher(
         every = dict(root.named_modules(remove_duplicate=False))
         names = [canonical.get(id(every[n]), n) if n in every else n for n in names]
         unknown = [n for n in names if n not in known]
+    if unknown:  # a wrapper's own names (DDP/DataParallel "module.", torch.compile "_orig_mod."): the passes run inside
+        names = [_inside_wrappers(n, known) for n in names]
+        unknown = [n for n in names if n not in known]
     if unknown:
         hints = []
         for n in unknown:
@@ -196,6 +199,14 @@ def layer_matcher(
                 "statistics (track_running_stats=True); precisebn cannot recalibrate it."
             )
     return lambda name, module: name in wanted
+
+
+def _inside_wrappers(name: str, known: dict[str, nn.Module]) -> str:
+    """``name`` without the prefixes of the wrappers :func:`unwrap` looks through, if that names a module."""
+    inner = name
+    while inner not in known and inner.startswith(("module.", "_orig_mod.")):
+        inner = inner.split(".", 1)[1]
+    return inner if inner in known else name
 
 
 def find_norm_layers(
@@ -238,10 +249,21 @@ def find_norm_layers(
                 "initialised; run one forward pass first (e.g. model(example_batch)) so that "
                 "its number of channels is known, then recalibrate."
             )
-        running_mean = module._buffers.get("running_mean")  # (Module.__getattr__ is slow)
-        if isinstance(running_mean, Tensor) and running_mean.is_meta:
+        buffers, params = module._buffers, module._parameters  # (Module.__getattr__ is slow)
+        on_meta = [
+            key
+            for key, t in (
+                ("running_mean", buffers.get("running_mean")),
+                ("running_var", buffers.get("running_var")),
+                ("weight", params.get("weight")),
+                ("bias", params.get("bias")),
+            )
+            if isinstance(t, Tensor) and t.is_meta
+        ]
+        if on_meta:
+            what = "its buffers" if on_meta[0] == "running_mean" else f"its {' and '.join(on_meta)}"
             raise UninitializedLayerError(
-                f"layer {name!r} ({type(module).__name__}) is on the meta device: its buffers hold no values "
+                f"layer {name!r} ({type(module).__name__}) is on the meta device ({what}): it holds no values "
                 "to measure with or write to. Materialise the model first (e.g. model.to_empty(device='cpu'), "
                 "then load its weights), or exclude the layer with layers=. Nothing was changed."
             )
