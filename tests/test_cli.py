@@ -398,7 +398,8 @@ def test_trust_checkpoint_loads_pickled_objects_with_a_warning(files, tmp_path, 
     "args",
     [["frobnicate"], ["recalibrate", "x.pt"], ["recalibrate", "x.pt", "--model", "m:f", "--data", "d"],
      ["demo", "--epochs", "0"], ["inspect"], ["diff", "a.pt", "b.pt", "--plot", "plots/"],
-     ["inspect", "a.pt", "--collapse-ratio", "nan"], ["inspect", "a.pt", "--collapse-ratio", "-1"]],
+     ["inspect", "a.pt", "--collapse-ratio", "nan"], ["inspect", "a.pt", "--collapse-ratio", "-1"],
+     ["demo", "--seed", "200000000000000"], ["demo", "--seed", "-1"]],
 )  # fmt: skip
 def test_usage_errors_exit_2(args, capsys):
     assert main(args) == 2

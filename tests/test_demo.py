@@ -76,10 +76,19 @@ def test_demo_restores_global_state():
     assert torch.equal(torch.rand(3), expected)
 
 
-def test_no_plot_writes_json_only(tmp_path, capsys):
-    assert main(["demo", "--quick", "--epochs", "1", "--no-plot", "--out", str(tmp_path)]) == 0
+def test_no_plot_writes_json_only(tmp_path, capsys, monkeypatch):
+    import precisebn.demo as demo
+
+    seen = []
+    run = demo._run
+    monkeypatch.setattr(demo, "_run", lambda *a, **k: seen.append(torch.get_num_threads()) or run(*a, **k))
+    before = torch.get_num_threads()
+    args = ["--threads", "2", "demo", "--quick", "--epochs", "1", "--no-plot", "--out", str(tmp_path)]
+    assert main(args) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
-    assert "figure:" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "figure:" not in out and "CPU (2 threads)" in out
+    assert seen == [2] and torch.get_num_threads() == before  # (--threads was ignored by the demo: 1, a probe)
 
 
 def test_precise_copy_leaves_training_untouched(snapshot, unchanged):

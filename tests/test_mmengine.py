@@ -242,6 +242,34 @@ def test_training_is_untouched(tmp_path: Path) -> None:
         assert torch.equal(p, q)
 
 
+def test_iteration_based_training_with_an_infinite_sampler_is_untouched(tmp_path: Path, float64_truth: Any) -> None:
+    """mmengine's iteration-based loops read an InfiniteSampler, one generator for the sampler's life: the
+    first computation read from it and closed it, and training stopped with StopIteration at iteration 5 (a
+    probe). The hook now reads a twin of the loader (the first epoch's order), and training is as without it."""
+    from mmengine.dataset import InfiniteSampler
+
+    x, y = make_data()
+    records = [{"inputs": x[i], "data_samples": y[i]} for i in range(len(x))]
+
+    def train(hooks: list[Any], directory: Path) -> TinyNet:
+        torch.manual_seed(0)
+        model = TinyNet(dropout=0.5)
+        sampler = InfiniteSampler(records, shuffle=True, seed=0)
+        data = torch.utils.data.DataLoader(records, batch_size=16, sampler=sampler)
+        run(directory, model, data, hooks=hooks, train_cfg={"by_epoch": False, "max_iters": 10})
+        return model
+
+    hook = ExactPreciseBNHook(num_samples="all", interval=5)
+    with_hook = train([hook], tmp_path / "with")
+    without = train([], tmp_path / "without")
+    assert hook.computations == 2 and hook.last_step == 10  # after iterations 5 and 10
+    assert len(with_hook.losses) == 10
+    assert torch.equal(torch.stack(with_hook.losses), torch.stack(without.losses))
+    for p, q in zip(with_hook.parameters(), without.parameters()):
+        assert torch.equal(p, q)
+    assert_precise(float64_truth, with_hook.state_dict(), x)  # (every sample: one pass of the first epoch)
+
+
 def test_a_model_without_normalization_layers_trains_with_one_warning(tmp_path: Path) -> None:
     x, y = make_data()
 

@@ -39,6 +39,7 @@ from .layers import (
     refuse_shared_buffers,
     unwrap,
 )
+from .loaders import independent
 from .measure import AUTO_MAX_SAMPLES, AUTO_MIN_SAMPLES, Pass
 from .population import PopulationStats
 from .report import Report
@@ -348,7 +349,7 @@ def _estimate(
             target = None
         run = Pass(
             model,
-            data,
+            independent(data),  # (a twin of a loader whose iterators share state: training's reading stays whole)
             forward or default_forward,
             num_samples,
             num_batches,

@@ -36,6 +36,7 @@ from .data import Forward
 from .errors import InvalidArgumentError, PreciseBNError, PreciseBNWarning
 from .frozen import FrozenLayers, agreed_names, train_override
 from .layers import LayerSelection, find_norm_layers, unwrap
+from .loaders import independent
 from .recalibrate import check_options, recalibrate
 from .report import Report
 
@@ -530,8 +531,9 @@ def preserved_generators(generators: Iterable[torch.Generator]) -> Iterator[None
 
 def fresh_batches(data: Data) -> Iterable[Any]:
     """The iterable to use for one computation (see :class:`PreciseBNScheduler`'s ``data``):
-    a callable's result, the loader an Accelerate wrapper holds, or a twin of a loader
-    with persistent workers."""
+    a callable's result, the loader an Accelerate wrapper holds, or a twin of a loader whose
+    iterators share state (persistent workers, a sampler keeping a live iterator: see
+    :mod:`~precisebn.loaders`)."""
     if callable(data) and not isinstance(data, Iterable):
         data = data()
     # An Accelerate-prepared loader (DataLoaderShard/DataLoaderDispatcher, as the Hugging
@@ -541,33 +543,7 @@ def fresh_batches(data: Data) -> Iterable[Any]:
     base = getattr(data, "base_dataloader", None)
     if isinstance(base, torch.utils.data.DataLoader) and base is not data:
         data = base
-    loader_type = torch.utils.data.DataLoader
-    if isinstance(data, loader_type) and data.persistent_workers and data.num_workers > 0:
-        return _twin_loader(data)
-    return data
-
-
-def _twin_loader(loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
-    # DataLoader.__iter__ with persistent workers resets and returns the loader's one
-    # shared iterator, which would restart an epoch that is being iterated by training.
-    common: dict[str, Any] = {
-        "num_workers": loader.num_workers,
-        "collate_fn": loader.collate_fn,
-        "pin_memory": loader.pin_memory,
-        "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn,
-        "multiprocessing_context": loader.multiprocessing_context,
-        "prefetch_factor": loader.prefetch_factor,
-        "persistent_workers": False,
-        "generator": loader.generator,  # as the loader would seed its workers (put back afterwards)
-    }
-    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
-        return torch.utils.data.DataLoader(
-            loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **common
-        )
-    if loader.batch_sampler is None:  # batch_size=None: each item a batch, in the loader's own sampler's order
-        return torch.utils.data.DataLoader(loader.dataset, batch_size=None, sampler=loader.sampler, **common)
-    return torch.utils.data.DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **common)
+    return independent(data)
 
 
 @contextlib.contextmanager

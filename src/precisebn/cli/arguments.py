@@ -56,6 +56,10 @@ def _positive_float(text: str) -> float:
     return float(_number(text, float, lambda v: 0 < v < float("inf"), "a number > 0 (e.g. 1e-4)"))
 
 
+def _seed(text: str) -> int:
+    return int(_number(text, int, lambda v: 0 <= v < 2**32, "a seed from 0 to 2**32 - 1"))
+
+
 def _num_samples(text: str) -> int | str:
     return text if text in ("all", "auto") else _positive_int(text)
 
@@ -158,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         "precisebn demo --out precisebn-demo",
     )
     demo.add_argument("--epochs", type=_positive_int, default=12, help="training epochs (default 12)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the split, init and batch order (default 0)")
+    demo.add_argument("--seed", type=_seed, default=0, help="seed of the split, init and batch order (default 0)")
     demo.add_argument("--out", type=Path, default=Path("precisebn-demo"), help="output folder (./precisebn-demo/)")
     demo.add_argument("--no-plot", action="store_true", help="write no figure (results.json only)")
     demo.add_argument("--quick", action="store_true", help="small subset (320 training images), for tests")
@@ -228,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="both",
         help="which statistics to write: both (default), the mean only or the variance only",
     )
-    rec.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the images' random order (default 0)")
+    rec.add_argument("--seed", type=_seed, default=0, metavar="S", help="seed of the images' random order (default 0)")
     rec.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1, mps... (default: cuda if available)")
     rec.add_argument("--report", type=_file_path, metavar="PATH", help="save the report as JSON, with a PNG next to it")
     rec.add_argument("--trust-checkpoint", action="store_true", help="allow full unpickling (trusted files only)")

@@ -78,10 +78,11 @@ def run_demo(args: argparse.Namespace) -> int:
     from ..demo import run_demo as train_and_measure
 
     start = time.perf_counter()
-    config = DemoConfig(epochs=args.epochs, seed=args.seed, quick=args.quick)
+    config = DemoConfig(epochs=args.epochs, seed=args.seed, quick=args.quick, threads=getattr(args, "threads", 1))
     print(
         f"precisebn demo: a small BatchNorm CNN on scikit-learn's digits, {config.epochs} epochs, "
-        f"seed {config.seed}, CPU ({config.threads} thread){', quick subset' if config.quick else ''}",
+        f"seed {config.seed}, CPU ({config.threads} thread{'s' if config.threads > 1 else ''})"
+        f"{', quick subset' if config.quick else ''}",
         flush=True,
     )
     results = train_and_measure(config, log=lambda line: print(line, file=sys.stderr, flush=True))
