@@ -195,13 +195,35 @@ def _indexed_loader(kind: str, seed: int) -> torch.utils.data.DataLoader:
     if kind == "batch_sampler":
         batches = torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(dataset, generator=g), 8, False)
         return torch.utils.data.DataLoader(dataset, batch_sampler=batches)
+    if kind in ("numpy", "random"):  # a custom sampler shuffling with a generator of its own (not torch's)
+        return torch.utils.data.DataLoader(dataset, batch_size=8, sampler=_OwnShuffle(len(dataset), kind, seed))
     assert kind == "persistent_workers"  # measured through a twin loader
     return torch.utils.data.DataLoader(
         dataset, batch_size=8, shuffle=True, generator=g, num_workers=1, persistent_workers=True
     )
 
 
-@pytest.mark.parametrize("kind", ["loader", "sampler", "batch_sampler", "persistent_workers"])
+class _OwnShuffle(torch.utils.data.Sampler[int]):
+    """Shuffles every epoch with NumPy's Generator or Python's random.Random, held by the sampler."""
+
+    def __init__(self, size: int, kind: str, seed: int) -> None:
+        import random
+
+        import numpy as np
+
+        self.size = size
+        self.rng = np.random.default_rng(seed) if kind == "numpy" else random.Random(seed)
+
+    def __iter__(self):
+        order = list(range(self.size))
+        self.rng.shuffle(order)
+        return iter(order)
+
+    def __len__(self) -> int:
+        return self.size
+
+
+@pytest.mark.parametrize("kind", ["loader", "sampler", "batch_sampler", "persistent_workers", "numpy", "random"])
 def test_a_loaders_own_generator_keeps_the_training_order(kind: str) -> None:
     def train(with_scheduler: bool) -> list[list[int]]:
         model = make_model()

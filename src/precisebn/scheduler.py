@@ -21,6 +21,7 @@ shuffles with its own generator keeps the order of the epochs to come.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import operator
 import random
@@ -501,32 +502,52 @@ def preserved_epochs(*sources: Any) -> Iterator[None]:
             holder.epoch = epoch
 
 
-def data_generators(*sources: Any) -> list[torch.Generator]:
-    """The ``torch.Generator`` objects that iterating ``sources`` draws from, besides the
-    global ones: each DataLoader's ``generator`` (worker seeds and the default shuffling
-    sampler), its sampler's, its batch sampler's and the batch sampler's sampler's."""
-    found: dict[int, torch.Generator] = {}
-
-    def add(holder: Any) -> None:
-        generator = getattr(holder, "generator", None)
-        if isinstance(generator, torch.Generator):
-            found.setdefault(id(generator), generator)
-
+def data_generators(*sources: Any) -> list[Any]:
+    """The random number generators that iterating ``sources`` draws from, besides the
+    global ones: the ``torch.Generator``, NumPy ``Generator``/``RandomState`` and
+    ``random.Random`` objects held by each DataLoader (its ``generator``: worker seeds and the
+    default shuffling sampler), its sampler, its batch sampler and the batch sampler's sampler
+    (a custom sampler shuffling with ``np.random.default_rng(seed)`` of its own: its next epoch's
+    order would otherwise move on by a computation's pass)."""
+    found: dict[int, Any] = {}
     for source in sources:
         for holder in _data_holders(source):
-            add(holder)
+            for value in getattr(holder, "__dict__", {}).values():
+                if _generator_state(value) is not None:
+                    found.setdefault(id(value), value)
     return list(found.values())
 
 
+def _generator_state(generator: Any) -> Any:
+    """A random number generator's state (a copy), or ``None`` if it is not one."""
+    if isinstance(generator, torch.Generator):
+        return generator.get_state()
+    if isinstance(generator, random.Random) and not isinstance(generator, random.SystemRandom):  # (no state)
+        return generator.getstate()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(generator, numpy.random.Generator):
+        return copy.deepcopy(generator.bit_generator.state)
+    if numpy is not None and isinstance(generator, numpy.random.RandomState):
+        return generator.get_state()
+    return None
+
+
 @contextlib.contextmanager
-def preserved_generators(generators: Iterable[torch.Generator]) -> Iterator[None]:
-    """Puts each generator's state back on exit."""
-    states = [(generator, generator.get_state()) for generator in generators]
+def preserved_generators(generators: Iterable[Any]) -> Iterator[None]:
+    """Puts each generator's state back on exit (:func:`data_generators`' kinds)."""
+    states = [(generator, _generator_state(generator)) for generator in generators]
     try:
         yield
     finally:
         for generator, state in states:
-            generator.set_state(state)
+            if isinstance(generator, torch.Generator):
+                generator.set_state(state)
+            elif isinstance(generator, random.Random):
+                generator.setstate(state)
+            elif hasattr(generator, "bit_generator"):  # a NumPy Generator
+                generator.bit_generator.state = state
+            else:  # a NumPy RandomState
+                generator.set_state(state)
 
 
 def fresh_batches(data: Data) -> Iterable[Any]:
