@@ -13,8 +13,8 @@ second iterator would take samples out of training's order (or end it):
 
 :func:`independent` gives such a loader's twin, reading the same dataset with nothing shared: the same
 workers, collation and batch size, non-persistent workers, and for a live sampler one pass in the
-order of the first epoch such a sampler gives (a permutation from its ``seed`` when it shuffles, this
-rank's share by its ``rank``/``world_size``).
+order of the first epoch such a sampler gives (a permutation from its ``seed``, or 0, unless its
+``shuffle`` is false; this rank's share by its ``rank``/``world_size``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def independent(data: Any) -> Any:
         )
     one_pass = _OnePass(
         len(data.dataset),  # type: ignore[arg-type]
-        shuffle=bool(getattr(sampler, "shuffle", False)),
+        shuffle=bool(getattr(sampler, "shuffle", True)),  # (a subset in the dataset's order may be one class's)
         seed=int(getattr(sampler, "seed", 0) or 0),
         rank=int(getattr(sampler, "rank", 0) or 0),
         world_size=int(getattr(sampler, "world_size", 1) or 1),
