@@ -551,7 +551,8 @@ def _folder_batches(folder: Path, transform: Any, batch_size: int = 4) -> list[t
     order = torch.randperm(len(paths), generator=torch.Generator().manual_seed(0)).tolist()
     chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     if len(chunks) > 1 and len(chunks[-1]) == 1:
-        chunks[-2] += chunks.pop()
+        last = chunks.pop()  # (not `chunks[-2] += chunks.pop()`: that assigns to the new [-2])
+        chunks[-1] += last
     return [torch.stack([transform(Image.open(paths[i]).convert("RGB")) for i in c]) for c in chunks]
 
 

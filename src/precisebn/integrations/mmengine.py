@@ -51,6 +51,7 @@ from ..checkpoint import buffer_names
 from ..data import Forward
 from ..errors import InvalidArgumentError, PreciseBNWarning
 from ..layers import LayerSelection
+from ..loaders import independent
 from ..report import Report
 from ..scheduler import Data, MappedBatches, fresh_batches
 from ._trigger import Trigger, TriggerState, check_every, report_metrics
@@ -189,6 +190,7 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
         model = runner.model.module if _wrappers.is_model_wrapper(runner.model) else runner.model
         source = self._trigger.data if self._trigger.data is not None else runner.train_dataloader
         preprocess = getattr(model, "data_preprocessor", None)
+        independent(source)  # a loader that cannot be read beside training is refused now, not at the first computation
 
         def batches() -> Iterable[Any]:
             fresh = fresh_batches(source)
