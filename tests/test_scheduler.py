@@ -197,10 +197,30 @@ def _indexed_loader(kind: str, seed: int) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(dataset, batch_sampler=batches)
     if kind in ("numpy", "random"):  # a custom sampler shuffling with a generator of its own (not torch's)
         return torch.utils.data.DataLoader(dataset, batch_size=8, sampler=_OwnShuffle(len(dataset), kind, seed))
+    if kind == "dataset":  # a dataset drawing in __getitem__ from a generator of its own (an augmentation)
+        return torch.utils.data.DataLoader(_Jittered(dataset, seed), batch_size=8, shuffle=True, generator=g)
     assert kind == "persistent_workers"  # measured through a twin loader
     return torch.utils.data.DataLoader(
         dataset, batch_size=8, shuffle=True, generator=g, num_workers=1, persistent_workers=True
     )
+
+
+class _Jittered(torch.utils.data.Dataset):
+    """Adds noise from a NumPy Generator of its own to each sample; its index is the sample's plus the noise
+    rounded to 1e-3, so that the order check also sees the draws."""
+
+    def __init__(self, base: torch.utils.data.TensorDataset, seed: int) -> None:
+        import numpy as np
+
+        self.base, self.rng = base, np.random.default_rng(seed)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, index = self.base[i]
+        noise = float(self.rng.normal())
+        return x + noise, index + round(noise, 3)
 
 
 class _OwnShuffle(torch.utils.data.Sampler[int]):
@@ -223,7 +243,9 @@ class _OwnShuffle(torch.utils.data.Sampler[int]):
         return self.size
 
 
-@pytest.mark.parametrize("kind", ["loader", "sampler", "batch_sampler", "persistent_workers", "numpy", "random"])
+@pytest.mark.parametrize(
+    "kind", ["loader", "sampler", "batch_sampler", "persistent_workers", "numpy", "random", "dataset"]
+)
 def test_a_loaders_own_generator_keeps_the_training_order(kind: str) -> None:
     def train(with_scheduler: bool) -> list[list[int]]:
         model = make_model()

@@ -473,14 +473,15 @@ class MappedBatches(Iterable[Any]):
 
 
 def _data_holders(source: Any) -> list[Any]:
-    """A DataLoader's own objects that may hold random state: itself, its sampler, its
-    batch sampler and the batch sampler's sampler (through :class:`MappedBatches`)."""
+    """A DataLoader's own objects that may hold random state: itself, its dataset (augmentations
+    drawn in ``__getitem__`` without workers), its sampler, its batch sampler and the batch
+    sampler's sampler (through :class:`MappedBatches`)."""
     while isinstance(source, MappedBatches):
         source = source.source
     if not isinstance(source, torch.utils.data.DataLoader):
         return []
     batch_sampler = source.batch_sampler
-    return [source, source.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)]
+    return [source, source.dataset, source.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)]
 
 
 @contextlib.contextmanager
