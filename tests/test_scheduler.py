@@ -197,8 +197,9 @@ def _indexed_loader(kind: str, seed: int) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(dataset, batch_sampler=batches)
     if kind in ("numpy", "random"):  # a custom sampler shuffling with a generator of its own (not torch's)
         return torch.utils.data.DataLoader(dataset, batch_size=8, sampler=_OwnShuffle(len(dataset), kind, seed))
-    if kind == "dataset":  # a dataset drawing in __getitem__ from a generator of its own (an augmentation)
-        return torch.utils.data.DataLoader(_Jittered(dataset, seed), batch_size=8, shuffle=True, generator=g)
+    if kind == "dataset":  # a dataset drawing in __getitem__ from a generator of its own (an augmentation), wrapped
+        wrapped = torch.utils.data.Subset(_Jittered(dataset, seed), list(range(40)))
+        return torch.utils.data.DataLoader(wrapped, batch_size=8, shuffle=True, generator=g)
     assert kind == "persistent_workers"  # measured through a twin loader
     return torch.utils.data.DataLoader(
         dataset, batch_size=8, shuffle=True, generator=g, num_workers=1, persistent_workers=True

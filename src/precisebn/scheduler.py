@@ -481,7 +481,17 @@ def _data_holders(source: Any) -> list[Any]:
     if not isinstance(source, torch.utils.data.DataLoader):
         return []
     batch_sampler = source.batch_sampler
-    return [source, source.dataset, source.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)]
+    return [source, *_datasets(source.dataset), source.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)]
+
+
+def _datasets(dataset: Any, depth: int = 4) -> list[Any]:
+    """A dataset and those it wraps (``Subset.dataset``, ``ConcatDataset.datasets``...), a few levels down."""
+    out = [dataset]
+    if depth > 1:
+        inner = getattr(dataset, "dataset", None)
+        for child in [inner] if inner is not None else list(getattr(dataset, "datasets", None) or [])[:16]:
+            out += _datasets(child, depth - 1)
+    return out
 
 
 @contextlib.contextmanager
