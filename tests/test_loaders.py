@@ -174,3 +174,41 @@ def test_a_loader_subclass_with_persistent_workers_keeps_what_it_does_to_batches
     net = model()
     precisebn.recalibrate(net, loader, num_samples="all")
     assert_exact(net, (data.tensors[0] - 2.5) * 10)
+
+
+class Registered(InfiniteSampler):
+    """A subclass that only registers itself (as downstream code does): read as an InfiniteSampler."""
+
+
+class Weighted(InfiniteSampler):
+    """A subclass that draws its own way: its first epoch cannot be replayed."""
+
+    def _infinite_indices(self) -> Iterator[int]:
+        while True:
+            yield from torch.multinomial(torch.ones(self.size), self.size, replacement=True).tolist()
+
+
+def test_subclasses_of_the_infinite_sampler_are_read_around_or_refused() -> None:
+    """A subclass was not recognised: training stopped with StopIteration at the first computation (a probe)."""
+    data = dataset()
+    training = DataLoader(data, batch_size=16, sampler=Registered(data, shuffle=True, seed=7))
+    reference = iter(DataLoader(data, batch_size=16, sampler=InfiniteSampler(data, shuffle=True, seed=7)))
+    batches = iter(training)
+    next(batches), next(reference)
+    assert precisebn.PreciseBNScheduler(model(), training, num_samples=32).update(1) is not None
+    for _ in range(6):
+        assert torch.equal(next(batches)[0], next(reference)[0])
+    weighted = DataLoader(data, batch_size=16, sampler=Weighted(data, shuffle=True, seed=7))
+    with pytest.raises(InvalidArgumentError, match=r"Weighted is an mmengine InfiniteSampler that draws its own way"):
+        precisebn.estimate(model(), weighted)
+
+
+def test_a_dataset_smaller_than_a_dropped_last_batch_is_still_read() -> None:
+    """drop_last=True over fewer samples than a batch: training's batches wrap around and are full, the twin's
+    one pass was dropped whole — "the data yielded no batch" (a probe)."""
+    data = dataset(6)
+    loader = DataLoader(data, batch_sampler=BatchSampler(InfiniteSampler(data, seed=3), 8, drop_last=True))
+    net = model()
+    report = precisebn.recalibrate(net, loader, num_samples="all")
+    assert (report.samples, report.batches) == (6, 1)
+    assert_exact(net, data.tensors[0])

@@ -197,6 +197,13 @@ def _indexed_loader(kind: str, seed: int) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(dataset, batch_sampler=batches)
     if kind in ("numpy", "random"):  # a custom sampler shuffling with a generator of its own (not torch's)
         return torch.utils.data.DataLoader(dataset, batch_size=8, sampler=_OwnShuffle(len(dataset), kind, seed))
+    if kind == "transform":  # the generator in the dataset's transform object
+        jittered = _Jittered(dataset, seed)
+        jittered.transform, jittered.rng = _Noise(jittered.rng), None
+        return torch.utils.data.DataLoader(jittered, batch_size=8, shuffle=True, generator=g)
+    if kind == "epoch property":  # a read-only epoch (the set_epoch pattern): AttributeError after the writes before
+        sampler = _EpochProperty(len(dataset))
+        return torch.utils.data.DataLoader(dataset, batch_size=8, sampler=sampler)
     if kind == "dataset":  # a dataset drawing in __getitem__ from a generator of its own (an augmentation), wrapped
         wrapped = torch.utils.data.Subset(_Jittered(dataset, seed), list(range(40)))
         return torch.utils.data.DataLoader(wrapped, batch_size=8, shuffle=True, generator=g)
@@ -204,6 +211,37 @@ def _indexed_loader(kind: str, seed: int) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(
         dataset, batch_size=8, shuffle=True, generator=g, num_workers=1, persistent_workers=True
     )
+
+
+class _Noise:
+    """A transform drawing from a NumPy Generator of its own."""
+
+    def __init__(self, rng: Any) -> None:
+        self.rng = rng
+
+    def __call__(self) -> float:
+        return float(self.rng.normal())
+
+
+class _EpochProperty(torch.utils.data.Sampler[int]):
+    """Shuffles with a generator of its own, and has a read-only ``epoch`` (the ``set_epoch`` pattern)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self._epoch = size, 0
+        self.generator = torch.Generator().manual_seed(0)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+
+    def __iter__(self):
+        return iter(torch.randperm(self.size, generator=self.generator).tolist())
+
+    def __len__(self) -> int:
+        return self.size
 
 
 class _Jittered(torch.utils.data.Dataset):
@@ -220,7 +258,7 @@ class _Jittered(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, index = self.base[i]
-        noise = float(self.rng.normal())
+        noise = float(self.rng.normal()) if self.rng is not None else self.transform()
         return x + noise, index + round(noise, 3)
 
 
@@ -245,7 +283,18 @@ class _OwnShuffle(torch.utils.data.Sampler[int]):
 
 
 @pytest.mark.parametrize(
-    "kind", ["loader", "sampler", "batch_sampler", "persistent_workers", "numpy", "random", "dataset"]
+    "kind",
+    [
+        "loader",
+        "sampler",
+        "batch_sampler",
+        "persistent_workers",
+        "numpy",
+        "random",
+        "dataset",
+        "transform",
+        "epoch property",
+    ],
 )
 def test_a_loaders_own_generator_keeps_the_training_order(kind: str) -> None:
     def train(with_scheduler: bool) -> list[list[int]]:

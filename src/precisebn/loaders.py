@@ -70,8 +70,33 @@ def independent(data: Any) -> Any:
 
 
 def _infinite(sampler: Any) -> bool:
+    """Whether ``sampler`` is mmengine's ``InfiniteSampler`` or a subclass of it.
+
+    Raises:
+        InvalidArgumentError: A subclass that draws otherwise (its own ``__iter__`` or indices): its
+            first epoch cannot be replayed here.
+    """
+    base = next(
+        (k for k in type(sampler).__mro__ if k.__name__ == "InfiniteSampler" and k.__module__.startswith("mmengine")),
+        None,
+    )
+    if base is None:
+        return False
     kind = type(sampler)
-    return kind.__name__ == "InfiniteSampler" and kind.__module__.startswith("mmengine")
+    changed = [
+        name
+        for name in ("__iter__", "_infinite_indices", "_indices_of_rank")
+        if getattr(kind, name, None) is not getattr(base, name, None)
+    ]
+    if changed:
+        raise InvalidArgumentError(
+            f"the data loader's sampler {kind.__name__} is an mmengine InfiniteSampler that draws its own way "
+            f"({', '.join(changed)}), keeping one iterator for its whole life: reading it for the statistics would "
+            "take samples out of training's order (and end it), and its first epoch cannot be replayed. Pass a "
+            "DataLoader of its own over the same dataset as the data (data= for the hooks and callbacks). "
+            "Nothing was changed."
+        )
+    return True
 
 
 def _infinite_inside(obj: Any, depth: int = 3) -> str | None:
@@ -178,7 +203,9 @@ class _Batches(Sampler[Any]):
         if n is None:
             return order
         batches = [order[i : i + n] for i in range(0, len(order), n)]
-        if batches and len(batches[-1]) < n and self.drop_last:
+        if (
+            len(batches) > 1 and len(batches[-1]) < n and self.drop_last
+        ):  # (the only batch is kept: training's are full)
             batches.pop()
         elif len(batches) > 1 and len(batches[-1]) == 1:
             last = batches.pop()  # (not `batches[-2] += batches.pop()`: that assigns to the new [-2])

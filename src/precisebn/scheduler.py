@@ -485,13 +485,14 @@ def _data_holders(source: Any) -> list[Any]:
 
 
 def _datasets(dataset: Any, depth: int = 4) -> list[Any]:
-    """A dataset and those it wraps (``Subset.dataset``, ``ConcatDataset.datasets``...), a few levels down."""
-    out = [dataset]
+    """A dataset, its transforms and the datasets it wraps (``Subset.dataset``, ``ConcatDataset.datasets``...),
+    a few levels down."""
+    out = [dataset, *(getattr(dataset, key, None) for key in ("transform", "transforms", "target_transform"))]
     if depth > 1:
         inner = getattr(dataset, "dataset", None)
         for child in [inner] if inner is not None else list(getattr(dataset, "datasets", None) or [])[:16]:
             out += _datasets(child, depth - 1)
-    return out
+    return [d for d in out if d is not None]
 
 
 @contextlib.contextmanager
@@ -510,7 +511,9 @@ def preserved_epochs(*sources: Any) -> Iterator[None]:
         yield
     finally:
         for holder, epoch in saved.values():
-            holder.epoch = epoch
+            if getattr(holder, "epoch", None) != epoch:  # (a read-only property, as `set_epoch` keeps: left alone)
+                with contextlib.suppress(AttributeError):
+                    holder.epoch = epoch
 
 
 def data_generators(*sources: Any) -> list[Any]:
