@@ -229,6 +229,26 @@ def auto_on_one_rank(rank: int, world_size: int) -> Result:
     return {**out, "seconds": time.time() - start}
 
 
+def paths_over_ranks(rank: int, world_size: int) -> Result:
+    """Layer a read fast on rank 0, measured in float64 on rank 1 (|mean| 1e4 fails verification); layer b
+    never called on rank 1: each rank's report said its own path (rank 1: b "none" though updated) and its
+    own most calls per forward (a probe). Now the same on every rank: a "mixed", b "fast"."""
+    g = torch.Generator().manual_seed(rank)
+    model = nn.ModuleDict({"a": nn.BatchNorm1d(3), "b": nn.BatchNorm1d(3)})
+    if rank == 0:
+        data = [("a", torch.randn(8, 3, generator=g)), ("b", torch.randn(8, 3, generator=g))]
+    else:
+        data = [("a", torch.randn(8, 3, generator=g) + 1e4)]
+    report = precisebn.recalibrate(model, data, forward=lambda m, batch: m[batch[0]](batch[1]), num_samples="all")
+    return {"layers": {r.name: (r.path, r.per_forward, r.status) for r in report.layers}}
+
+
+def tolerance_mismatch(rank: int, world_size: int) -> Result:
+    """num_samples="auto" on every rank with different tolerances: the ranks stopped at different votes, and
+    the error said rank 1 did not use "auto" (a probe). Refused at the first vote, naming the tolerances."""
+    return expect_failure(_stream(rank), num_samples="auto", tolerance=[1e-9, 0.5][rank % 2])
+
+
 def prior_fails_on_one_rank(rank: int, world_size: int) -> Result:
     """recalibrate(prior=4) where only rank 1's own statistics (pooled with the measured ones) hold
     a NaN: all or nothing — every rank raises, no model changes (rank 0 used to write alone)."""
@@ -444,6 +464,8 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         mode_mismatch,
         recalibrate_argument_error,
         auto_on_one_rank,
+        tolerance_mismatch,
+        paths_over_ranks,
         prior_fails_on_one_rank,
         auto_empty_rank,
         per_call_mismatch,

@@ -235,7 +235,7 @@ def test_mistakes_on_one_rank_reach_every_rank_at_once(tmp_path: Path) -> None:
     """Found by a hostile probe: each of these hung the other ranks until the process group's timeout,
     gave a blank error, let one rank write alone, or surfaced only after the others' whole pass."""
     names = ["recalibrate_argument_error", "auto_on_one_rank", "prior_fails_on_one_rank", "auto_empty_rank"]
-    names.append("per_call_mismatch")
+    names += ["per_call_mismatch", "tolerance_mismatch", "paths_over_ranks"]
     results = run_ranks(2, names, tmp_path, timeout=100)
     for res in results:
         for option, expected in (
@@ -255,6 +255,10 @@ def test_mistakes_on_one_rank_reach_every_rank_at_once(tmp_path: Path) -> None:
         e = res["auto_empty_rank"]
         assert e["error"] == "DistributedError" and e["failed_ranks"] == [1] and e["unchanged"], e
         assert "EmptyDataError" in e["message"] and e["seconds"] < 30, e
+        assert res["paths_over_ranks"]["layers"] == {"a": ("mixed", 1, "updated"), "b": ("fast", 1, "updated")}
+        t = res["tolerance_mismatch"]
+        assert t["error"] == "DistributedError" and t["unchanged"], t
+        assert "tolerance (rank 0: 1e-09, rank 1: 0.5)" in t["message"], t
         c = res["per_call_mismatch"]
         assert c["error"] == "DistributedError" and "per_call=True" in c["message"], c
         assert "different normalization layers" not in c["message"], c

@@ -1,7 +1,7 @@
 """Exact statistics of the union of all ranks' data, over ``torch.distributed``.
 
 A no-op without an initialised process group of more than one rank. Otherwise, after
-each rank's own passes, three collective calls per estimate (four per recalibration),
+each rank's own passes, four collective calls per estimate (five per recalibration),
 whatever the model's depth or the data's size — all of them after the batch loop:
 
 1. ``all_reduce`` of a small status table (one row per rank: ok/failed, samples,
@@ -9,10 +9,12 @@ whatever the model's depth or the data's size — all of them after the batch lo
    that every rank learns at once whether any rank failed or selected other layers — and if
    so all raise the same :class:`~precisebn.errors.DistributedError` before anything is written;
 2. ``all_reduce`` (sum) of one flat float64 buffer holding every channel's count
-   ``n_r`` and ``n_r·μ_r`` per fold (and each layer's calls): gives the global count and
-   mean of each fold (fold k of the union is fold k of every rank, so the standard errors
-   stay those of interleaved batches);
-3. ``all_reduce`` (sum) of ``M2_r + n_r·(μ_r − μ)²``: gives the global M2.
+   ``n_r`` and ``n_r·μ_r`` per fold (and each layer's calls, counts, and whether this rank
+   read it through its figures or in float64): gives the global count and mean of each fold
+   (fold k of the union is fold k of every rank, so the standard errors stay those of
+   interleaved batches), and each layer's path over the ranks ("mixed" where they differ);
+3. ``all_reduce`` (sum) of ``M2_r + n_r·(μ_r − μ)²``: gives the global M2;
+4. ``all_reduce`` (max) of each layer's most calls in one batch: every rank reports the same.
 
 Step 3 sums squared deviations from the *global* mean, never raw sums of squares,
 so it is as stable as Chan's pairwise merge. Every rank computes the result from the
@@ -235,8 +237,9 @@ class RankContext:
         self.all_reduce(table)  # collective 1 (and each vote)
         return table.tolist()
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sums ``tensor`` over the ranks in place; on CPU, returns once the backend has let go of it.
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None) -> None:
+        """Sums ``tensor`` over the ranks in place (or reduces it by ``op``); on CPU, returns once the
+        backend has let go of it.
 
         Gloo finishes a collective on a worker thread, which drops its references to the
         tensor just *after* the caller has been woken. A tensor's last reference from C++
@@ -251,7 +254,7 @@ class RankContext:
         """
         count = getattr(tensor, "_use_count", None)  # private API: without it, no wait
         before = count() if count is not None and tensor.device.type == "cpu" else None
-        torch.distributed.all_reduce(tensor, group=self.group)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM if op is None else op, group=self.group)
         if before is None:
             return
         deadline = time.monotonic() + LET_GO_SECONDS
@@ -269,13 +272,25 @@ class RankContext:
         ``min_samples``, when N reaches ``max_samples``, or when no rank has data left.
         """
 
+        rule = zlib.crc32(f"{tolerance!r} {min_samples} {max_samples}".encode())  # (every rank must stop alike)
+
         def vote(precision: float, samples: int, has_data: bool) -> bool:
             weighted = precision * math.sqrt(samples) if math.isfinite(precision) else float("inf")
-            table = self._exchange(_VOTE, samples, 0, 0, 0.0, min(weighted, 1e300), has_data)
+            table = self._exchange(_VOTE, samples, 0, rule, tolerance, min(weighted, 1e300), has_data)
             if any(row[0] in (_FAILED, _STOPPED) for row in table):
                 raise _FailedAtVote(self._failure_error(table))
             if any(row[0] != _VOTE for row in table):  # a rank not voting: this was its status exchange
                 raise _FailedAtVote(self._auto_mismatch(table))
+            if len({row[3] for row in table}) > 1:
+                given = ", ".join(f"rank {r}: {row[4]:g}" for r, row in enumerate(table))
+                raise _FailedAtVote(
+                    DistributedError(
+                        f"ranks disagree on when to stop num_samples='auto': tolerance ({given}) or num_samples "
+                        "limits differ. Pass the same tolerance=, num_samples and num_batches on every rank. "
+                        "No rank's model was changed.",
+                        (),
+                    )
+                )
             total = sum(row[1] for row in table)
             union = max(row[5] for row in table) / math.sqrt(max(total, 1.0))
             no_data = not any(row[6] for row in table)
@@ -290,8 +305,8 @@ class RankContext:
             f"ranks disagree on num_samples: rank{'s' if len(voting) > 1 else ''} {', '.join(map(str, voting))} "
             f"use{'' if len(voting) > 1 else 's'} num_samples='auto' (the ranks vote on when to stop), "
             f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
-            f"{'do' if len(others) > 1 else 'does'} not. Pass the same num_samples and num_batches on every rank. "
-            "No rank's model was changed.",
+            f"{'do' if len(others) > 1 else 'does'} not (or stopped voting earlier: a different num_batches). Pass the "
+            "same num_samples, num_batches and tolerance on every rank. No rank's model was changed.",
             (),
         )
 
@@ -333,12 +348,17 @@ class RankContext:
         count = torch.cat([m.count.reshape(-1).to(self.device) for m in moments])
         mean = torch.cat([m.mean.reshape(-1).to(self.device) for m in moments])
         m2 = torch.cat([m.m2.reshape(-1).to(self.device) for m in moments])
-        per_layer = torch.tensor(local.calls + local.counts, dtype=torch.float64, device=self.device)
+        # per layer: calls, counts, and how many ranks read it on each path (a rank that never reached it: none)
+        fast = [float(p == "fast" and c > 0) for p, c in zip(local.paths, local.counts)]
+        exact = [float(p == "float64" and c > 0) for p, c in zip(local.paths, local.counts)]
+        per_layer = torch.tensor(local.calls + local.counts + fast + exact, dtype=torch.float64, device=self.device)
         first = torch.cat([count, count * mean, per_layer])
         self.all_reduce(first)  # collective 2
         g, n = count.numel(), len(local.layers)
         total, weighted = first[:g], first[g : 2 * g]
         per_layer_all = [int(v) for v in first[2 * g :].tolist()]
+        on_paths = zip(local.paths, per_layer_all[2 * n : 3 * n], per_layer_all[3 * n :])
+        paths = [_merged_path(path, fast_ranks, exact_ranks) for path, fast_ranks, exact_ranks in on_paths]
         safe = torch.where(total > 0, total, torch.ones_like(total))
         global_mean = torch.where(total > 0, weighted / safe, torch.zeros_like(total))
         dev = torch.where(count > 0, mean - global_mean, torch.zeros_like(mean))
@@ -358,10 +378,31 @@ class RankContext:
             int(sum(row[1] for row in table)),
             int(sum(row[2] for row in table)),
             local.mode,
-            local.paths,
+            paths,
             seconds=max(row[4] for row in table),
             world_size=self.world_size,
+            per_forward=self._most(local.per_forward),
         )
+
+    def _most(self, per_forward: list[int]) -> list[int]:
+        """Each entry's most calls in one batch over the ranks (``[]`` stays ``[]``: derived later)."""
+        if not per_forward:
+            return []
+        most = torch.tensor(per_forward, dtype=torch.float64, device=self.device)
+        self.all_reduce(most, torch.distributed.ReduceOp.MAX)  # collective 4
+        return [int(v) for v in most.tolist()]
+
+
+def _merged_path(local: str, fast: int, exact: int) -> str:
+    """A layer's path over the ranks that reached it: theirs if they agree, else ``"mixed"``
+    (``"none"``: no rank normalised with its buffers)."""
+    if fast and exact:
+        return "mixed"
+    if fast:
+        return "fast"
+    if exact:
+        return "float64"
+    return local if local not in ("fast", "float64") else "none"
 
 
 def _layout(local: Measurement) -> str:

@@ -385,9 +385,7 @@ def _estimate(
         raise
     else:
         if ctx is not None:
-            per_forward = local.per_forward
-            local = ctx.merge(local)
-            local.per_forward = per_forward  # this rank's (the merge sums counts, not maxima)
+            local = ctx.merge(local)  # (paths and per_forward over the ranks, as the statistics)
             local.check()  # the same verdict on every rank: they all hold the same values
         stats = local.to_population()
         if plan is None:
