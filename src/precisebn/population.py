@@ -35,8 +35,9 @@ class LayerStats:
         calls: Forward calls of the layer during the passes (all ranks).
         layer_type: The layer's class name.
         path: How it was measured: ``"fast"`` (the layer's own batch figures, verified
-            against float64), ``"float64"`` (what it normalises, reduced in float64) or
-            ``"none"`` (never normalised with its running buffers: not reached).
+            against float64), ``"float64"`` (what it normalises, reduced in float64),
+            ``"none"`` (never normalised with its running buffers: not reached) or ``"mixed"``
+            (ranks, or merged files, that read it on different paths).
         se_mean: Standard error of ``mean`` per channel, in units of the standard
             deviation (jackknife over batches dealt into folds; NaN with fewer than two
             batches; ``None`` when unknown).

@@ -34,7 +34,8 @@ class LayerReport:
         updated: Whether new statistics were written.
         path: How the layer was measured: ``"fast"`` (its own batch figures, verified
             against float64), ``"float64"`` (what it normalises, reduced in float64),
-            ``"none"`` (never normalised with its running buffers, or never called).
+            ``"none"`` (never normalised with its running buffers, or never called), ``"mixed"``
+            (ranks, or merged files, that read it on different paths).
         se_mean, se_var: Per-channel standard errors of the new mean (in standard
             deviations) and of the new variance (relative), from the jackknife over
             batches (see :func:`precisebn.stats.fold_errors`); ``None`` when unknown.
