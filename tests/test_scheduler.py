@@ -12,7 +12,7 @@ from torch import nn
 
 import precisebn
 from conftest import max_rel_error
-from precisebn.errors import EmptyDataError, InvalidArgumentError
+from precisebn.errors import EmptyDataError, InvalidArgumentError, PreciseBNWarning
 
 
 def make_model() -> nn.Module:
@@ -197,9 +197,11 @@ def _indexed_loader(kind: str, seed: int) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(dataset, batch_sampler=batches)
     if kind in ("numpy", "random"):  # a custom sampler shuffling with a generator of its own (not torch's)
         return torch.utils.data.DataLoader(dataset, batch_size=8, sampler=_OwnShuffle(len(dataset), kind, seed))
-    if kind == "transform":  # the generator in the dataset's transform object
+    if kind == "transform":  # the generator in a transform inside torchvision's Compose
+        from torchvision.transforms import Compose
+
         jittered = _Jittered(dataset, seed)
-        jittered.transform, jittered.rng = _Noise(jittered.rng), None
+        jittered.transform, jittered.rng = Compose([_Noise(jittered.rng)]), None
         return torch.utils.data.DataLoader(jittered, batch_size=8, shuffle=True, generator=g)
     if kind == "epoch property":  # a read-only epoch (the set_epoch pattern): AttributeError after the writes before
         sampler = _EpochProperty(len(dataset))
@@ -219,8 +221,8 @@ class _Noise:
     def __init__(self, rng: Any) -> None:
         self.rng = rng
 
-    def __call__(self) -> float:
-        return float(self.rng.normal())
+    def __call__(self, x: float) -> float:
+        return x + float(self.rng.normal())
 
 
 class _EpochProperty(torch.utils.data.Sampler[int]):
@@ -258,7 +260,7 @@ class _Jittered(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, index = self.base[i]
-        noise = float(self.rng.normal()) if self.rng is not None else self.transform()
+        noise = float(self.rng.normal()) if self.rng is not None else self.transform(0.0)
         return x + noise, index + round(noise, 3)
 
 
@@ -384,3 +386,56 @@ def test_num_samples_auto_and_tolerance_reach_the_computation() -> None:
     assert report["1"].se_var_median <= 0.2
     with pytest.raises(InvalidArgumentError, match="applies to num_samples='auto' only"):
         precisebn.PreciseBNScheduler(model, data, tolerance=0.2)
+
+
+class _OddDataset(torch.utils.data.Dataset):
+    """A dataset with an array named ``datasets`` (every update crashed: "truth value of an array is ambiguous")."""
+
+    def __init__(self) -> None:
+        self.x, self.datasets = torch.randn(40, 5), np.zeros((2, 2))
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.x[i]
+
+
+class _PassCounting(torch.utils.data.Sampler[int]):
+    """Counts its passes in a read-only ``epoch`` (or, ``refusing``, one whose setter refuses going back)."""
+
+    def __init__(self, refusing: bool) -> None:
+        self._epoch, self.refusing = 0, refusing
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        if not self.refusing or value < self._epoch:
+            raise ValueError("epoch cannot go back")
+        self._epoch = value
+
+    def __iter__(self):
+        self._epoch += 1
+        return iter(range(40))
+
+    def __len__(self) -> int:
+        return 40
+
+
+def test_odd_data_objects_neither_crash_a_computation_nor_raise_after_its_writes() -> None:
+    """Probes: an array named `datasets` (ValueError: ambiguous truth value) crashed every update; an epoch that
+    moved and cannot be put back raised after the statistics were written
+    (the model changed, the call raising). Now the computation completes, with a warning for the epoch."""
+    model = make_model()
+    loader = torch.utils.data.DataLoader(_OddDataset(), batch_size=8)
+    assert precisebn.PreciseBNScheduler(model, loader, num_samples="all").update(1) is not None
+    for refusing in (False, True):
+        sampler = _PassCounting(refusing)
+        loader = torch.utils.data.DataLoader(torch.randn(40, 5), batch_size=8, sampler=sampler)
+        scheduler = precisebn.PreciseBNScheduler(make_model(), loader, num_samples="all")
+        with pytest.warns(PreciseBNWarning, match=r"_PassCounting.epoch moved from 0 .* cannot be put back"):
+            assert scheduler.update(1) is not None
+        assert scheduler.is_current(1)

@@ -51,9 +51,9 @@ from .stats import RunningMoments
 
 __all__ = ["COLLECTIVES", "LET_GO_SECONDS", "POLL_SECONDS", "RankContext"]
 
-COLLECTIVES = 4
-"""Collective calls per distributed recalibration (1 status + 2 statistics + 1 status before the
-writes); an estimate makes the first 3."""
+COLLECTIVES = 5
+"""Collective calls per distributed recalibration (1 status + 2 statistics + 1 calls per forward + 1
+status before the writes); an estimate makes the first 4."""
 
 POLL_SECONDS = 0.5
 """How often, at most, a rank checks between batches whether another rank failed."""

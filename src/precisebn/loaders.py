@@ -106,11 +106,19 @@ def _infinite_inside(obj: Any, depth: int = 3) -> str | None:
     for key, value in getattr(obj, "__dict__", {}).items():
         if _infinite(value):
             return f"{type(obj).__name__}.{key}"
-        if isinstance(value, Sampler) or (hasattr(value, "__iter__") and hasattr(value, "sampler")):
+        if isinstance(value, Sampler) or (_has(value, "__iter__") and _has(value, "sampler")):
             found = _infinite_inside(value, depth - 1)
             if found:
                 return f"{type(obj).__name__}.{key}.{found.split('.', 1)[1]}"
     return None
+
+
+def _has(obj: Any, name: str) -> bool:
+    """``hasattr``, also when the object's ``__getattr__`` raises something else (a dataset's lookup table)."""
+    try:
+        return hasattr(obj, name)
+    except Exception:
+        return False
 
 
 def _twin(

@@ -484,14 +484,35 @@ def _data_holders(source: Any) -> list[Any]:
     return [source, *_datasets(source.dataset), source.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)]
 
 
+def _attribute(obj: Any, name: str) -> Any:
+    """``getattr(obj, name, None)``, also when the object's ``__getattr__`` raises something else."""
+    try:
+        return getattr(obj, name, None)
+    except Exception:
+        return None
+
+
+def _transforms(transform: Any) -> list[Any]:
+    """A transform and, for a composition (torchvision's ``Compose``: a ``transforms`` list), its parts."""
+    parts = _attribute(transform, "transforms")
+    return [transform, *(parts[:32] if isinstance(parts, (list, tuple)) else [])]
+
+
 def _datasets(dataset: Any, depth: int = 4) -> list[Any]:
     """A dataset, its transforms and the datasets it wraps (``Subset.dataset``, ``ConcatDataset.datasets``...),
     a few levels down."""
-    out = [dataset, *(getattr(dataset, key, None) for key in ("transform", "transforms", "target_transform"))]
+    out = [dataset]
+    for key in ("transform", "transforms", "target_transform"):
+        out += _transforms(_attribute(dataset, key))
     if depth > 1:
-        inner = getattr(dataset, "dataset", None)
-        for child in [inner] if inner is not None else list(getattr(dataset, "datasets", None) or [])[:16]:
-            out += _datasets(child, depth - 1)
+        inner = _attribute(dataset, "dataset")
+        children = _attribute(dataset, "datasets")
+        if isinstance(inner, torch.utils.data.Dataset):
+            out += _datasets(inner, depth - 1)
+        elif isinstance(children, (list, tuple)):
+            for child in children[:16]:
+                if isinstance(child, torch.utils.data.Dataset):
+                    out += _datasets(child, depth - 1)
     return [d for d in out if d is not None]
 
 
@@ -504,16 +525,25 @@ def preserved_epochs(*sources: Any) -> Iterator[None]:
     saved: dict[int, tuple[Any, int]] = {}
     for source in sources:
         for holder in _data_holders(source):
-            epoch = getattr(holder, "epoch", None)
+            epoch = _attribute(holder, "epoch")
             if holder is not None and isinstance(epoch, int) and not isinstance(epoch, bool):
                 saved.setdefault(id(holder), (holder, epoch))
     try:
         yield
     finally:
         for holder, epoch in saved.values():
-            if getattr(holder, "epoch", None) != epoch:  # (a read-only property, as `set_epoch` keeps: left alone)
-                with contextlib.suppress(AttributeError):
-                    holder.epoch = epoch
+            if _attribute(holder, "epoch") == epoch:
+                continue
+            try:
+                holder.epoch = epoch
+            except Exception:  # (a read-only property, or a setter that refuses going back): never after the writes
+                warnings.warn(
+                    f"precisebn: the data's {type(holder).__name__}.epoch moved from {epoch} during the computation "
+                    "and cannot be put back (read-only, or its setter refused); training's next pass may differ. "
+                    "Give the computations data of their own (data=), or let the sampler count passes otherwise.",
+                    PreciseBNWarning,
+                    stacklevel=3,
+                )
 
 
 def data_generators(*sources: Any) -> list[Any]:
@@ -526,7 +556,8 @@ def data_generators(*sources: Any) -> list[Any]:
     found: dict[int, Any] = {}
     for source in sources:
         for holder in _data_holders(source):
-            for value in getattr(holder, "__dict__", {}).values():
+            state = _attribute(holder, "__dict__")
+            for value in state.values() if isinstance(state, dict) else ():
                 if _generator_state(value) is not None:
                     found.setdefault(id(value), value)
     return list(found.values())
