@@ -107,6 +107,10 @@ def test_auto_stops_when_precise_enough_and_at_the_same_batch_for_the_same_seed(
     assert max(float(torch.maximum(s.se_var.nanmedian(), s.se_mean.nanmedian())) for s in fewer.values()) > 0.05
     tighter = precisebn.estimate(net(), stream(0), num_samples="auto", tolerance=0.025)
     assert tighter.samples > first.samples
+    import numpy as np  # a NumPy float tolerance (np.float32 was refused as "not a number", a probe)
+
+    same = precisebn.estimate(net(), stream(0), num_samples="auto", tolerance=np.float32(0.05))
+    assert same.batches == first.batches
 
 
 def test_auto_respects_its_cap_and_short_data() -> None:

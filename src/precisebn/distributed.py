@@ -272,6 +272,7 @@ class RankContext:
         ``min_samples``, when N reaches ``max_samples``, or when no rank has data left.
         """
 
+        tolerance = float(tolerance)  # (a NumPy float alike)
         rule = zlib.crc32(f"{tolerance!r} {min_samples} {max_samples}".encode())  # (every rank must stop alike)
 
         def vote(precision: float, samples: int, has_data: bool) -> bool:
@@ -282,7 +283,7 @@ class RankContext:
             if any(row[0] != _VOTE for row in table):  # a rank not voting: this was its status exchange
                 raise _FailedAtVote(self._auto_mismatch(table))
             if len({row[3] for row in table}) > 1:
-                given = ", ".join(f"rank {r}: {row[4]:g}" for r, row in enumerate(table))
+                given = ", ".join(f"rank {r}: {row[4]!r}" for r, row in enumerate(table))
                 raise _FailedAtVote(
                     DistributedError(
                         f"ranks disagree on when to stop num_samples='auto': tolerance ({given}) or num_samples "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import operator
 import sys
 from collections.abc import Callable, Iterable
@@ -93,7 +94,7 @@ def check_options(
     if capture not in _CAPTURES:
         raise InvalidArgumentError(f"capture must be 'auto' or 'float64', got {capture!r}")
     if tolerance is not None:
-        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 < tolerance < 1:
+        if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not 0 < tolerance < 1:
             raise InvalidArgumentError(f"tolerance must be a number between 0 and 1 (e.g. 0.02), got {tolerance!r}")
         if not (isinstance(num_samples, str) and num_samples == "auto"):
             raise InvalidArgumentError(
