@@ -137,6 +137,8 @@ def test_other_samplers_are_read_as_they_are() -> None:
     assert_exact(net, data.tensors[0][subset])
     plain = DataLoader(data, batch_size=16, shuffle=True)
     assert independent(plain) is plain and independent([1, 2]) == [1, 2]
+    once = DataLoader(data, batch_size=16, sampler=iter(range(64)))  # (an iterator given as the sampler: read once)
+    assert independent(once) is once
 
 
 def test_timms_multi_epochs_loader_keeps_trainings_batches() -> None:

@@ -35,6 +35,9 @@ from .errors import InvalidArgumentError
 
 __all__ = ["independent"]
 
+# DataLoader's own attributes: a dataset or sampler that is an iterator (read once) is the user's to give
+_STANDARD = frozenset({"_iterator", "dataset", "sampler", "batch_sampler", "collate_fn", "worker_init_fn", "generator"})
+
 
 def independent(data: Any) -> Any:
     """``data``, or a twin of a DataLoader whose iterators share state (see the module's docstring).
@@ -44,7 +47,7 @@ def independent(data: Any) -> Any:
     """
     if not isinstance(data, DataLoader):
         return data
-    own = [key for key, value in vars(data).items() if key != "_iterator" and isinstance(value, Iterator)]
+    own = [key for key, value in vars(data).items() if key not in _STANDARD and isinstance(value, Iterator)]
     if own:
         return _plain_twin(data, own)
     if not isinstance(data.dataset, IterableDataset):
