@@ -16,9 +16,9 @@ iterator would take samples out of training's order, or end it:
 * timm's ``MultiEpochsDataLoader`` keeps one iterator of its own over a sampler repeated forever
   (``_RepeatSampler``): the twin is a plain loader over the batch sampler inside.
 
-Where the shared state cannot be read around — an ``InfiniteSampler`` inside another sampler, a loader
-with an iterator of its own over anything else — the computation is refused by name, before it reads
-anything (pass a loader of its own). Other samplers are read as they are: one whose ``__iter__``
+Where the shared state cannot be read around — an ``InfiniteSampler`` inside another sampler, or a
+subclass of it that draws its own way — the computation is refused by name, before it reads anything
+(pass a loader of its own). Other samplers and loaders are read as they are: one whose ``__iter__``
 continues a sequence it keeps (as ``InfiniteSampler`` does) moves training's sequence on.
 """
 
@@ -48,7 +48,8 @@ def independent(data: Any) -> Any:
     if not isinstance(data, DataLoader):
         return data
     own = [key for key, value in vars(data).items() if key not in _STANDARD and isinstance(value, Iterator)]
-    if own:
+    repeated = data.batch_sampler if data.batch_sampler is not None else data.sampler
+    if own and type(repeated).__name__ == "_RepeatSampler":  # timm's MultiEpochsDataLoader (other loaders: as they are)
         return _plain_twin(data, own)
     if not isinstance(data.dataset, IterableDataset):
         batches = data.batch_sampler
@@ -146,7 +147,7 @@ def _plain_twin(loader: DataLoader, own: list[str]) -> DataLoader:
     repeats forever (timm's ``MultiEpochsDataLoader``), with its workers, collation and seeding."""
     repeated = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
     inner = getattr(repeated, "sampler", None)
-    if type(repeated).__name__ != "_RepeatSampler" or inner is None:
+    if inner is None:
         raise InvalidArgumentError(
             f"the data loader ({type(loader).__name__}) keeps an iterator of its own ({', '.join(own)}), "
             "which training reads: reading it for the statistics would take samples out of training's order. "
