@@ -271,7 +271,7 @@ def test_a_later_call_that_writes_no_figures_is_refused_with_its_counts(snapshot
     batches = images([8, 8, 8, 8, 8])
     batches[3][0, 0, 0, 0] = -1e4
     before = snapshot(model)
-    with pytest.raises(UnsupportedLayerError, match=r"'1' .* called 5 times, .* batch statistics 4 times"):
+    with pytest.raises(UnsupportedLayerError, match=r"'1' .* changed its num_batches_tracked by 0 in a call"):
         precisebn.recalibrate(model, batches, num_samples="all")
     unchanged(model, before)
     truth = compute_truth(model, batches)  # what it normalises with its buffers: every input
@@ -690,7 +690,7 @@ def test_a_layer_without_a_counter_is_measured_from_what_it_normalises_with_its_
     report = precisebn.recalibrate(model, data, num_samples="all")
     assert report["bn"].updated and report["bn"].count == len(used)  # (was 24: batch 2 read as the old figures)
     assert_exact(model, "bn", used.mean(0), used.var(0, unbiased=False))
-    with pytest.raises(UnsupportedLayerError, match="computed batch statistics"):  # with a counter: refused
+    with pytest.raises(UnsupportedLayerError, match="num_batches_tracked by 0 in a call"):  # with a counter: refused
         precisebn.recalibrate(TrackingOffInBatch2(counter=True), data, num_samples="all")
 
 
@@ -1029,9 +1029,7 @@ def test_a_skipped_call_is_not_hidden_by_the_counts_of_a_call_at_a_new_shape(sna
     batches[2][0, 0, 0, 0] = 100.0
     model = nn.Sequential(GhostSkippingBright(4))
     before = snapshot(model)
-    with pytest.raises(
-        UnsupportedLayerError, match=r"'0' .* called 4 times, but its forward computed batch statistics 3"
-    ):
+    with pytest.raises(UnsupportedLayerError, match=r"'0' .* changed its num_batches_tracked by 0 in a call"):
         precisebn.recalibrate(model, batches, num_samples="all")
     unchanged(model, before)
     normalised = [b for k, b in enumerate(batches) if k != 2]
@@ -1126,9 +1124,7 @@ def test_a_caught_failure_does_not_hide_an_earlier_call_without_figures(snapshot
     batches += [torch.randn(8, 4, 5, 5) + 1, torch.full((8, 4, 5, 5), float("nan"))]
     model = CatchesValueErrors(SkipsBrightBatches(4))
     before = snapshot(model)
-    with pytest.raises(
-        UnsupportedLayerError, match=r"'bn' .* called 4 times, but its forward computed batch statistics 3"
-    ):
+    with pytest.raises(UnsupportedLayerError, match=r"'bn' .* changed its num_batches_tracked by 0 in a call"):
         precisebn.recalibrate(model, batches, num_samples="all")
     unchanged(model, before)
 
@@ -1196,3 +1192,42 @@ def test_a_float64_layer_first_called_after_the_first_batch_is_summed_around_its
     assert stats.path == "fast" and stats.count == truth.count
     assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-10
     assert max_rel_error(stats.var, truth.var) < 1e-10
+
+
+class CountsByPlan(nn.BatchNorm1d):
+    """Per call, by plan: 1 (torch's forward), 0 (normalises with its running statistics: no figures, no count)
+    or 2 (torch's forward, and a count of its own besides)."""
+
+    def __init__(self, channels: int, plan: list[int]) -> None:
+        super().__init__(channels)
+        self.plan, self.k = plan, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mode = self.plan[self.k]
+        self.k += 1
+        if mode == 0:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        out = super().forward(x)
+        if mode == 2:
+            self.num_batches_tracked += 1
+        return out
+
+
+def test_a_call_without_figures_is_not_hidden_by_another_counting_twice(snapshot, unchanged) -> None:
+    """The counter check compared totals: a call counting 0 (no figures: the layer's old statistics read as that
+    batch's) and another counting 2 balanced, and the layer was read 6 σ off, "fast" (a probe). Each call read
+    unwatched at a verified shape must now count once."""
+    torch.manual_seed(0)
+    batches = [torch.randn(16, 4) * 3 + 5 for _ in range(6)]
+    model = nn.Sequential(CountsByPlan(4, [1, 0, 2, 1, 1, 1]))
+    model[0].running_mean.fill_(100.0)
+    before = snapshot(model)
+    with pytest.raises(UnsupportedLayerError, match=r"'0' .* changed its num_batches_tracked by 0 in a call"):
+        precisebn.estimate(model, batches, num_batches=6)
+    unchanged(model, before)
+    model[0].k = 0
+    truth = compute_truth(nn.Sequential(CountsByPlan(4, [1] * 6)), batches)["0"]  # (what every call normalises)
+    model[0].k = 0
+    stats = precisebn.estimate(model, batches, num_batches=6, capture="float64")["0"]
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-9
+    assert max_rel_error(stats.var, truth.var) < 1e-9

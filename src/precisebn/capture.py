@@ -287,6 +287,16 @@ class Collector:
             "whatever is done to its buffers), or exclude the layer with layers=.",
         )
 
+    def _counted_otherwise(self, i: int, moved: int) -> UnsupportedLayerError:
+        return self._refusal(
+            i,
+            f"changed its num_batches_tracked by {moved} in a call (not 1), at an input shape it was verified at",
+            "each call computes batch figures once (torch's forward counts each call once): a call that counts "
+            "otherwise may have left no figures of its own (one normalising with its running statistics), or "
+            "other ones. Pass capture='float64' (every layer measured in float64 from what it normalises), or "
+            "exclude the layer with layers=.",
+        )
+
     def _buffers_replaced(self, i: int) -> UnsupportedLayerError:
         return self._refusal(
             i,
@@ -940,8 +950,11 @@ class _LayerCall:
                     row[i] = n
                     c.counts[i] += n
                     c.calls[i] += 1
-                if watching and counter is not None:  # (what it left is known: its counts are its own business)
-                    c._lost[i] += counter._version - before - 1
+                if counter is not None:
+                    if watching:  # (what it left is known: its counts are its own business)
+                        c._lost[i] += counter._version - before - 1
+                    elif counter._version != before + 1 and c._checked_calls[i]:  # (a host integer, every call)
+                        raise c._counted_otherwise(i, counter._version - before)
             elif path == "verify":
                 out = self.verify(forward, args, kwargs, j, inside > 0)
             else:
