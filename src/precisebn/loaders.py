@@ -50,7 +50,7 @@ def independent(data: Any) -> Any:
     own = [key for key, value in vars(data).items() if key not in _STANDARD and isinstance(value, Iterator)]
     repeated = data.batch_sampler if data.batch_sampler is not None else data.sampler
     if own and type(repeated).__name__ == "_RepeatSampler":  # timm's MultiEpochsDataLoader (other loaders: as they are)
-        return _plain_twin(data, own)
+        return _plain_twin(data, repeated.sampler)
     if not isinstance(data.dataset, IterableDataset):
         batches = data.batch_sampler
         if batches is None or type(batches) is BatchSampler:
@@ -110,19 +110,20 @@ def _infinite_inside(obj: Any, depth: int = 3) -> str | None:
     for key, value in getattr(obj, "__dict__", {}).items():
         if _infinite(value):
             return f"{type(obj).__name__}.{key}"
-        if isinstance(value, Sampler) or (_has(value, "__iter__") and _has(value, "sampler")):
+        if isinstance(value, Sampler) or (attribute(value, "__iter__") and attribute(value, "sampler") is not None):
             found = _infinite_inside(value, depth - 1)
             if found:
                 return f"{type(obj).__name__}.{key}.{found.split('.', 1)[1]}"
     return None
 
 
-def _has(obj: Any, name: str) -> bool:
-    """``hasattr``, also when the object's ``__getattr__`` raises something else (a dataset's lookup table)."""
+def attribute(obj: Any, name: str) -> Any:
+    """``getattr(obj, name, None)``, also when the object's ``__getattr__`` raises something else (a
+    dataset's lookup table): the data's objects are the user's."""
     try:
-        return hasattr(obj, name)
+        return getattr(obj, name, None)
     except Exception:
-        return False
+        return None
 
 
 def _twin(
@@ -142,18 +143,9 @@ def _twin(
     return twin
 
 
-def _plain_twin(loader: DataLoader, own: list[str]) -> DataLoader:
-    """A plain loader over ``loader``'s dataset and the batch sampler (or sampler) inside a sampler that
-    repeats forever (timm's ``MultiEpochsDataLoader``), with its workers, collation and seeding."""
-    repeated = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-    inner = getattr(repeated, "sampler", None)
-    if inner is None:
-        raise InvalidArgumentError(
-            f"the data loader ({type(loader).__name__}) keeps an iterator of its own ({', '.join(own)}), "
-            "which training reads: reading it for the statistics would take samples out of training's order. "
-            "Pass a DataLoader of its own over the same dataset as the data (data= for the hooks and "
-            "callbacks). Nothing was changed."
-        )
+def _plain_twin(loader: DataLoader, inner: Any) -> DataLoader:
+    """A plain loader over ``loader``'s dataset and ``inner``, the batch sampler (or sampler) inside the
+    sampler it repeats forever (timm's ``MultiEpochsDataLoader``), with its workers, collation and seeding."""
     common: dict[str, Any] = {
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,

@@ -37,7 +37,7 @@ from .data import Forward
 from .errors import InvalidArgumentError, PreciseBNError, PreciseBNWarning
 from .frozen import FrozenLayers, agreed_names, train_override
 from .layers import LayerSelection, find_norm_layers, unwrap
-from .loaders import independent
+from .loaders import attribute, independent
 from .recalibrate import check_options, recalibrate
 from .report import Report
 
@@ -484,17 +484,9 @@ def _data_holders(source: Any) -> list[Any]:
     return [source, *_datasets(source.dataset), source.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)]
 
 
-def _attribute(obj: Any, name: str) -> Any:
-    """``getattr(obj, name, None)``, also when the object's ``__getattr__`` raises something else."""
-    try:
-        return getattr(obj, name, None)
-    except Exception:
-        return None
-
-
 def _transforms(transform: Any) -> list[Any]:
     """A transform and, for a composition (torchvision's ``Compose``: a ``transforms`` list), its parts."""
-    parts = _attribute(transform, "transforms")
+    parts = attribute(transform, "transforms")
     return [transform, *(parts[:32] if isinstance(parts, (list, tuple)) else [])]
 
 
@@ -503,10 +495,10 @@ def _datasets(dataset: Any, depth: int = 4) -> list[Any]:
     a few levels down."""
     out = [dataset]
     for key in ("transform", "transforms", "target_transform"):
-        out += _transforms(_attribute(dataset, key))
+        out += _transforms(attribute(dataset, key))
     if depth > 1:
-        inner = _attribute(dataset, "dataset")
-        children = _attribute(dataset, "datasets")
+        inner = attribute(dataset, "dataset")
+        children = attribute(dataset, "datasets")
         if isinstance(inner, torch.utils.data.Dataset):
             out += _datasets(inner, depth - 1)
         elif isinstance(children, (list, tuple)):
@@ -525,14 +517,14 @@ def preserved_epochs(*sources: Any) -> Iterator[None]:
     saved: dict[int, tuple[Any, int]] = {}
     for source in sources:
         for holder in _data_holders(source):
-            epoch = _attribute(holder, "epoch")
+            epoch = attribute(holder, "epoch")
             if holder is not None and isinstance(epoch, int) and not isinstance(epoch, bool):
                 saved.setdefault(id(holder), (holder, epoch))
     try:
         yield
     finally:
         for holder, epoch in saved.values():
-            if _attribute(holder, "epoch") == epoch:
+            if attribute(holder, "epoch") == epoch:
                 continue
             try:
                 holder.epoch = epoch
@@ -556,43 +548,45 @@ def data_generators(*sources: Any) -> list[Any]:
     found: dict[int, Any] = {}
     for source in sources:
         for holder in _data_holders(source):
-            state = _attribute(holder, "__dict__")
+            state = attribute(holder, "__dict__")
             for value in state.values() if isinstance(state, dict) else ():
-                if _generator_state(value) is not None:
+                if _is_generator(value):
                     found.setdefault(id(value), value)
     return list(found.values())
 
 
-def _generator_state(generator: Any) -> Any:
-    """A random number generator's state (a copy), or ``None`` if it is not one."""
-    if isinstance(generator, torch.Generator):
-        return generator.get_state()
-    if isinstance(generator, random.Random) and not isinstance(generator, random.SystemRandom):  # (no state)
-        return generator.getstate()
+def _is_generator(value: Any) -> bool:
     numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(generator, numpy.random.Generator):
-        return copy.deepcopy(generator.bit_generator.state)
-    if numpy is not None and isinstance(generator, numpy.random.RandomState):
-        return generator.get_state()
-    return None
+    kinds = (numpy.random.Generator, numpy.random.RandomState) if numpy is not None else ()
+    return isinstance(value, (torch.Generator, *kinds)) or (
+        isinstance(value, random.Random) and not isinstance(value, random.SystemRandom)  # (no state)
+    )
+
+
+def _restorer(generator: Any) -> Callable[[], None]:
+    """A function that puts ``generator`` (one of :func:`_is_generator`'s kinds) back in its state now."""
+    if isinstance(generator, torch.Generator):
+        torch_state = generator.get_state()
+        return lambda: generator.set_state(torch_state)
+    if isinstance(generator, random.Random):
+        python_state = generator.getstate()
+        return lambda: generator.setstate(python_state)
+    if hasattr(generator, "bit_generator"):  # a NumPy Generator
+        numpy_state = copy.deepcopy(generator.bit_generator.state)
+        return lambda: setattr(generator.bit_generator, "state", numpy_state)
+    legacy_state = generator.get_state()  # a NumPy RandomState
+    return lambda: generator.set_state(legacy_state)
 
 
 @contextlib.contextmanager
 def preserved_generators(generators: Iterable[Any]) -> Iterator[None]:
     """Puts each generator's state back on exit (:func:`data_generators`' kinds)."""
-    states = [(generator, _generator_state(generator)) for generator in generators]
+    restorers = [_restorer(generator) for generator in generators]
     try:
         yield
     finally:
-        for generator, state in states:
-            if isinstance(generator, torch.Generator):
-                generator.set_state(state)
-            elif isinstance(generator, random.Random):
-                generator.setstate(state)
-            elif hasattr(generator, "bit_generator"):  # a NumPy Generator
-                generator.bit_generator.state = state
-            else:  # a NumPy RandomState
-                generator.set_state(state)
+        for restore in restorers:
+            restore()
 
 
 def fresh_batches(data: Data) -> Iterable[Any]:

@@ -345,23 +345,8 @@ class PreciseBNMixin(_Recalibrator):
         that say when it computes and what, so that two callbacks of one Trainer (e.g. one before
         validation, one every epoch on other layers) each keep their own (Lightning refuses two
         stateful callbacks with one key, at the Trainer's construction)."""
-        return self._generate_state_key(  # type: ignore[attr-defined, no-any-return]
-            on_validation=self.on_validation,
-            on_checkpoint=self.on_checkpoint,
-            every_n_train_steps=self.every_n_train_steps,
-            every_n_epochs=self.every_n_epochs,
-            num_samples=self.num_samples,
-            num_batches=self.num_batches,
-            mode=self.mode,
-            layers=_stable(self.layers),
-            capture=self.capture,
-            tolerance=self.tolerance,
-            prior=self.prior,
-            adapt=self.adapt,
-            frozen=self.frozen,
-            data=_stable(self.data),
-            forward=_stable(self.forward),
-        )
+        options = {name: _stable(getattr(self, name)) for name in _KEYED}
+        return self._generate_state_key(**options)  # type: ignore[attr-defined, no-any-return]
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         # A checkpoint of precisebn 0.1.0, whose state key was the class name alone (Lightning then loads
@@ -379,6 +364,26 @@ class PreciseBNMixin(_Recalibrator):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._load_scheduler_state(state_dict)
+
+
+# the options that say when a PreciseBN computes and what (its state key; the same in every run of a script)
+_KEYED = (
+    "on_validation",
+    "on_checkpoint",
+    "every_n_train_steps",
+    "every_n_epochs",
+    "num_samples",
+    "num_batches",
+    "mode",
+    "layers",
+    "capture",
+    "tolerance",
+    "prior",
+    "adapt",
+    "frozen",
+    "data",
+    "forward",
+)
 
 
 def _stable(option: Any) -> Any:
