@@ -152,7 +152,7 @@ class FrozenLayers:
                 )
             return layers, []
         skipped = {id(core[name]) for name in found}
-        base = layer_matcher(layers, dict(unwrap(model).named_modules()))  # (checks the user's names now)
+        base = layer_matcher(layers, dict(unwrap(model).named_modules()), model)  # (checks the user's names now)
 
         def selected(name: str, module: nn.Module, base: Callable[[str, nn.Module], bool] = base) -> bool:
             return id(module) not in skipped and bool(base(name, module))

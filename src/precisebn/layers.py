@@ -137,8 +137,9 @@ def layer_matcher(
     selection: LayerSelection, candidates: dict[str, nn.Module], root: nn.Module | None = None
 ) -> Callable[[str, nn.Module], bool]:
     """A predicate ``(name, module) -> bool`` for a ``layers=`` selection among ``candidates``
-    (``model.named_modules()``), whose names it checks now; with ``root`` (the model), a
-    module registered under two names is found by either.
+    (``model.named_modules()``), whose names it checks now; with ``root`` (the model, or the
+    DDP/DataParallel/``torch.compile`` wrapper around it), a module registered under two names is
+    found by either — the wrapper's names (``module.1``) included.
 
     Raises:
         LayerNotFoundError: A named module is not among ``candidates``.
@@ -179,9 +180,6 @@ def layer_matcher(
         every = dict(root.named_modules(remove_duplicate=False))
         names = [canonical.get(id(every[n]), n) if n in every else n for n in names]
         unknown = [n for n in names if n not in known]
-    if unknown:  # a wrapper's own names (DDP/DataParallel "module.", torch.compile "_orig_mod."): the passes run inside
-        names = [_inside_wrappers(n, known) for n in names]
-        unknown = [n for n in names if n not in known]
     if unknown:
         hints = []
         for n in unknown:
@@ -201,14 +199,6 @@ def layer_matcher(
     return lambda name, module: name in wanted
 
 
-def _inside_wrappers(name: str, known: dict[str, nn.Module]) -> str:
-    """``name`` without the prefixes of the wrappers :func:`unwrap` looks through, if that names a module."""
-    inner = name
-    while inner not in known and inner.startswith(("module.", "_orig_mod.")):
-        inner = inner.split(".", 1)[1]
-    return inner if inner in known else name
-
-
 def find_norm_layers(
     model: nn.Module,
     layers: LayerSelection = None,
@@ -216,6 +206,7 @@ def find_norm_layers(
     capture: Capture = "auto",
     require: bool = True,
     modules: list[tuple[str, nn.Module]] | None = None,
+    root: nn.Module | None = None,
 ) -> list[NormLayer]:
     """The normalization layers of ``model`` to recalibrate, in module order.
 
@@ -227,13 +218,15 @@ def find_norm_layers(
             (see :class:`NormLayer`); ``"float64"``: every layer on the float64 path.
         require: Raise :class:`LayerNotFoundError` when nothing is selected.
         modules: ``model.named_modules()``, if the caller has already listed them.
+        root: What the user passed, if ``model`` is the module inside a wrapper (its names
+            are accepted in ``layers``).
 
     Raises:
         LayerNotFoundError: A named layer does not exist, or nothing is selected.
         UninitializedLayerError: A selected lazy layer has not run yet.
     """
     all_modules = dict(modules if modules is not None else model.named_modules(remove_duplicate=True))
-    match = layer_matcher(layers, all_modules, model)
+    match = layer_matcher(layers, all_modules, model if root is None else root)
     found: list[NormLayer] = []
     scripted: list[str] = []  # TorchScript norm layers: compiled code, out of reach
     for name, module in all_modules.items():

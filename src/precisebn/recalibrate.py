@@ -344,7 +344,7 @@ def _estimate(
             vote = ctx.vote(tolerance, AUTO_MIN_SAMPLES, num_samples or sys.maxsize)  # type: ignore[arg-type]
         if ctx is not None and num_samples is not None:
             num_samples = math.ceil(num_samples / ctx.world_size)
-        model = unwrap(model)
+        given, model = model, unwrap(model)
         target = _device(device) or model_device(model)
         if not move:  # (the drop-ins: batches reach the forward as the very objects the data gave)
             target = None
@@ -367,7 +367,7 @@ def _estimate(
         if walk is not None:
             walk[:] = modules
         guard.enter_context(exclusive(model, modules))
-        selected = find_norm_layers(model, layers, capture=capture, modules=modules)
+        selected = find_norm_layers(model, layers, capture=capture, modules=modules, root=given)
         if writes:  # (statistics held otherwise than as buffers: refused by the passes, see recalibration_state)
             refuse_shared_buffers(
                 [
