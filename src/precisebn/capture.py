@@ -48,7 +48,7 @@ verified for in the layout of what it normalises (:func:`_verified_size`), measu
 CPU checked at the end of its batch, see :meth:`_LayerCall.measure_beyond`), and a call of a layer with a
 forward of its own at an input shape not seen before, watched (:meth:`_LayerCall._known_shape`: measured in
 float64 unless it normalises one tensor of its input's size once with batch figures into its own buffers;
-the counter increments of calls measured in float64 are left out of :meth:`Collector.finish`'s check); what
+the counter increments of watched calls are left out of :meth:`Collector.finish`'s check); what
 keeps the verified batch valid for them: each
 layer's scratch ``num_batches_tracked`` is set back to 0 after every batch, and put back in the
 layer if its forward replaced it (a forward that counts its calls sees the verified counts again); a
@@ -56,8 +56,8 @@ fast-path call whose layer's momentum is no longer 1.0 is refused; a call that r
 nothing, and what it wrote into the scratch is taken back (:meth:`_LayerCall.unstash`,
 :meth:`Collector._failed`); a call inside the layer's own call (whose figures the enclosing call
 overwrites) is refused — in the verifying batch such calls, and the calls enclosing them, go to the
-float64 path; :meth:`Collector.finish` refuses a layer whose forward computed figures fewer times
-than it was called.
+float64 path; a call read unwatched that does not move the layer's counter by exactly one is refused
+at once, and :meth:`Collector.finish` refuses a layer whose counter moved otherwise outside its calls.
 
 Outside the verifying batch nothing here reads a device value on the host (the check of calls beyond
 their layer's verified size is made on the CPU only); the only
@@ -933,8 +933,10 @@ class _LayerCall:
                     lent = False
                 if guard and c._changed():
                     raise c._modified_in_place(i, during=True)
+                once = counter is None or counter._version == before + 1  # (a host integer, every call)
+                if not (once or watching) and c._checked_calls[i]:
+                    raise c._counted_otherwise(i, counter._version - before)  # type: ignore[union-attr]
                 if new_shape:
-                    once = counter is None or counter._version == before + 1
                     layout = self._known_shape(seen, figures, x, once)
                     # not its input alone, once, with batch figures: what it normalised, in float64; else as usual
                     beyond = layout is None or n > self.verified[layout]
@@ -950,11 +952,8 @@ class _LayerCall:
                     row[i] = n
                     c.counts[i] += n
                     c.calls[i] += 1
-                if counter is not None:
-                    if watching:  # (what it left is known: its counts are its own business)
-                        c._lost[i] += counter._version - before - 1
-                    elif counter._version != before + 1 and c._checked_calls[i]:  # (a host integer, every call)
-                        raise c._counted_otherwise(i, counter._version - before)
+                if watching and counter is not None:  # (what it left is known: its counts are its own business)
+                    c._lost[i] += counter._version - before - 1
             elif path == "verify":
                 out = self.verify(forward, args, kwargs, j, inside > 0)
             else:

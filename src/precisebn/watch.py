@@ -48,7 +48,7 @@ class _Spec(NamedTuple):
     """Where a normalization op takes what the watch reads (``input`` is always argument 0)."""
 
     running_mean: int  # its position (running_var's is next)
-    batch: int | bool  # the batch flag's position (training / use_input_stats), or the op's constant
+    batch: int | None  # the batch flag's position (training / use_input_stats); None: always batch_default
     batch_keyword: str
     batch_default: bool
     momentum: int  # its position
@@ -86,9 +86,9 @@ _CALLS: dict[Any, _Spec] = {
             _Spec(3, 5, "training", False, 6),
         ),
         (_ops("instance_norm"), _Spec(3, 5, "use_input_stats", True, 6)),
-        (_ops("_batch_norm_with_update"), _Spec(3, True, "", True, 5)),
-        (_ops("_batch_norm_no_update"), _Spec(3, False, "", False, 5)),  # (with the running statistics)
-        (_ops("_batch_norm_with_update_functional"), _Spec(3, True, "", True, 5, writes=False)),
+        (_ops("_batch_norm_with_update"), _Spec(3, None, "", True, 5)),
+        (_ops("_batch_norm_no_update"), _Spec(3, None, "", False, 5)),  # (with the running statistics)
+        (_ops("_batch_norm_with_update_functional"), _Spec(3, None, "", True, 5, writes=False)),
         (_ops("_native_batch_norm_legit_functional"), _Spec(3, 5, "training", False, 6, writes=False)),
     )
     for f in fs
@@ -209,9 +209,8 @@ def _norm_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
     running_var = args[at + 1] if len(args) > at + 1 else kwargs.get("running_var")
     if spec is None:  # torch's gathering: the layer's running buffers get the batch figures
         return x, running_mean, running_var, True
-    batch = spec.batch
-    if batch is not True and batch is not False:
-        batch = args[batch] if len(args) > batch else kwargs.get(spec.batch_keyword, spec.batch_default)
+    at = spec.batch
+    batch = args[at] if at is not None and len(args) > at else kwargs.get(spec.batch_keyword, spec.batch_default)
     at = spec.momentum
     momentum = args[at] if len(args) > at else kwargs.get("momentum", kwargs.get("exponential_average_factor", 0.1))
     return x, running_mean, running_var, spec.writes and bool(batch) and momentum == 1.0
