@@ -1231,3 +1231,63 @@ def test_a_call_without_figures_is_not_hidden_by_another_counting_twice(snapshot
     stats = precisebn.estimate(model, batches, num_batches=6, capture="float64")["0"]
     assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-9
     assert max_rel_error(stats.var, truth.var) < 1e-9
+
+
+class ScaledBatchNorm(nn.BatchNorm2d):
+    """Normalises a copy of its input (``x * 1.0``): what it normalises is not its input itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * 1.0)
+
+
+def _tight_batches(layer: str, seed: int = 0) -> list[torch.Tensor]:
+    """A small batch, a wide one (|mean|/σ about 1), then three nearly constant ones at the same means
+    (|mean|/σ about 10⁵: blank frames, padding) of as many values per channel, channels adjacent in memory."""
+    g = torch.Generator().manual_seed(seed)
+    mean = torch.tensor([2544.5, 1027.4])
+    spreads = [1000.0, 1000.0, 0.02, 0.02, 0.02]
+    rows = [16, 16384, 16384, 16384, 16384]
+    out = []
+    for n, s in zip(rows, spreads):
+        x = torch.randn(n, 2, generator=g) * s + mean
+        if layer != "BatchNorm1d":  # (N, C, 4, 4), channels_last: the same values per channel
+            x = x.reshape(-1, 4, 4, 2).permute(0, 3, 1, 2)
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("layer", ["BatchNorm1d", "BatchNorm2d", "BatchNormAct2d"])
+def test_a_later_call_further_from_0_than_any_checked_one_is_measured_in_float64(layer: str) -> None:
+    """torch's CPU kernel for (N, C) and channels_last inputs reduces in float32, and errs more the
+    further the mean is from 0 in units of σ: nearly constant batches far from 0 after a wide one
+    that verified the layer at as many values read 4.5e-4 σ off in the mean, "fast". A call whose
+    figures are further from 0 than any checked call of at least its size is now measured from its
+    input in float64 (and checked: later calls up to it read their figures again)."""
+    timm = pytest.importorskip("timm") if layer == "BatchNormAct2d" else None
+    module = {
+        "BatchNorm1d": lambda: nn.BatchNorm1d(2),
+        "BatchNorm2d": lambda: nn.BatchNorm2d(2),
+        "BatchNormAct2d": lambda: timm.layers.BatchNormAct2d(2),
+    }[layer]()
+    model = nn.Sequential(module)
+    batches = _tight_batches(layer)
+    truth = compute_truth(model, batches)
+    stats = precisebn.estimate(model, batches, num_samples="all")
+    assert stats["0"].path == "fast"
+    mean_error, var_error = _errors(stats, truth)
+    assert mean_error < 1e-8 and var_error < 1e-8, (mean_error, var_error)
+
+
+def test_a_forward_of_its_own_normalising_a_copy_further_from_0_is_refused(snapshot, unchanged) -> None:
+    """The same batches through a layer that normalises a copy of its input, with a forward of its own:
+    what it normalised is not at hand after an unwatched call, so such a call is refused by name (and
+    capture='float64' measures it exactly)."""
+    model = nn.Sequential(ScaledBatchNorm(2))
+    batches = _tight_batches("BatchNorm2d")
+    before = snapshot(model)
+    with pytest.raises(UnsupportedLayerError, match=r"'0' \(ScaledBatchNorm\) left batch figures with a mean further"):
+        precisebn.estimate(model, batches, num_samples="all")
+    unchanged(model, before)
+    truth = compute_truth(model, batches)
+    mean_error, var_error = _errors(precisebn.estimate(model, batches, num_samples="all", capture="float64"), truth)
+    assert mean_error < 1e-8 and var_error < 1e-8, (mean_error, var_error)

@@ -197,6 +197,11 @@ def _indexed_loader(kind: str, seed: int) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(dataset, batch_sampler=batches)
     if kind in ("numpy", "random"):  # a custom sampler shuffling with a generator of its own (not torch's)
         return torch.utils.data.DataLoader(dataset, batch_size=8, sampler=_OwnShuffle(len(dataset), kind, seed))
+    if kind in ("in a dict", "in a state object"):  # the sampler's generator held one level down (a probe)
+        sampler = _OwnShuffle(len(dataset), "numpy", seed)
+        rng, sampler.rng = sampler.rng, _Held()
+        sampler.rng.state = {"rng": rng} if kind == "in a dict" else _Held(rng=rng)
+        return torch.utils.data.DataLoader(dataset, batch_size=8, sampler=sampler)
     if kind == "transform":  # the generator in a transform inside torchvision's Compose
         from torchvision.transforms import Compose
 
@@ -264,6 +269,17 @@ class _Jittered(torch.utils.data.Dataset):
         return x + noise, index + round(noise, 3)
 
 
+class _Held:
+    """A plain state object; as ``rng``, shuffles with the generator it holds (in a dict or another such object)."""
+
+    def __init__(self, **attributes: Any) -> None:
+        self.__dict__.update(attributes)
+
+    def shuffle(self, order: list[int]) -> None:
+        state = self.state
+        (state["rng"] if isinstance(state, dict) else state.rng).shuffle(order)
+
+
 class _OwnShuffle(torch.utils.data.Sampler[int]):
     """Shuffles every epoch with NumPy's Generator or Python's random.Random, held by the sampler."""
 
@@ -293,6 +309,8 @@ class _OwnShuffle(torch.utils.data.Sampler[int]):
         "persistent_workers",
         "numpy",
         "random",
+        "in a dict",
+        "in a state object",
         "dataset",
         "transform",
         "epoch property",

@@ -68,6 +68,7 @@ of per-layer counts (usually one or two per run), kept in a small cache.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -77,7 +78,7 @@ from torch import Tensor
 
 from .errors import InvalidArgumentError, UnsupportedLayerError
 from .layers import RecalibrationState, ScratchGroup
-from .spotcheck import SpotChecks
+from .spotcheck import HELD, PARTIAL_MARGIN, SpotChecks
 from .state import version_of
 from .stats import RunningMoments, fold_errors, fold_errors_from_sums, merge_counted
 from .trial import Trial, fitting
@@ -156,6 +157,17 @@ class Collector:
         # figures, float64 moments)
         self._beyond: list[tuple[_LayerCall, int, int, Tensor, RunningMoments]] = []
         self._spots: SpotChecks | None = None  # CPU: the checks of this batch's calls waiting to be made together
+        # this batch's calls read through their figures in layout 1 on the CPU, waiting for their ratio to be
+        # compared (see _defer): (call, index in the batch, values per channel, what it normalised or None)
+        self._pending: list[tuple[_LayerCall, int, int, Tensor | None]] = []
+        self._pending_bytes = 0
+        self._ratio_plans: dict[int, tuple[int, int]] = {}  # layer: (its scratch group, its slot there)
+        for g, scratch in enumerate(state.groups):
+            for slot, i in enumerate(scratch.layer_ids):
+                self._ratio_plans[i] = (g, slot)
+        self._ratio_steps: dict[int, tuple[Tensor, Tensor]] = {}  # group: (eps per channel, segment lengths)
+        self._bound_tests: dict[tuple[Any, ...], list[tuple[int, Tensor, Tensor]]] = {}
+        self._fronts = 0  # changes of the layers' checked calls (see _LayerCall.passed): the cached bounds' version
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
         self._scratch = state.groups
@@ -297,6 +309,131 @@ class Collector:
             "exclude the layer with layers=.",
         )
 
+    def _beyond_checked(self, i: int) -> UnsupportedLayerError:
+        return self._refusal(
+            i,
+            "left batch figures with a mean further from 0 (in units of its σ) than any of its calls precisebn "
+            "checked at that many values per channel, for an input whose channels are adjacent in memory "
+            "(channels_last, (N, C)) or in half precision, which torch's CPU kernel reduces in float32, rounding "
+            "more the further the mean is from 0; its forward is its own, so what it normalised is not at hand to "
+            "measure in float64",
+            "its figures match what it normalises for such calls. Pass capture='float64' (every layer measured "
+            "in float64 from what it normalises), or exclude the layer with layers=.",
+        )
+
+    def _defer(self, call: _LayerCall, j: int, n: int, t: Tensor | None) -> None:
+        """Keeps a call read through its figures in layout 1 on the CPU until its figures' ratio is compared
+        with the calls its layer had checked (:meth:`_run_pending`: all waiting calls at once, before the layer
+        is called again, at the end of the batch, or once :data:`~precisebn.spotcheck.HELD` bytes of their inputs
+        are held): ``t``, what it normalised (held until then), or ``None`` where that is not known."""
+        self._pending.append((call, j, n, t))
+        if t is not None:
+            self._pending_bytes += t.nbytes
+            if self._pending_bytes > HELD:
+                self._run_pending()
+
+    def _run_pending(self) -> None:
+        """The calls kept by :meth:`_defer`: each whose figures no checked call vouches for (see
+        :meth:`_LayerCall.covered`) has them checked now (:meth:`_vouched`); if they do not pass, what it
+        normalised is measured in float64 instead (and its figures checked at the end of the batch, as a call
+        beyond its verified size). A call whose normalised tensor is not known is refused.
+
+        Raises:
+            UnsupportedLayerError: As said.
+        """
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        # per scratch group, the ratio each pending call's checked calls vouch for, spread over its channels
+        # (cached: usually the same layers with the same counts in every batch, and the same checked calls)
+        key = (self._fronts, *[(call.i, n) for call, _, n, _ in pending])
+        tests = self._bound_tests.get(key)
+        if tests is None:
+            if len(self._bound_tests) >= _COUNT_CACHE:
+                self._bound_tests.clear()
+            tests = self._bound_tests[key] = self._bound_vectors(pending)
+        # the groups where a call is beyond its bound (one test per group, a few kernels), and there each
+        # layer's largest mean² / (var + eps)
+        ratios = {g: self._ratios_of(g) for g, bound, bound_eps in tests if self._beyond_bounds(g, bound, bound_eps)}
+        if not ratios:
+            return
+        for call, j, n, t in pending:
+            g, slot = self._ratio_plans[call.i]
+            r2 = ratios.get(g)
+            if r2 is None or call.covered(n, r2[slot]):
+                continue
+            i = call.i
+            if t is None:
+                self._refused = self._beyond_checked(i)
+                raise self._refused
+            eps_i = float(call.module.eps)
+            if self._vouched(t, call.pair, eps_i):
+                call.passed(n, call.pair, margin=True)
+                continue
+            moments = moments_of([t])  # (float32 figures here: the call counted n, kept now in float64 instead)
+            assert moments is not None
+            self._keep((i, j if self.per_call else 0), moments, n)
+            self._beyond.append((call, n, 1, call.pair.clone(), moments))
+            call.pair.copy_(self._initial_pair(i))
+            self._row[i] = 0
+            if self._guard:
+                self._seen = self._version()
+
+    def _bound_vectors(
+        self, pending: list[tuple[_LayerCall, int, int, Tensor | None]]
+    ) -> list[tuple[int, Tensor, Tensor]]:
+        """Per scratch group of the pending calls: the ratio each call's checked calls vouch for (see
+        :meth:`_LayerCall.bound`) on its layer's channels, infinite elsewhere, and that times eps."""
+        bounds: dict[int, Tensor] = {}
+        for call, _, n, _ in pending:
+            g, slot = self._ratio_plans[call.i]
+            if g not in bounds:
+                bounds[g] = torch.full_like(self._ratio_steps_of(g)[0], float("inf"))
+            scratch = self._scratch[g]
+            at = scratch.offsets[slot]
+            bounds[g][at : at + scratch.channels[slot]] = call.bound(n)
+        return [(g, bound, bound * self._ratio_steps_of(g)[0]) for g, bound in bounds.items()]
+
+    def _beyond_bounds(self, g: int, bound: Tensor, bound_eps: Tensor) -> bool:
+        """Whether in scratch group ``g`` a layer's figures have mean² > bound · (var + eps) on some channel
+        (NaN is not beyond: non-finite figures are refused by name at the end anyway)."""
+        mean, var = self._scratch[g].buffer
+        return bool(torch.gt(mean.square(), torch.addcmul(bound_eps, bound, var)).any())
+
+    def _ratio_steps_of(self, g: int) -> tuple[Tensor, Tensor]:
+        """Scratch group ``g``'s eps per channel (1 in the gaps between layers) and the lengths of its segments
+        (the gaps and the layers' channels, in turn)."""
+        if g not in self._ratio_steps:
+            scratch = self._scratch[g]
+            eps, lengths, at = [], [], 0
+            for i, off, c in zip(scratch.layer_ids, scratch.offsets, scratch.channels):
+                lengths += [off - at, c]
+                eps += [1.0] * (off - at) + [float(self.layers[i].module.eps)] * c
+                at = off + c
+            lengths.append(scratch.buffer.shape[1] - at)
+            eps += [1.0] * lengths[-1]
+            self._ratio_steps[g] = (torch.tensor(eps, dtype=scratch.buffer.dtype), torch.tensor(lengths))
+        return self._ratio_steps[g]
+
+    def _ratios_of(self, g: int) -> list[float]:
+        """The largest mean² / (var + eps) of each layer's figures in scratch group ``g`` now (by the slots of
+        ``_ratio_plans``): over the whole buffer, one segmented maximum (its segments: the layers' channels and
+        the gaps between them, eps 1 in the gaps)."""
+        eps_per_channel, lengths = self._ratio_steps_of(g)
+        buffer = self._scratch[g].buffer
+        score = buffer[0].square().div_(buffer[1] + eps_per_channel)
+        return torch.segment_reduce(score, "max", lengths=lengths, unsafe=True).tolist()[1::2]
+
+    def _vouched(self, t: Tensor, pair: Tensor, eps: float) -> bool:
+        """Whether the float32 figures ``pair`` of a later call, which no checked call vouches for (see
+        :meth:`_LayerCall.covered`), pass a check now against ``t``, what it normalised — on the channels
+        spread over the layer and those it rounds most, within a quarter of the tolerance
+        (:meth:`~precisebn.spotcheck.SpotChecks.check_now`): a few channels copied as float64, where measuring
+        the call in float64 would copy them all."""
+        if pair.dtype != torch.float32:
+            return False
+        if self._spots is None:
+            self._spots = SpotChecks(TOLERANCE[torch.float32], torch.finfo(torch.float32).eps / 2)
+        return self._spots.check_now(t, pair, eps, every=True) is True
+
     def _buffers_replaced(self, i: int) -> UnsupportedLayerError:
         return self._refusal(
             i,
@@ -343,6 +480,8 @@ class Collector:
         """
         if self._refused is not None:
             raise self._refused
+        if self._pending:
+            self._run_pending()
         if self._guard and self._changed():
             self._entered(self._last, nested=False)  # (as if the next call started: after the last one)
         if self.per_call:
@@ -379,6 +518,8 @@ class Collector:
         for (call, n, layout, pair, _), score in zip(beyond, discrepancies(items)):
             if score <= TOLERANCE[pair.dtype]:
                 call.verified[layout] = max(call.verified[layout], _verified_size(n, layout, pair.device))
+                if layout:
+                    call.passed(n, pair, margin=score <= TOLERANCE[pair.dtype] / PARTIAL_MARGIN)
 
     def _sum_figures(self, fold: int) -> None:
         """Adds the figures left in the scratch buffers by this batch's last calls to the sums."""
@@ -410,25 +551,27 @@ class Collector:
                 s1.add_(nd)
                 s2.addcmul_(nd, d).addcmul_(var, count_minus_one)
 
-    def _check_on_cpu(self, i: int, trial: Trial, seen: list[Tensor], x: Tensor, n: int, pair: Tensor) -> None:
+    def _check_on_cpu(self, i: int, trial: Trial, seen: list[Tensor], x: Tensor, n: int, pair: Tensor) -> bool:
         """On the CPU, where reading a value costs no synchronisation: checks a call's own figures
         on a few channels — every channel where the channels are adjacent in memory (channels_last,
         ``(N, C)``: see :func:`_layout`) — (float32 figures: together with other calls', see
         :mod:`~precisebn.spotcheck`; float64 figures: at once) rather than reducing all it
-        normalised in float64; a call that passes keeps its figures as its moments."""
+        normalised in float64; a call that passes keeps its figures as its moments. Returns whether they were
+        seen to pass within a quarter of the tolerance already (checked at once on every channel, or where it
+        rounds most: :meth:`~precisebn.spotcheck.SpotChecks.check_now` with ``every``)."""
         layer = self.layers[i]
         channels = layer.channels
         t = fitting(seen, x, channels)
         if t is None:
             trial.add(seen, x, channels, n)
-            return
+            return False
         # channels adjacent in memory: torch's kernel rounds more, and most where |mean|/σ is largest, in a
         # channel a few checked ones can miss: every channel is checked
         every = bool(_layout(t))
         eps = float(layer.module.eps)
         if pair.dtype != torch.float32:
             trial.add_checked(t, x, channels, n, pair, eps)
-            return
+            return False
         if self._spots is None:
             self._spots = SpotChecks(TOLERANCE[torch.float32], torch.finfo(torch.float32).eps / 2)
         spots = self._spots
@@ -439,7 +582,7 @@ class Collector:
                 trial.add(seen, x, channels, n)
             else:
                 trial.checked(verdict, seen, x, channels, n)
-            return
+            return verdict is True and every
         if not spots.room(n, nbytes, channels, every):
             self._run_spot_checks()
         version = version_of(t)  # None: an inference tensor, checked at once (nothing can have changed it yet)
@@ -447,6 +590,7 @@ class Collector:
         spots.add((i, trial, len(trial.calls) - 1, seen, x, n, version), i, t, pair, eps, nbytes, every)
         if version is None:
             self._run_spot_checks()
+        return False
 
     def _run_spot_checks(self) -> None:
         """Makes the waiting CPU checks; a call that fails is reduced in float64 whole, from
@@ -711,14 +855,18 @@ class _LayerCall:
         "active",
         "c",
         "channels",
+        "cover",
         "i",
         "init_mean",
         "init_var",
+        "itself",
         "mean_view",
         "module",
         "nested",
+        "on_cpu",
         "own_forward",
         "pair",
+        "ratios",
         "shapes",
         "var_view",
         "verified",
@@ -740,12 +888,21 @@ class _LayerCall:
         # float64 (and on the CPU checked, raising this when its figures pass) — torch's CPU kernels for
         # channels_last and (N, C) inputs round more, and more with more values; other layouts round otherwise
         self.verified = [0, 0]
+        # on the CPU, in layout 1, the (values per channel, largest mean² / (var + eps)) of the calls whose figures
+        # passed: the rounding of those kernels grows with both, so a later call is read through its figures only
+        # where one checked call had at least as many values and as large a ratio (see covered)
+        self.on_cpu = self.pair.device.type == "cpu"
+        self.ratios: list[tuple[int, float]] = []
+        self.cover: dict[int, float] = {}  # by values per channel: the largest ratio the checked calls vouch for
         # a layer with a forward of its own (not torch's), by its input's layout (see _layout): the input shapes
         # its calls were seen, watched, to normalise a tensor of the input's size once with batch figures in its
         # buffers, and that tensor's layout (which `verified` is read by) — a call of another shape or layout is
         # watched again (its behaviour may depend on them: a "ghost" BatchNorm normalising per chunk of the batch,
         # a copy in another memory layout)
         self.shapes: tuple[dict[torch.Size, int], dict[torch.Size, int]] = ({}, {})
+        # of those, the shapes at which the tensor it normalised was its input itself (not a copy or a transform):
+        # a call there that its checked calls do not vouch for (see covered) is measured from its input in float64
+        self.itself: tuple[set[torch.Size], set[torch.Size]] = (set(), set())
 
     def watched(
         self, forward: Callable[..., Any], x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -852,7 +1009,40 @@ class _LayerCall:
         shapes = self.shapes[_layout(x)]
         if counted and len(shapes) < _SHAPES:
             shapes[x.shape] = layout
+            if t is x:
+                self.itself[_layout(x)].add(x.shape)
         return layout
+
+    def bound(self, n: int) -> float:
+        """The largest mean² / (var + eps) that the checked calls of at least ``n`` values vouch for (-1: none)."""
+        bound = self.cover.get(n)
+        if bound is None:  # (cached by n: usually the same in every batch)
+            bound = self.cover[n] = max((r for k, r in self.ratios if n <= k), default=-1.0)
+        return bound
+
+    def covered(self, n: int, r2: float) -> bool:
+        """Whether the figures of a call of ``n`` values per channel in layout 1 (on the CPU), whose largest
+        mean² / (var + eps) is ``r2``, are vouched for by a checked call: one with at least as many values
+        and a mean at least as far from 0 in units of σ (:attr:`ratios`) — torch's float32 reduction of such
+        inputs errs more with both. Non-finite figures are: they are refused by name at the end anyway."""
+        return r2 <= self.bound(n) or r2 != r2
+
+    def passed(self, n: int, pair: Tensor, margin: bool = False) -> None:
+        """Records that figures ``pair`` of a call of ``n`` values per channel in layout 1 passed their check
+        (see :meth:`covered`); only the calls not vouched for by another are kept. ``margin``: they passed
+        within a quarter of the tolerance, so they vouch for calls up to ``2r + 1`` (``r``: their largest
+        |mean|/σ) — the kernel's error grows at most as ``(1 + r)²`` (a float32 sum of squares; a sum, or two
+        passes, as ``1 + r``)."""
+        r2 = _ratio(pair, float(self.module.eps))
+        if r2 != r2:
+            return
+        if margin:
+            r2 = (2 * math.sqrt(r2) + 1) ** 2
+        if any(n <= k and r2 <= r for k, r in self.ratios):
+            return
+        self.ratios = [(k, r) for k, r in self.ratios if not (k <= n and r <= r2)] + [(n, r2)]
+        self.cover.clear()
+        self.c._fronts += 1
 
     def count(self, x: Tensor, j: int) -> int:
         """Counts a call that returned: its values per channel are this batch's (in the sums at its end)."""
@@ -910,13 +1100,16 @@ class _LayerCall:
                 layout: int | None = x.dim() < 3 or x.stride(1) == 1 or x.dtype in _REDUCED  # (_layout, inline)
                 new_shape = False
                 if not self.own_forward:  # a forward of its own, called with a new input shape: watched (_known_shape)
-                    layout = self.shapes[layout].get(x.shape)  # (what it normalises: its layout)
+                    xl = layout
+                    layout = self.shapes[xl].get(x.shape)  # (what it normalises: its layout)
                     new_shape = layout is None
                 # beyond the size verified for its layout (see _verified_size): measured in float64
                 beyond = layout is not None and n > self.verified[layout]
                 watching = beyond or new_shape
                 # too few values, a second call in this batch, per call, beyond, new shape
                 unusual = n == 1 or row[i] or c.per_call or watching
+                if row[i] and c._pending:  # (its figures are about to be overwritten)
+                    c._run_pending()
                 stashed = self.stash(x, j) if unusual else None
                 try:
                     if watching:
@@ -940,6 +1133,9 @@ class _LayerCall:
                     layout = self._known_shape(seen, figures, x, once)
                     # not its input alone, once, with batch figures: what it normalised, in float64; else as usual
                     beyond = layout is None or n > self.verified[layout]
+                if layout == 1 and not beyond and self.on_cpu:  # its figures' ratio, compared later (see _defer)
+                    known = watching or self.own_forward or x.shape in self.itself[xl]  # what it normalised
+                    c._defer(self, j, n, (seen[0] if watching else x) if known else None)
                 if beyond:
                     try:
                         self.measure_beyond(seen, figures, x, j)
@@ -1029,8 +1225,12 @@ class _LayerCall:
         once = counter is None or counter._version == before + 1
         if not self.own_forward and figures and t is not None and once and len(shapes) < _SHAPES:
             shapes[x.shape] = layout
+            if t is x:
+                self.itself[_layout(x)].add(x.shape)
         if figures and x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads: free
-            c._check_on_cpu(i, trial, seen, x, n, self.pair)
+            comfortably = c._check_on_cpu(i, trial, seen, x, n, self.pair)
+            if layout:  # (the layer keeps the fast path only if this call's figures pass)
+                self.passed(n, self.pair, margin=comfortably)
         else:  # (no figures of this call in its buffers, whatever they hold: the float64 path)
             trial.add(seen, x, self.channels, n, figures)
         trial.counted &= counter is not None and counter._version == before + 1
@@ -1047,6 +1247,11 @@ def _verified_size(n: int, layout: int, device: torch.device) -> int:
 
 
 _REDUCED = (torch.float16, torch.bfloat16)
+
+
+def _ratio(pair: Tensor, eps: float) -> float:
+    """The largest ``mean² / (var + eps)`` of figures ``pair`` (``(2, C)``); NaN if any is."""
+    return float(pair[0].square().div_(pair[1] + eps).amax())
 
 
 def _layout(x: Tensor) -> int:

@@ -544,15 +544,45 @@ def data_generators(*sources: Any) -> list[Any]:
     ``random.Random`` objects held by each DataLoader (its ``generator``: worker seeds and the
     default shuffling sampler), its sampler, its batch sampler and the batch sampler's sampler
     (a custom sampler shuffling with ``np.random.default_rng(seed)`` of its own: its next epoch's
-    order would otherwise move on by a computation's pass)."""
+    order would otherwise move on by a computation's pass) — as attributes, or inside them (a dict of
+    generators, a state object), see :func:`_generators_in`."""
     found: dict[int, Any] = {}
+    seen: dict[int, int] = {}
     for source in sources:
         for holder in _data_holders(source):
-            state = attribute(holder, "__dict__")
-            for value in state.values() if isinstance(state, dict) else ():
-                if _is_generator(value):
-                    found.setdefault(id(value), value)
+            _generators_in(holder, found, seen, _DEPTH)
     return list(found.values())
+
+
+_DEPTH = 3  # a holder's attributes, and two levels of state inside them (a dict of generators, a state object)
+_WIDE = 64  # a container with more items is data (samples, file names), not state: not searched
+
+
+def _generators_in(value: Any, found: dict[int, Any], seen: dict[int, int], depth: int) -> None:
+    """Adds to ``found`` the generators (:func:`_is_generator`) that ``value`` is or holds: in its attributes
+    (``__dict__``), the items of a dict, list, tuple or set, down to ``depth`` levels (each object once).
+    Tensors, strings, numbers and classes are not searched, nor containers of more than :data:`_WIDE`
+    items. ``seen``: the depth each object was searched to (searched again only deeper)."""
+    if _is_generator(value):
+        found.setdefault(id(value), value)
+        return
+    if depth <= seen.get(id(value), 0) or isinstance(value, _LEAVES):
+        return
+    seen[id(value)] = depth
+    if isinstance(value, dict):
+        items: Any = value.values()
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = value
+    else:
+        state = attribute(value, "__dict__")
+        items = state.values() if isinstance(state, dict) else ()
+    if len(items) > _WIDE:
+        return
+    for item in list(items):
+        _generators_in(item, found, seen, depth - 1)
+
+
+_LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.Tensor, type)
 
 
 def _is_generator(value: Any) -> bool:
