@@ -131,6 +131,63 @@ def test_buffers_of_any_stride_are_restored_after_success_and_failure() -> None:
     assert model[1].steps.item() == 0
 
 
+class Observed(nn.Module):
+    """Buffers a forward writes as torch.ao's observers and fake-quantizers do: a 1-byte flag first (the
+    others then start at odd byte offsets in a packed copy), an average updated in place, an empty
+    ``min_val`` and a one-element ``scale`` resized to one value per channel, and a cache shrunk to nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("enabled", torch.tensor([1], dtype=torch.uint8))
+        self.register_buffer("average", torch.zeros(3))
+        self.register_buffer("min_val", torch.tensor([]))
+        self.register_buffer("scale", torch.tensor([1.0]))
+        self.register_buffer("cache", torch.arange(5.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.average.mul_(0.9).add_(0.1 * x.mean())
+        self.min_val.resize_(x.shape[1]).copy_(x.amin(0))
+        self.scale.resize_(x.shape[1]).fill_(2.0)
+        self.cache.resize_(0)
+        return x
+
+
+@pytest.mark.parametrize("how", ["estimate", "recalibrate", "failing"])
+def test_buffers_resized_or_at_odd_offsets_are_put_back(how: str) -> None:
+    """A probe: a changed float buffer after a 1-byte one failed to restore ("storage_offset() must be divisible
+    by 4"), leaving the rest changed; a buffer resized in place kept its new shape silently (torchvision's QAT
+    resnet18 before its first forward: 84 state_dict entries), or failed to restore when shrunk."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), Observed(), nn.BatchNorm1d(6))
+    before = state_snapshot(model)
+    observed = {k: (t, t.clone()) for k, t in model[1]._buffers.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (nothing lost: no ModelChangedWarning)
+        if how == "estimate":
+            precisebn.estimate(model, data())
+        elif how == "recalibrate":
+            precisebn.recalibrate(model, data())
+        else:
+            with pytest.raises(OSError):
+                precisebn.recalibrate(model, failing(data()))
+    if how != "recalibrate":
+        assert_unchanged(model, before)
+    for k, (t, values) in observed.items():
+        assert model[1]._buffers[k] is t and t.shape == values.shape and torch.equal(t, values), k
+
+
+def test_torch_ao_observers_are_put_back() -> None:
+    """torch.ao's per-channel observer resizes its empty min_val/max_val at its first forward."""
+    observer = torch.ao.quantization.PerChannelMinMaxObserver(ch_axis=1)
+    model = nn.Sequential(nn.Linear(4, 6), observer, nn.BatchNorm1d(6))
+    before = state_snapshot(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        precisebn.estimate(model, data())
+    assert_unchanged(model, before)
+    assert observer.min_val.shape == (0,) and observer.max_val.shape == (0,)
+
+
 def test_unselected_batchnorm_in_keep_mode_is_restored() -> None:
     """torch's BatchNorm kernel updates running buffers without bumping their version
     counters: the restore compares bits, not versions."""

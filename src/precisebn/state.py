@@ -7,7 +7,8 @@ buffer's values (the whole stretch of storage it can reach, so views, expanded a
 non-contiguous buffers restore exactly) and the weights that torch's own modules
 renormalise in place (``Embedding``/``EmbeddingBag`` with ``max_norm``). On restore the
 original objects go back into their modules — a buffer that ``forward`` reassigned
-(``self.avg = 0.9 * self.avg + ...``) is put back as the tensor it was — and values are
+(``self.avg = 0.9 * self.avg + ...``) is put back as the tensor it was, one it resized in place
+(``resize_``, as torch.ao's observers do) gets its shape back — and values are
 copied back only where their bits differ (version counters cannot tell: torch's own
 BatchNorm kernels update running buffers without bumping them), so untouched tensors
 are not even written. Other parameters are not copied (that would double the model's
@@ -130,6 +131,9 @@ class _Saved:
     version: int | None
     copy: Tensor | None  # the span's values (own copy), or None when in a blob or not copied
     blob: tuple[torch.device, int, int] | None = None  # (device, start, length) in that device's blob
+    # (dtype, device, shape, strides, storage offset) of a strided tensor: a forward may resize it in place
+    # (resize_, set_, .data =: torch.ao's observers grow an empty min_val to one value per channel)
+    geometry: tuple[Any, ...] | None = None
 
 
 class StateSnapshot:
@@ -184,6 +188,7 @@ class StateSnapshot:
                             self._watched_versions.append(version_of(t))
                             continue
                         saved = _Saved(f"{prefix}.{key}" if prefix else key, t, version_of(t), None)
+                        saved.geometry = _geometry(t)
                         self._saved.append(saved)
                         span = _span(t)
                         if span is None:
@@ -225,6 +230,9 @@ class StateSnapshot:
             if version is not None and version_of(t) != version  # a parameter: only its version tells
         ]
         with torch.no_grad():
+            for s in self._saved:  # first the shapes (a forward may resize a buffer in place), then the values
+                if s.geometry is not None and _geometry(s.tensor) != s.geometry and not _reshape(s):
+                    lost.append(s.name)
             changed_blobs = self._changed_blobs()
             for s in self._saved:
                 if s.blob is not None:
@@ -232,29 +240,66 @@ class StateSnapshot:
                     if device not in changed_blobs:
                         continue
                     span = _span(s.tensor)
-                    old = self._blobs[device][start : start + length]
-                    if torch.equal(_bytes(span), old):  # type: ignore[arg-type]
+                    raw = _bytes(span) if span is not None else None
+                    if raw is None or raw.numel() != length:  # (its shape could not be put back)
                         continue
-                    self._write(s, span, old.view(span.dtype))  # type: ignore[arg-type]
+                    old = self._blobs[device][start : start + length]
+                    if torch.equal(raw, old):
+                        continue
+                    # (a copy of the bytes: viewed as the dtype, a slice of the blob may start misaligned)
+                    self._write(s, span, old.clone().view(span.dtype))  # type: ignore[union-attr]
                 elif s.copy is not None and (span := _span(s.tensor)) is not None:  # a dtype without a byte view
                     if not torch.equal(span, s.copy):
                         self._write(s, span, s.copy)
-                elif s.version is not None and version_of(s.tensor) != s.version:  # a copied tensor with no span
-                    lost.append(s.name)
+                elif s.version is not None and version_of(s.tensor) != s.version and s.tensor.numel():
+                    lost.append(s.name)  # a copied tensor with no span (an empty one, its shape back, holds nothing)
         return lost
 
     def _changed_blobs(self) -> set[torch.device]:
         """Devices whose copied buffers changed at all (one comparison per device)."""
         now: dict[torch.device, list[Tensor]] = {}
+        odd: set[torch.device] = set()  # devices with a tensor whose bytes no longer line up with the copy's
         for s in self._saved:
             if s.blob is not None:
-                now.setdefault(s.blob[0], []).append(_bytes(_span(s.tensor)))  # type: ignore[arg-type]
-        return {d for d, raws in now.items() if not torch.equal(torch.cat(raws), self._blobs[d])}
+                span = _span(s.tensor)
+                raw = _bytes(span) if span is not None else None
+                if raw is None or raw.numel() != s.blob[2]:
+                    odd.add(s.blob[0])
+                else:
+                    now.setdefault(s.blob[0], []).append(raw)
+        return odd | {d for d, raws in now.items() if not torch.equal(torch.cat(raws), self._blobs[d])}
 
     @staticmethod
     def _write(s: _Saved, span: Tensor, values: Tensor) -> None:
         with torch.inference_mode() if s.version is None else contextlib.nullcontext():
             span.copy_(values)
+
+
+def _geometry(t: Tensor) -> tuple[Any, ...] | None:
+    """``t``'s dtype, device, shape, strides and storage offset (``None`` unless strided and in memory)."""
+    if t.layout != torch.strided or t.is_meta:
+        return None
+    return (t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def _reshape(s: _Saved) -> bool:
+    """Puts back the geometry of a tensor that a forward resized in place (its values follow): on its own
+    storage where that still holds it (``resize_`` keeps the bytes it had), else on fresh memory. Whether
+    that worked."""
+    dtype, device, shape, stride, offset = s.geometry  # type: ignore[misc]
+    t = s.tensor
+    extent = 0 if 0 in shape else 1 + sum((n - 1) * k for n, k in zip(shape, stride))
+    needed = (offset + extent) * t.element_size()
+    try:
+        with torch.inference_mode() if s.version is None else contextlib.nullcontext():
+            if t.dtype == dtype and t.device == device and t.untyped_storage().nbytes() >= needed:
+                t.set_(t.untyped_storage(), offset, shape, stride)
+            else:
+                fresh = torch.empty(offset + extent, dtype=dtype, device=device)
+                t.set_(fresh.untyped_storage(), offset, shape, stride)
+    except RuntimeError:
+        return False
+    return _geometry(t) == s.geometry
 
 
 def _same_objects(now: dict[str, object], saved: dict[str, object]) -> bool:
