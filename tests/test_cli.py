@@ -215,8 +215,9 @@ def test_recalibrate_with_data_function(files, tmp_path, monkeypatch):
     out = tmp_path / "out.pt"
     args = _recalibrate_args(files, out, "--data-kwargs", json.dumps({"path": str(tmp_path / "batches.pt")}))
     args[args.index("--data") + 1] = "cli_data_fn:batches"
-    i = args.index("--image-size")
-    del args[i : i + 2]  # an image folder's option: refused for a data function (the test below)
+    for name in ("--image-size", "--batch-size"):  # an image folder's options: refused for a data function (below)
+        i = args.index(name)
+        del args[i : i + 2]
     assert main(args) == 0
     model = _build_model()
     model.load_state_dict(torch.load(files["ckpt"], weights_only=True))
@@ -315,9 +316,10 @@ def _bad_cases(files: dict[str, Path], tmp: Path) -> dict[str, tuple[list[str], 
                 args[1] = value
             else:
                 args[args.index(option) + 1] = value
-            if option == "--data" and ":" in value:  # a data function: no image folder options
-                i = args.index("--image-size")
-                del args[i : i + 2]
+            if option == "--data" and ":" in value:  # a data function: no image folder (or loading) options
+                for name in ("--image-size", "--batch-size"):
+                    i = args.index(name)
+                    del args[i : i + 2]
         return args
 
     return {
@@ -609,6 +611,10 @@ REFUSED = {  # name -> (extra arguments / replacements, a phrase of the message)
         ["--data", "cli_tiny:batches", "--crop", "16"],
         "apply only to an image folder",
     ),
+    "loading option for a data function (probe 12)": (
+        ["--data", "cli_tiny:batches", "--seed", "3"],  # (with --batch-size 4: both would be ignored)
+        "--batch-size, --seed apply only to an image folder",
+    ),
 }
 
 
@@ -696,7 +702,7 @@ def test_a_failing_report_writes_nothing_and_names_the_output(tiny, work, capsys
 
     import precisebn.plotting
 
-    def full_disk(report, path, title=None):
+    def full_disk(report, path, title=None, format=None):
         Path(path).write_bytes(b"\x89PNG half")
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
@@ -1109,3 +1115,115 @@ def test_ctrl_c_says_whether_the_output_was_written(files, tmp_path, capsys, mon
         _check_against_direct(
             torch.load(out, weights_only=True), torch.load(files["ckpt"], weights_only=True), files["images"]
         )
+
+
+# --- outputs that would have destroyed something (a probe, round 12) --------------------------------------------
+
+
+def test_outputs_that_are_not_regular_files_are_refused(tiny, work, capsys):
+    """A FIFO (or a device: /dev/null became a regular file) as --out or --plot was replaced by the output."""
+    os.mkfifo("fifo")
+    assert main(_tiny_args(tiny, work["ckpt"], "fifo")) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+    assert main(["diff", str(work["ckpt"]), str(work["ckpt"]), "--plot", "fifo"]) == 2
+    assert stat.S_ISFIFO(os.stat("fifo").st_mode)
+
+
+def test_outputs_inside_the_data_folder_or_onto_the_model_module_are_refused(tiny, work, capsys):
+    """--out into the image folder replaced a training image (--report too); --out onto the --model module's
+    source file replaced it."""
+    before = sorted(p.name for p in tiny["images"].iterdir())
+    for extra in (["--out", str(tiny["images"] / "0.png")], ["--report", str(tiny["images"] / "r.json")]):
+        args = _tiny_args(tiny, work["ckpt"], "out.pt")
+        i = args.index(extra[0]) if extra[0] in args else len(args)
+        args[i : i + 2] = extra
+        assert main(args) == 2
+        assert "is inside the input folder --data" in capsys.readouterr().err
+    assert sorted(p.name for p in tiny["images"].iterdir()) == before
+    source = tiny["root"] / "cli_tiny.py"
+    text = source.read_text()
+    assert main(_tiny_args(tiny, work["ckpt"], str(source))) == 2  # (found on sys.path, as the import finds it)
+    assert "is the input --model's module" in capsys.readouterr().err
+    assert source.read_text() == text
+
+
+def test_in_place_does_not_replace_a_checkpoint_saved_meanwhile(tiny, work, capsys):
+    """Another job saving the checkpoint during the run: --in-place replaced it with the old one recalibrated."""
+    (work["dir"] / "cli_race.py").write_text(
+        "import torch\n"
+        "def data(ckpt):\n"
+        "    sd = torch.load(ckpt, weights_only=True)\n"
+        "    torch.save({k: v + 1 if v.is_floating_point() else v for k, v in sd.items()}, ckpt)  # a newer one\n"
+        "    g = torch.Generator().manual_seed(0)\n"
+        "    return [torch.rand(4, 3, 32, 32, generator=g) for _ in range(2)]\n"
+    )
+    args = _tiny_args(tiny, work["ckpt"], "unused.pt", "--data-kwargs", json.dumps({"ckpt": str(work["ckpt"])}))
+    args[args.index("--data") + 1] = "cli_race:data"
+    for name in ("--out", "--batch-size"):
+        i = args.index(name)
+        del args[i : i + 2]
+    newer = None
+    assert main([*args, "--in-place"]) == 1
+    assert "changed while precisebn was working on it" in capsys.readouterr().err
+    newer = torch.load(work["ckpt"], weights_only=True)
+    original = torch.load(tiny["ckpt"], weights_only=True)
+    assert all(torch.equal(newer[k], v + 1 if v.is_floating_point() else v) for k, v in original.items())
+
+
+def test_a_figure_is_written_in_the_format_its_extension_names(tiny, work):
+    """diff --plot x.pdf wrote PNG bytes (the format was taken from the temporary file's name)."""
+    pytest.importorskip("matplotlib")
+    for name, magic in (("d.pdf", b"%PDF"), ("d.svg", b"<?xml"), ("d.png", b"\x89PNG")):
+        assert main(["diff", str(work["ckpt"]), str(tiny["ckpt"]), "--plot", name]) == 0
+        assert Path(name).read_bytes().startswith(magic), name
+
+
+def test_apply_refuses_a_checkpoint_holding_two_copies_of_the_model(tiny, work, capsys):
+    """A file with model.* and ema_model.*: the statistics went under the first key's prefix, silently."""
+    import cli_tiny
+
+    model = cli_tiny.Tiny()
+    model.load_state_dict(torch.load(work["ckpt"], weights_only=True))
+    stats = precisebn.estimate(model, [torch.rand(4, 3, 32, 32) for _ in range(2)])
+    stats.save("stats.safetensors")
+    sd = model.state_dict()
+    torch.save({**{f"model.{k}": v for k, v in sd.items()}, **{f"ema_model.{k}": v for k, v in sd.items()}}, "two.pt")
+    assert main(["apply", "two.pt", "stats.safetensors", "--out", "applied.pt"]) == 1
+    err = capsys.readouterr().err
+    assert "several prefixes ('ema_model.', 'model.'" in err or "several prefixes ('model.', 'ema_model.'" in err
+    assert not Path("applied.pt").exists()
+
+
+def test_the_same_command_writes_the_same_bytes(tiny, work):
+    """torch.save named the archive's folder after the temporary file: a new hash every run."""
+    hashes = []
+    for _ in range(2):
+        assert main(_tiny_args(tiny, work["ckpt"], "same.pt")) == 0
+        hashes.append(_sha(Path("same.pt")))
+    assert hashes[0] == hashes[1]
+
+
+def test_a_crop_larger_than_the_image_is_refused(tiny, work, capsys):
+    """torchvision's centre crop pads a smaller image with black, which the statistics counted."""
+    assert main(_tiny_args(tiny, work["ckpt"], "o.pt", "--resize", "16", "--crop", "24")) == 1
+    assert "would pad every image with black borders" in capsys.readouterr().err
+    assert main(_tiny_args(tiny, work["ckpt"], "o.pt", "--resize", "none", "--crop", "40")) == 1
+    assert "an image of 32×32 is smaller than the centre crop of 40" in capsys.readouterr().err
+    assert not Path("o.pt").exists()
+
+
+def test_a_reader_closing_stdout_early_does_not_lose_the_work(tiny, work):
+    """``precisebn recalibrate ... | head -1``: the run failed with "Broken pipe ... nothing was written"."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(precisebn.__file__).parents[1]), str(tiny["root"])])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "precisebn", *_tiny_args(tiny, work["ckpt"], "piped.pt")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    proc.stdout.close()  # (the reader is gone before the first line)
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=300) == 0, err
+    assert "Broken pipe" not in err
+    assert Path("piped.pt").is_file()

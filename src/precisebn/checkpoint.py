@@ -283,7 +283,10 @@ def write_checkpoint(ckpt: Checkpoint, replace: Mapping[str, Tensor], path: str 
     else:
         obj: Any = sd if ckpt.container is None else {**ckpt.container, ckpt.key: sd}
         try:
-            torch.save(obj, path, _use_new_zipfile_serialization=not ckpt.legacy)  # (the input's format)
+            # (through a file object: a path names the archive's folder after the file, here a temporary one,
+            # and the same command would not give the same bytes)
+            with open(path, "wb") as f:
+                torch.save(obj, f, _use_new_zipfile_serialization=not ckpt.legacy)  # (the input's format)
         except RuntimeError as exc:  # torch's zip writer reports a failed write as "enforce fail ... unexpected pos"
             why = f"torch.save failed ({_first_sentence(str(exc)).strip()}): a full disk, or a file size limit"
             raise OSError(errno.EIO, why, str(path)) from exc
@@ -461,14 +464,32 @@ def load_into(model: nn.Module, ckpt: Checkpoint) -> str:
 
 
 def _best_prefix(names: list[str], expected: set[str]) -> str:
-    """The dotted prefix of the first name whose removal matches the most model names."""
-    if not names:
+    """The dotted prefix (``""``, ``module.``, ``model.``...) whose removal from the checkpoint's names
+    matches the most names in ``expected``.
+
+    Raises:
+        CheckpointMismatchError: Two prefixes match as many (the file holds two copies of the model, e.g.
+            ``model.`` and ``ema_model.``): which one is meant cannot be told.
+    """
+    hits: dict[str, int] = {}
+    for name in names:
+        at = -1
+        while True:
+            if name[at + 1 :] in expected:
+                prefix = name[: at + 1]
+                hits[prefix] = hits.get(prefix, 0) + 1
+            at = name.find(".", at + 1)
+            if at < 0:
+                break
+    if not hits:
         return ""
-    parts = names[0].split(".")
-    best, best_hits = "", sum(n in expected for n in names)
-    for i in range(1, len(parts)):
-        prefix = ".".join(parts[:i]) + "."
-        hits = sum(n[len(prefix) :] in expected for n in names if n.startswith(prefix))
-        if hits > best_hits:
-            best, best_hits = prefix, hits
-    return best
+    ranked = sorted(hits.items(), key=lambda item: (-item[1], len(item[0])))
+    if len(ranked) > 1 and ranked[1][1] == ranked[0][1]:
+        tied = [prefix for prefix, n in ranked if n == ranked[0][1]]
+        shown = ", ".join(repr(p) if p else "'' (no prefix)" for p in tied[:4])
+        raise CheckpointMismatchError(
+            f"the checkpoint holds the model's names under several prefixes ({shown}, {ranked[0][1]} names each): "
+            "it holds more than one copy of the model (e.g. its weights and an EMA of them), and which one is meant "
+            "cannot be told. Save the one you mean as its own state_dict (or under its own key, for --key)."
+        )
+    return ranked[0][0]

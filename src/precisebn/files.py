@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import FrameType
 
-from .errors import InvalidArgumentError
+from .errors import ConcurrentUseError, InvalidArgumentError
 
 __all__ = ["OutputPlan", "atomic_path", "real_path"]
 
@@ -119,6 +119,7 @@ class OutputPlan:
     Args:
         inputs: Files the operation reads, by label (``{"CHECKPOINT": path}``); no
             output may be one of them unless :meth:`add` says it replaces it.
+        folders: Folders whose files the operation reads (``{"--data": path}``); no output may be in one.
 
     Example:
         >>> import tempfile, pathlib
@@ -135,8 +136,17 @@ class OutputPlan:
         'done'
     """
 
-    def __init__(self, inputs: Mapping[str, str | os.PathLike[str]] | None = None) -> None:
+    def __init__(
+        self,
+        inputs: Mapping[str, str | os.PathLike[str]] | None = None,
+        folders: Mapping[str, str | os.PathLike[str]] | None = None,
+    ) -> None:
         self.inputs = {label: (os.fspath(p), real_path(p)) for label, p in (inputs or {}).items()}
+        self.folders = {label: (os.fspath(p), real_path(p)) for label, p in (folders or {}).items()}
+        # each input file as it is now (device, inode, size, modification time): one an output replaces must still
+        # be that file when the output is put in its place (another job may have saved a newer one meanwhile)
+        self._stamps = {label: _stamp(real) for label, (_, real) in self.inputs.items()}
+        self._replaces: dict[str, str] = {}  # output label: the input label it replaces
         self.outputs: dict[str, tuple[str, Path]] = {}
         self.committed = False  # every output is in place (an interrupt after this changes nothing)
 
@@ -162,6 +172,12 @@ class OutputPlan:
                     f"{label} {text!r} is the input {other} {other_text!r} ({real}); writing it would destroy the "
                     f"input. Choose another path{hint}."
                 )
+        for other, (other_text, other_real) in self.folders.items():
+            if real.is_relative_to(other_real):
+                raise InvalidArgumentError(
+                    f"{label} {text!r} is inside the input folder {other} {other_text!r} ({real}); writing it would "
+                    "change (or add to) what is read. Choose a path outside that folder."
+                )
         for other, (other_text, other_real) in self.outputs.items():
             if _same(real, other_real):
                 raise InvalidArgumentError(
@@ -170,6 +186,11 @@ class OutputPlan:
                 )
         if real.is_dir():
             raise InvalidArgumentError(f"{label} {text!r} is a folder; give a file path.")
+        if real.exists() and not real.is_file():  # a device, a pipe, a socket: renaming a file onto it replaces it
+            raise InvalidArgumentError(
+                f"{label} {text!r} is not a regular file (a device, a pipe or a socket); precisebn writes a file "
+                "and renames it into place, which would replace it. Give a file path."
+            )
         ancestor = real.parent
         while not ancestor.exists():
             ancestor = ancestor.parent
@@ -180,6 +201,8 @@ class OutputPlan:
                 f"{label} {text!r}: the folder {str(ancestor)!r} is not writable; choose another path."
             )
         self.outputs[label] = (text, real)
+        if replaces is not None:
+            self._replaces[label] = replaces
         return real
 
     @contextlib.contextmanager
@@ -231,6 +254,13 @@ class OutputPlan:
         try:
             for label, tmp in temps.items():
                 target = self.outputs[label][1]
+                replaced = self._replaces.get(label)
+                if replaced is not None and _stamp(target) != self._stamps[replaced]:
+                    raise ConcurrentUseError(
+                        f"{label}: {self.inputs[replaced][0]!r} changed while precisebn was working on it (another "
+                        "job saved a new version?); replacing it would lose that version. Nothing was written: run "
+                        "again on the new file, or write elsewhere with --out."
+                    )
                 os.chmod(tmp, _mode_for(target))  # the writer may have recreated the file
                 existed, backup = target.exists(), None
                 if existed:
@@ -263,6 +293,15 @@ class OutputPlan:
             for backup in backups:  # (put back by a rollback: gone already)
                 with contextlib.suppress(OSError):
                     backup.unlink()
+
+
+def _stamp(path: Path) -> tuple[int, ...] | None:
+    """A file's device, inode, size and modification time (``None`` if it is not there)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _make_parents(folder: Path) -> list[Path]:

@@ -108,13 +108,35 @@ class Preprocessing:
                 raise InvalidArgumentError(f"--transform {self.transform!r} is a {type(fn).__name__}, not a function")
             return fn  # type: ignore[no-any-return]
         t = require("torchvision.transforms", "images", "--data FOLDER")
+        if self.resize and self.crop and self.crop > self.resize:
+            raise InvalidArgumentError(
+                f"a centre crop of {self.crop} after resizing the shorter side to {self.resize} ({self.describe()}) "
+                "would pad every image with black borders; crop at most the resized size (e.g. --resize "
+                f"{self.crop} or more, or --crop {self.resize} or less)."
+            )
         steps: list[Any] = []
         if self.resize:
             steps.append(t.Resize(self.resize, interpolation=t.InterpolationMode(self.interpolation)))
         if self.crop:
-            steps.append(t.CenterCrop(self.crop))
+            steps.append(_Crop(self.crop, t.CenterCrop(self.crop)))
         steps += [t.ToTensor(), t.Normalize(self.mean, self.std)]
         return t.Compose(steps)  # type: ignore[no-any-return]
+
+
+class _Crop:
+    """torchvision's centre crop, refusing an image smaller than the crop (which it pads with black)."""
+
+    def __init__(self, size: int, crop: Callable[[Any], Any]) -> None:
+        self.size, self.crop = size, crop
+
+    def __call__(self, image: Any) -> Any:
+        width, height = image.size
+        if min(width, height) < self.size:
+            raise InvalidArgumentError(
+                f"an image of {width}×{height} is smaller than the centre crop of {self.size}, which would pad it "
+                "with black borders (the statistics would count them); resize first (--resize), or crop less."
+            )
+        return self.crop(image)
 
 
 def _from_timm(name: str, model: nn.Module) -> Preprocessing:
@@ -249,7 +271,10 @@ class ImageFiles(torch.utils.data.Dataset):
         except Exception as exc:
             why = "not an image file Pillow can read" if type(exc).__name__ == "UnidentifiedImageError" else exc
             return torch.empty(0), f"{str(self.files[i])!r}: {why}"
-        out = self.transform(image)
+        try:
+            out = self.transform(image)
+        except InvalidArgumentError as exc:  # (a crop larger than the image: named by its file)
+            raise InvalidArgumentError(f"{str(self.files[i])!r}: {exc}") from None
         if not isinstance(out, torch.Tensor):
             raise InvalidArgumentError(
                 f"the image transform returned a {type(out).__name__} for {str(self.files[i])!r}, not a tensor; "

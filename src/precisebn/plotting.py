@@ -30,16 +30,16 @@ def _new_figure(purpose: str, size: tuple[float, float], interactive: bool) -> A
     return figure.Figure(figsize=size)
 
 
-def _save(fig: Any, path: str | os.PathLike[str]) -> None:
-    """Saves in the format the file's extension names (``.pdf``, ``.svg``...) if matplotlib writes it,
-    else as a PNG (an unknown or missing extension), atomically."""
-    suffix = os.path.splitext(os.fspath(path))[1][1:].lower()
+def _save(fig: Any, path: str | os.PathLike[str], format: str | None = None) -> None:
+    """Saves in ``format``, else the one the file's extension names (``.pdf``, ``.svg``...) if matplotlib
+    writes it, else as a PNG (an unknown or missing extension), atomically."""
+    suffix = (format or os.path.splitext(os.fspath(path))[1][1:]).lower()
     kind = suffix if suffix in fig.canvas.get_supported_filetypes() else "png"
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format=kind, dpi=110)
 
 
-def plot_report(report: Report, path_or_ax: Any = None, *, title: str | None = None) -> Any:
+def plot_report(report: Report, path_or_ax: Any = None, *, title: str | None = None, format: str | None = None) -> Any:
     """Draws how far each layer's statistics moved: ``|Δmean|/σ`` and the variance ratio.
 
     Args:
@@ -49,6 +49,8 @@ def plot_report(report: Report, path_or_ax: Any = None, *, title: str | None = N
             ``Axes`` to draw on (the variance ratio then goes on a twin axis), or
             ``None`` for a new pyplot figure.
         title: The figure's title; default says how many layers and samples.
+        format: The file format (``"pdf"``, ``"svg"``, ``"png"``...) when saving to a path; default: the one
+            its extension names.
 
     Returns:
         The matplotlib ``Figure``.
@@ -73,7 +75,7 @@ def plot_report(report: Report, path_or_ax: Any = None, *, title: str | None = N
     fig.suptitle(title)
     fig.tight_layout()
     if path_or_ax is not None:
-        _save(fig, path_or_ax)
+        _save(fig, path_or_ax, format)
     return fig
 
 

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     before any output was written)."""
     parsed: list[Any] = []  # the command's arguments, once parsed (their plan tells what was written)
     try:
-        with _encodable_output():
+        with _encodable_output(), _closed_stdout_ignored():
             return _main(argv, parsed)
     except KeyboardInterrupt:  # (during the command, or after it returned: freeing a large checkpoint takes time)
         return _interrupted(parsed[0] if parsed else None)
@@ -136,6 +136,56 @@ def _encodable_output() -> Iterator[None]:
         for stream, errors in changed:
             with contextlib.suppress(Exception):
                 stream.reconfigure(errors=errors)
+
+
+class _Tolerant(io.TextIOBase):
+    """Standard output that a reader closed early (``precisebn inspect ... | head``) stops, silently: what the
+    command prints only reports on its work (the files are the work), which goes on and ends as it would."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.closed_by_reader = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.closed_by_reader:
+            try:
+                self.stream.write(text)
+            except BrokenPipeError:
+                self._gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed_by_reader:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def _gone(self) -> None:
+        self.closed_by_reader = True
+        with contextlib.suppress(Exception):  # (what is left in its buffer must not fail at exit either)
+            import os
+
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def _closed_stdout_ignored() -> Iterator[None]:
+    """Runs the command with :class:`_Tolerant` standard output (the real one's, when it has a file)."""
+    stream = sys.stdout
+    if not hasattr(stream, "fileno"):
+        yield
+        return
+    sys.stdout = _Tolerant(stream)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if sys.stdout.__class__ is _Tolerant:
+            sys.stdout = stream
 
 
 @contextlib.contextmanager

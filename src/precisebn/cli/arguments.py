@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         "float64: reduce what every layer normalises in float64 (exact, slower)",
     )
     rec.add_argument(
-        "--batch-size", type=_positive_int, default=64, metavar="B", help="batch size; use the training one (64)"
+        "--batch-size", type=_positive_int, metavar="B", help="batch size; use the training one (default 64)"
     )
     rec.add_argument(
         "--prior",
@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="both",
         help="which statistics to write: both (default), the mean only or the variance only",
     )
-    rec.add_argument("--seed", type=_seed, default=0, metavar="S", help="seed of the images' random order (default 0)")
+    rec.add_argument("--seed", type=_seed, metavar="S", help="seed of the images' random order (default 0)")
     rec.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1, mps... (default: cuda if available)")
     rec.add_argument("--report", type=_file_path, metavar="PATH", help="save the report as JSON, with a PNG next to it")
     rec.add_argument("--trust-checkpoint", action="store_true", help="allow full unpickling (trusted files only)")
@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--transform", metavar="SPEC", help="package.module:function taking a PIL image, returning a tensor"
     )
     img.add_argument("--skip-bad-images", action="store_true", help="leave out unreadable images (listed)")
-    img.add_argument("--workers", type=_non_negative_int, default=0, metavar="N", help="DataLoader processes (0)")
+    img.add_argument("--workers", type=_non_negative_int, metavar="N", help="DataLoader processes (default 0)")
     rec.set_defaults(func=commands.run_recalibrate, check=commands.check_recalibrate, parser=rec)
 
     app = _sub(

@@ -104,12 +104,14 @@ def run_demo(args: argparse.Namespace) -> int:
 # --- recalibrate and apply ---------------------------------------------------------------------------------
 
 
-def _plan_checkpoint_output(args: argparse.Namespace, inputs: dict[str, Path]) -> Any:
+def _plan_checkpoint_output(
+    args: argparse.Namespace, inputs: dict[str, Path], folders: dict[str, Path] | None = None
+) -> Any:
     """The output plan of a command that writes a checkpoint: ``--out`` or ``--in-place``."""
     from ..checkpoint import checkpoint_format
     from ..files import OutputPlan
 
-    plan = OutputPlan(inputs)
+    plan = OutputPlan(inputs, folders)
     if args.in_place:
         plan.add("--in-place", args.checkpoint, replaces="CHECKPOINT")
     else:
@@ -153,7 +155,8 @@ def _check_device(text: str | None) -> None:
 def check_recalibrate(args: argparse.Namespace) -> Any:
     from ..specs import parse_kwargs
 
-    plan = _plan_checkpoint_output(args, {"CHECKPOINT": args.checkpoint})
+    folders = {"--data": Path(args.data)} if Path(args.data).is_dir() else {}
+    plan = _plan_checkpoint_output(args, {"CHECKPOINT": args.checkpoint, **_sources(args)}, folders)
     if args.report is not None:
         if args.report.suffix.lower() == ".png":
             raise InvalidArgumentError(
@@ -194,11 +197,13 @@ def check_recalibrate(args: argparse.Namespace) -> Any:
     if args.image_size is not None and args.crop is not None:
         raise InvalidArgumentError("--image-size S is the crop size; pass either it or --crop, not both.")
     is_function = ":" in args.data and not Path(args.data).exists()  # a missing folder is reported when read
-    if is_function and (explicit or args.transform or args.weights or args.skip_bad_images):
+    loading = [f"--{n.replace('_', '-')}" for n in ("batch_size", "seed", "workers") if getattr(args, n) is not None]
+    if is_function and (explicit or args.transform or args.weights or args.skip_bad_images or loading):
         options = explicit + ["--transform"] * bool(args.transform) + ["--weights"] * bool(args.weights)
-        options += ["--skip-bad-images"] * bool(args.skip_bad_images)
+        options += ["--skip-bad-images"] * bool(args.skip_bad_images) + loading
         raise InvalidArgumentError(
-            f"{', '.join(options)} apply only to an image folder, but --data {args.data!r} names a data "
+            f"{', '.join(options)} {'apply' if len(options) > 1 else 'applies'} only to an image folder, but --data "
+            f"{args.data!r} names a data "
             "function, which prepares its own batches."
         )
     return plan
@@ -290,10 +295,10 @@ def run_recalibrate(args: argparse.Namespace) -> int:
             )
     data, available = resolve_data(
         args.data,
-        batch_size=args.batch_size,
+        batch_size=64 if args.batch_size is None else args.batch_size,
         preprocessing=preprocessing,
-        workers=args.workers,
-        seed=args.seed,
+        workers=args.workers or 0,
+        seed=args.seed or 0,
         kwargs=args.data_kwargs_parsed,
         skipped=skipped,
     )
@@ -365,9 +370,28 @@ def _write_outputs(
             from ..plotting import plot_report
 
             tmp["--report"].write_text(json.dumps({**report.to_dict(), **(extra or {})}, indent=1) + "\n")
-            plot_report(report, tmp["--report's PNG"], title=f"precisebn: {args.checkpoint.name}")
+            plot_report(report, tmp["--report's PNG"], title=f"precisebn: {args.checkpoint.name}", format="png")
     written = [text for text, _ in args.plan.outputs.values()]
     _say(f"wrote {', '.join(written[:-1])}{' and ' if len(written) > 1 else ''}{written[-1]}")
+
+
+def _sources(args: argparse.Namespace) -> dict[str, Path]:
+    """The source files of --model/--data given as package.module:name (looked up as the import will, from
+    the current folder and sys.path, without importing anything): read by a recalibration, so no output
+    may replace them."""
+    inputs: dict[str, Path] = {}
+    for option, spec in (("--model", args.model), ("--data", args.data)):
+        module, sep, _ = spec.partition(":")
+        if not sep or module in ("torchvision", "timm") or Path(spec).exists():
+            continue
+        base = Path(*module.split("."))
+        for root in ("", *sys.path):
+            candidates = (Path(root) / base.with_suffix(".py"), Path(root) / base / "__init__.py")
+            found = [p for p in candidates if p.is_file()]
+            if found:
+                inputs[f"--{option[2:]}'s module"] = found[0]
+                break
+    return inputs
 
 
 def check_apply(args: argparse.Namespace) -> Any:
@@ -511,6 +535,14 @@ def run_inspect(args: argparse.Namespace) -> int:
     return EXIT_FLAGGED if args.strict and flagged else EXIT_OK
 
 
+def _figure_format(path: Path) -> str:
+    """The figure format a path's extension names (its temporary file has another): matplotlib's, else PNG."""
+    from matplotlib.figure import Figure
+
+    suffix = path.suffix[1:].lower()
+    return suffix if suffix in Figure().canvas.get_supported_filetypes() else "png"
+
+
 def check_diff(args: argparse.Namespace) -> Any:
     from ..files import OutputPlan
 
@@ -546,6 +578,7 @@ def run_diff(args: argparse.Namespace) -> int:
         from ..plotting import plot_report
 
         with args.plan.staged() as tmp:
-            plot_report(diff.report, tmp["--plot"], title=f"{args.a.name} → {args.b.name}")
+            title = f"{args.a.name} → {args.b.name}"
+            plot_report(diff.report, tmp["--plot"], title=title, format=_figure_format(args.plot))
         print(f"wrote {args.plot}")
     return EXIT_OK
