@@ -611,6 +611,9 @@ REFUSED = {  # name -> (extra arguments / replacements, a phrase of the message)
         ["--data", "cli_tiny:batches", "--crop", "16"],
         "apply only to an image folder",
     ),
+    "a keyword given twice (probe 12)": (["--model-kwargs", "width=8,width=4"], "'width' is given twice"),
+    "a trailing comma (probe 12)": (["--model-kwargs", "width=8,"], "ends with a comma"),
+    "num-samples ALL (probe 12)": (["--num-samples", "ALL"], "expected a positive integer, all or auto"),
     "loading option for a data function (probe 12)": (
         ["--data", "cli_tiny:batches", "--seed", "3"],  # (with --batch-size 4: both would be ignored)
         "--batch-size, --seed apply only to an image folder",
@@ -1227,3 +1230,40 @@ def test_a_reader_closing_stdout_early_does_not_lose_the_work(tiny, work):
     assert proc.wait(timeout=300) == 0, err
     assert "Broken pipe" not in err
     assert Path("piped.pt").is_file()
+
+
+def test_messages_that_said_the_wrong_thing(tiny, work, capsys):
+    """Probe 12: a folder of unreadable images with --skip-bad-images spoke of "a non-empty iterable";
+    --key on a plain state_dict said "pass one of those" with none listed; an output through a symlink loop
+    failed after the whole run (exit 1)."""
+    bad = work["dir"] / "allbad"
+    bad.mkdir()
+    (bad / "a.png").write_bytes(b"not a png")
+    args = _tiny_args(tiny, work["ckpt"], "o.pt", "--skip-bad-images")
+    args[args.index("--data") + 1] = str(bad)
+    assert main(args) == 1
+    assert "every image was unreadable and skipped (1 image" in capsys.readouterr().err
+    assert main(_tiny_args(tiny, work["ckpt"], "o.pt", "--key", "state_dict")) == 1
+    assert "Drop --key" in capsys.readouterr().err
+    args = _tiny_args(tiny, work["ckpt"], "o.pt", "--report", "model.pt")
+    i = args.index("--out")
+    args[i : i + 2] = ["--in-place"]
+    assert main(args) == 2  # (the hint "or pass --in-place" was given with --in-place)
+    err = capsys.readouterr().err
+    assert "destroy the input. Choose another path." in err and "pass --in-place" not in err
+    os.symlink("loop_b", "loop_a")
+    os.symlink("loop_a", "loop_b")
+    assert main(_tiny_args(tiny, work["ckpt"], "loop_a")) == 2
+    assert "is a loop of symbolic links" in capsys.readouterr().err
+    assert not Path("o.pt").exists()
+
+
+def test_layers_named_as_inspect_shows_them_for_a_prefixed_checkpoint(tiny, work, capsys):
+    """A Lightning checkpoint's names carry ``model.``: inspect lists ``model.bn1``, which --layers refused."""
+    sd = torch.load(work["ckpt"], weights_only=True)
+    torch.save({f"model.{k}": v for k, v in sd.items()}, "lightning.pt")
+    norms = sorted({k.rpartition(".")[0] for k in sd if k.endswith("running_mean")})
+    assert main(_tiny_args(tiny, Path("lightning.pt"), "o.pt", "--layers", f"model.{norms[0]}")) == 0
+    written, before = torch.load("o.pt", weights_only=True), torch.load("lightning.pt", weights_only=True)
+    changed = {k for k in written if not torch.equal(written[k], before[k])}
+    assert changed == {f"model.{norms[0]}.running_mean", f"model.{norms[0]}.running_var"}

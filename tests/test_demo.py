@@ -89,6 +89,9 @@ def test_no_plot_writes_json_only(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "figure:" not in out and "CPU (2 threads)" in out
     assert seen == [2] and torch.get_num_threads() == before  # (--threads was ignored by the demo: 1, a probe)
+    assert main([*args, "--quiet"]) == 0  # (its per-epoch lines, on stderr, were printed with --quiet: a probe)
+    captured = capsys.readouterr()
+    assert captured.out == "" and "epoch" not in captured.err
 
 
 def test_precise_copy_leaves_training_untouched(snapshot, unchanged):

@@ -223,8 +223,12 @@ def _find_state_dict(
         found = [k for k, v in obj.items() if _is_state_dict(v)] if isinstance(obj, Mapping) else []
         raise CheckpointError(
             f"checkpoint {str(path)!r} has no state_dict under {key!r}"
-            + (f"; its state_dicts are under {', '.join(map(repr, found))}" if found else "")
-            + ". Pass one of those with --key, or none for the file's main state_dict."
+            + (
+                f"; its state_dicts are under {', '.join(map(repr, found))}. Pass one of those with --key, or none "
+                "for the file's main state_dict."
+                if found
+                else " (it holds no state_dict under any key: it is one itself, or holds none). Drop --key."
+            )
         )
     if _is_state_dict(obj):
         return dict(obj), None, None

@@ -23,6 +23,7 @@ files; the next write to the same target removes those whose process is gone.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import secrets
@@ -163,11 +164,22 @@ class OutputPlan:
                 output, a folder, or under a file or a folder that cannot be written.
         """
         text, real = os.fspath(path), real_path(path)
+        for place in (Path(text), *Path(text).parents):  # (realpath leaves a symlink loop as it is)
+            try:
+                os.stat(place)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise InvalidArgumentError(
+                        f"{label} {text!r}: {str(place)!r} is a loop of symbolic links; give a path that resolves."
+                    ) from None
+                continue
+            break
         if text.endswith((os.sep, "/")) or (os.altsep and text.endswith(os.altsep)):
             raise InvalidArgumentError(f"{label} {text!r} names a folder (it ends with a slash); give a file path.")
         for other, (other_text, other_real) in self.inputs.items():
             if other != replaces and _same(real, other_real):
-                hint = ", or pass --in-place to replace the checkpoint" if other == "CHECKPOINT" else ""
+                in_place = other in self._replaces.values()
+                hint = "" if other != "CHECKPOINT" or in_place else ", or pass --in-place to replace the checkpoint"
                 raise InvalidArgumentError(
                     f"{label} {text!r} is the input {other} {other_text!r} ({real}); writing it would destroy the "
                     f"input. Choose another path{hint}."

@@ -74,6 +74,13 @@ def parse_kwargs(text: str | None, option: str = "--model-kwargs") -> dict[str, 
         key, sep, raw = item.partition("=")
         if not sep or not key.strip().isidentifier():
             raise SpecError(f"{option}: {item!r} is not key=value; write e.g. num_classes=10,dropout=0.1")
+        if key.strip() in out:
+            raise SpecError(f"{option}: {key.strip()!r} is given twice; give each keyword once.")
+        if raw.rstrip().endswith(","):
+            raise SpecError(
+                f"{option}: {item!r} ends with a comma; drop it (a value with commas: quote it as JSON, "
+                '{"key": "a,b"}).'
+            )
         try:
             out[key.strip()] = json.loads(raw)
         except json.JSONDecodeError:

@@ -61,7 +61,9 @@ def _seed(text: str) -> int:
 
 
 def _num_samples(text: str) -> int | str:
-    return text if text in ("all", "auto") else _positive_int(text)
+    if text in ("all", "auto"):
+        return text
+    return int(_number(text, int, lambda v: v >= 1, "a positive integer, all or auto"))
 
 
 def _tolerance(text: str) -> float:

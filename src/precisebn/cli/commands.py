@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .._optional import require
-from ..errors import InvalidArgumentError, PreciseBNError
+from ..errors import EmptyDataError, InvalidArgumentError, PreciseBNError
 
 __all__ = [
     "EXIT_FAILED",
@@ -85,7 +85,8 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{', quick subset' if config.quick else ''}",
         flush=True,
     )
-    results = train_and_measure(config, log=lambda line: print(line, file=sys.stderr, flush=True))
+    quiet = getattr(args, "quiet", False)  # (progress lines: on stderr, not silenced with stdout)
+    results = train_and_measure(config, log=None if quiet else lambda line: print(line, file=sys.stderr, flush=True))
     print()
     print(format_results(results))
     with args.plan.staged() as tmp:  # both files, or neither
@@ -230,9 +231,13 @@ class _Patterns:
         return "--layers " + " ".join(repr(p) for p in self.patterns)
 
 
-def _layer_selection(patterns: list[str] | None) -> Any:
+def _layer_selection(patterns: list[str] | None, prefix: str = "") -> Any:
+    """``--layers`` for the library: names (or patterns) of the model's modules — written with the checkpoint's
+    prefix too (``model.bn1`` of a Lightning checkpoint, as ``inspect`` shows them), which is taken off."""
     if not patterns:
         return None
+    if prefix:
+        patterns = [p[len(prefix) :] if p.startswith(prefix) else p for p in patterns]
     if not any(ch in p for p in patterns for ch in "*?["):
         return patterns  # exact names: the library suggests close matches for typos
     return _Patterns(patterns)
@@ -259,6 +264,7 @@ def run_recalibrate(args: argparse.Namespace) -> int:
     from .. import recalibrate
     from ..checkpoint import buffer_names, load_checkpoint, load_into
     from ..images import resolve_preprocessing
+    from ..recalibrate import DEFAULT_NUM_SAMPLES
     from ..specs import resolve_data, resolve_model
 
     device = _device(args.device)
@@ -303,27 +309,38 @@ def run_recalibrate(args: argparse.Namespace) -> int:
         skipped=skipped,
     )
     num_samples = args.num_samples
-    if available is not None and isinstance(num_samples, int) and available < num_samples:
-        _say(f"precisebn: using every image of {args.data} ({_plural(available, 'image')}, fewer than "
-             f"--num-samples {num_samples})")  # fmt: skip
-        num_samples = "all"
+    limit = DEFAULT_NUM_SAMPLES if num_samples is None else num_samples  # (the library's default)
+    if available is not None and isinstance(limit, int) and available < limit and not args.num_batches:
+        if num_samples is not None:
+            _say(f"precisebn: using every image of {args.data} ({_plural(available, 'image')}, fewer than "
+                 f"--num-samples {num_samples})")  # fmt: skip
+        # all of them: counted, so that a progress bar counts to the folder's size (unless images may be skipped)
+        num_samples = "all" if skipped is not None else available
     progress = not args.no_progress and not getattr(args, "quiet", False)
     progress = progress and importlib.util.find_spec("tqdm") is not None
-    report = recalibrate(
-        model,
-        data,
-        num_samples=num_samples,
-        num_batches=args.num_batches,
-        tolerance=args.tolerance,
-        mode=args.mode,
-        capture=args.capture,
-        prior=args.prior,
-        adapt=args.adapt,
-        layers=_layer_selection(args.layers),
-        device=device,
-        progress=progress,
-        forward=_forward,
-    )
+    try:
+        report = recalibrate(
+            model,
+            data,
+            num_samples=num_samples,
+            num_batches=args.num_batches,
+            tolerance=args.tolerance,
+            mode=args.mode,
+            capture=args.capture,
+            prior=args.prior,
+            adapt=args.adapt,
+            layers=_layer_selection(args.layers, prefix),
+            device=device,
+            progress=progress,
+            forward=_forward,
+        )
+    except EmptyDataError:
+        if not skipped:
+            raise
+        raise EmptyDataError(
+            f"--data {args.data!r}: every image was unreadable and skipped ({_plural(len(skipped), 'image')}, "
+            f"e.g. {skipped[0]}), so there is nothing to measure. Check the files. Nothing was written."
+        ) from None
     print(report)
     extra: dict[str, Any] = {}
     if args.prior or args.adapt != "both":
