@@ -95,7 +95,7 @@ def test_the_wheel_holds_the_package_and_its_metadata_only(dist: Path) -> None:
     assert {"lightning", "mmengine", "transformers", "ignite", "timm", "dev"} <= extras
     assert metadata.get_all("Requires-Dist")[0].startswith("torch")  # the only unconditional dependency
     assert all("extra ==" in r for r in metadata.get_all("Requires-Dist")[1:])
-    assert "precisebn = precisebn.cli:main" in entry_points
+    assert "precisebn = precisebn.cli:run" in entry_points
 
 
 def test_the_sdist_holds_exactly_the_release_inputs(dist: Path) -> None:

@@ -274,6 +274,7 @@ class OutputPlan:
                         "again on the new file, or write elsewhere with --out."
                     )
                 os.chmod(tmp, _mode_for(target))  # the writer may have recreated the file
+                _same_owner(tmp, target)
                 existed, backup = target.exists(), None
                 if existed:
                     backup = tmp.with_name(tmp.name[:-4] + ".old.tmp")
@@ -337,6 +338,18 @@ def _mkstemp(target: Path) -> tuple[int, str]:
             os.fchmod(fd, 0o600)  # writable by its writer whatever the umask (0o277 made it read-only)
         return fd, str(name)
     raise FileExistsError(f"cannot create a temporary file next to {target}")
+
+
+def _same_owner(tmp: Path, target: Path) -> None:
+    """Gives the file that replaces ``target`` its owner and group (possible for root, or a group of the
+    writer's: ``sudo precisebn recalibrate --in-place`` left the user's checkpoint owned by root)."""
+    try:
+        st = os.stat(target)
+    except OSError:
+        return
+    with contextlib.suppress(OSError, AttributeError):  # (not permitted; no chown on this platform)
+        if (st.st_uid, st.st_gid) != (os.getuid(), os.getgid()):
+            os.chown(tmp, st.st_uid, st.st_gid)
 
 
 def _mode_for(target: Path) -> int:

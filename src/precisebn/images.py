@@ -352,6 +352,14 @@ def batch_indices(n: int, batch_size: int, seed: int = 0) -> list[list[int]]:
     return batches
 
 
+def _ignore_ctrl_c(worker_id: int) -> None:
+    """In a loader's worker process: Ctrl-C is the main process's to handle (it stops the workers), not a
+    KeyboardInterrupt traceback from every worker."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def image_batches(
     dataset: ImageFiles,
     batch_size: int,
@@ -373,6 +381,7 @@ def image_batches(
         batch_sampler=batch_indices(len(dataset), batch_size, seed),
         num_workers=workers,
         collate_fn=_collate,
+        worker_init_fn=_ignore_ctrl_c if workers else None,
     )
     if skipped is None:  # (every batch as it comes: nothing read ahead)
         for images, errors in loader:

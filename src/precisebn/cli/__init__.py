@@ -18,6 +18,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import io
+import signal
 import sys
 import traceback
 import warnings
@@ -28,7 +29,7 @@ from ..errors import InvalidArgumentError, PreciseBNError
 from .arguments import build_parser
 from .commands import EXIT_FAILED, EXIT_FLAGGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 
-__all__ = ["EXIT_FAILED", "EXIT_FLAGGED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+__all__ = ["EXIT_FAILED", "EXIT_FLAGGED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main", "run"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +41,15 @@ def main(argv: list[str] | None = None) -> int:
             return _main(argv, parsed)
     except KeyboardInterrupt:  # (during the command, or after it returned: freeing a large checkpoint takes time)
         return _interrupted(parsed[0] if parsed else None)
+
+
+def run() -> None:
+    """The ``precisebn`` script and ``python -m precisebn``: :func:`main`, then exit with its code — Ctrl-C
+    ignored from then on (the command is done; Python would otherwise die of the signal while it frees a
+    large checkpoint, and the shell would read "interrupted" for a command that completed)."""
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)
 
 
 def _interrupted(args: Any) -> int:
