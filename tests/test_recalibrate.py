@@ -661,3 +661,19 @@ def test_a_buffer_whose_elements_share_memory_is_refused_before_any_batch() -> N
     assert drawn == []
     assert_unchanged(model, before)
     assert precisebn.estimate(model, batches())["1"].reached
+
+
+def test_apply_says_which_layers_of_the_model_the_statistics_do_not_cover(caplog) -> None:
+    """A probe applied resnet18's statistics to resnet34: 20 of its 36 layers were written and the other 16
+    appeared nowhere (the report lists the written ones)."""
+    small = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    large = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4))
+    stats = precisebn.estimate(small, [torch.randn(8, 3) for _ in range(2)])
+    with caplog.at_level("WARNING", logger="precisebn"):
+        report = precisebn.apply(large, stats)
+    assert [row.name for row in report.layers] == ["1"]
+    assert "1 of the model's normalization layers have no statistics in the file and keep theirs: '3'" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="precisebn"):
+        precisebn.apply(small, stats)  # every layer covered: nothing said
+    assert "no statistics" not in caplog.text

@@ -18,6 +18,7 @@ left is that of the per-batch figures in the layer's own dtype (see the README's
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import numbers
 import operator
@@ -37,6 +38,7 @@ from .layers import (
     LayerSelection,
     Mode,
     find_norm_layers,
+    has_running_stats,
     refuse_shared_buffers,
     unwrap,
 )
@@ -48,6 +50,8 @@ from .state import exclusive
 from .writing import Writes, plan_writes
 
 __all__ = ["DEFAULT_NUM_SAMPLES", "DEFAULT_TOLERANCE", "apply", "check_options", "estimate", "recalibrate"]
+
+logger = logging.getLogger("precisebn")
 
 
 DEFAULT_TOLERANCE = 0.02
@@ -459,7 +463,16 @@ def apply(model: nn.Module, stats: PopulationStats, *, prior: float | None = Non
     checked_prior = check_adapt(prior, adapt)
     model = unwrap(model)
     with exclusive(model), torch.inference_mode(False):
-        return plan_writes(model, stats, checked_prior, adapt).commit()
+        report = plan_writes(model, stats, checked_prior, adapt).commit()
+    others = [name for name, m in model.named_modules() if has_running_stats(m) and name not in stats]
+    if others:  # (statistics of another model, or of some layers: said, as the report lists only those written)
+        shown = ", ".join(map(repr, others[:5])) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        logger.warning(
+            "precisebn: %d of the model's normalization layers have no statistics in the file and keep theirs: %s",
+            len(others),
+            shown,
+        )
+    return report
 
 
 def recalibrate(
