@@ -176,6 +176,51 @@ def test_buffers_resized_or_at_odd_offsets_are_put_back(how: str) -> None:
         assert model[1]._buffers[k] is t and t.shape == values.shape and torch.equal(t, values), k
 
 
+class PointsElsewhere(nn.Module):
+    """A buffer (with a view of it registered too) that forward points at other memory: a parameter's, another
+    buffer's, a fresh tensor's, or one of another dtype."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.w = nn.Parameter(torch.arange(6.0))
+        self.register_buffer("buf", torch.arange(100.0, 106.0))
+        self.register_buffer("view", self.buf[2:5])
+        self.register_buffer("other", torch.arange(200.0, 206.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if self.how == "parameter":
+                self.buf.set_(self.w.data)
+            elif self.how == "other buffer":
+                self.buf.set_(self.other)
+            elif self.how == "fresh":
+                self.buf.data = torch.zeros(6)
+            else:
+                self.buf.data = torch.zeros(6, dtype=torch.float64)
+            if self.how != "parameter":  # (written where it points now; a parameter written so is the model's doing)
+                self.buf.add_(1.0)
+        return x
+
+
+@pytest.mark.parametrize("how", ["parameter", "other buffer", "fresh", "float64"])
+def test_a_buffer_pointed_at_other_memory_gets_its_own_back(how: str) -> None:
+    """A probe: the snapshot's values went into whatever the buffer pointed at after forward — a parameter
+    (then overwritten) or another buffer — and a view of it no longer shared its memory."""
+    model = nn.Sequential(nn.Linear(4, 6), PointsElsewhere(how), nn.BatchNorm1d(6))
+    before = state_snapshot(model)
+    module = model[1]
+    w, buf, view, other = module.w, module.buf, module.view, module.other
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        precisebn.estimate(model, data())
+    assert_unchanged(model, before)
+    assert torch.equal(w, torch.arange(6.0)) and torch.equal(other, torch.arange(200.0, 206.0))
+    assert module.buf is buf and buf.dtype == torch.float32 and torch.equal(buf, torch.arange(100.0, 106.0))
+    assert module.view is view and view.data_ptr() == buf.data_ptr() + 2 * 4  # (a view of it again)
+    assert buf.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+
+
 def test_torch_ao_observers_are_put_back() -> None:
     """torch.ao's per-channel observer resizes its empty min_val/max_val at its first forward."""
     observer = torch.ao.quantization.PerChannelMinMaxObserver(ch_axis=1)

@@ -68,7 +68,6 @@ of per-layer counts (usually one or two per run), kept in a small cache.
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -159,7 +158,7 @@ class Collector:
         self._spots: SpotChecks | None = None  # CPU: the checks of this batch's calls waiting to be made together
         # this batch's calls read through their figures in layout 1 on the CPU, waiting for their ratio to be
         # compared (see _defer): (call, index in the batch, values per channel, what it normalised or None)
-        self._pending: list[tuple[_LayerCall, int, int, Tensor | None]] = []
+        self._pending: list[tuple[_LayerCall, int, int, Tensor | None, int | None]] = []
         self._pending_bytes = 0
         self._ratio_plans: dict[int, tuple[int, int]] = {}  # layer: (its scratch group, its slot there)
         for g, scratch in enumerate(state.groups):
@@ -193,8 +192,10 @@ class Collector:
             for i, pair in zip(scratch.layer_ids, scratch.slices(scratch.initial)):
                 self._initial_pairs[i] = pair
                 self._initial_views[i] = (pair[0], pair[1])
+        self._calls: list[_LayerCall] = []
         for i, layer in enumerate(self.layers):
-            state.wrap_forward(layer.module, _LayerCall(self, i))  # looks at the forward before it is wrapped
+            self._calls.append(_LayerCall(self, i))  # (it looks at the forward before it is wrapped)
+            state.wrap_forward(layer.module, self._calls[-1])
             buffers = layer.module._buffers
             buffers["running_mean"], buffers["running_var"] = self._initial_views[i]  # type: ignore[misc]
         # In-place changes of the scratch buffers by anything but torch's normalization kernels (which leave
@@ -309,14 +310,19 @@ class Collector:
             "exclude the layer with layers=.",
         )
 
-    def _beyond_checked(self, i: int) -> UnsupportedLayerError:
+    def _beyond_checked(self, i: int, changed: bool = False) -> UnsupportedLayerError:
+        not_at_hand = (
+            "what it normalised (its input) was changed in place later in the batch, before it could be measured "
+            "in float64"
+            if changed
+            else "its forward is its own, so what it normalised is not at hand to measure in float64"
+        )
         return self._refusal(
             i,
             "left batch figures with a mean further from 0 (in units of its σ) than any of its calls precisebn "
             "checked at that many values per channel, for an input whose channels are adjacent in memory "
             "(channels_last, (N, C)) or in half precision, which torch's CPU kernel reduces in float32, rounding "
-            "more the further the mean is from 0; its forward is its own, so what it normalised is not at hand to "
-            "measure in float64",
+            f"more the further the mean is from 0; {not_at_hand}",
             "its figures match what it normalises for such calls. Pass capture='float64' (every layer measured "
             "in float64 from what it normalises), or exclude the layer with layers=.",
         )
@@ -325,8 +331,9 @@ class Collector:
         """Keeps a call read through its figures in layout 1 on the CPU until its figures' ratio is compared
         with the calls its layer had checked (:meth:`_run_pending`: all waiting calls at once, before the layer
         is called again, at the end of the batch, or once :data:`~precisebn.spotcheck.HELD` bytes of their inputs
-        are held): ``t``, what it normalised (held until then), or ``None`` where that is not known."""
-        self._pending.append((call, j, n, t))
+        are held): ``t``, what it normalised (held until then, with its version: a model may change it in place
+        later in the batch), or ``None`` where that is not known."""
+        self._pending.append((call, j, n, t, None if t is None else version_of(t)))
         if t is not None:
             self._pending_bytes += t.nbytes
             if self._pending_bytes > HELD:
@@ -334,7 +341,7 @@ class Collector:
 
     def _run_pending(self) -> None:
         """The calls kept by :meth:`_defer`: each whose figures no checked call vouches for (see
-        :meth:`_LayerCall.covered`) has them checked now (:meth:`_vouched`); if they do not pass, what it
+        :meth:`_LayerCall.bound`) has them checked now (:meth:`_vouched`); if they do not pass, what it
         normalised is measured in float64 instead (and its figures checked at the end of the batch, as a call
         beyond its verified size). A call whose normalised tensor is not known is refused.
 
@@ -344,25 +351,25 @@ class Collector:
         pending, self._pending, self._pending_bytes = self._pending, [], 0
         # per scratch group, the ratio each pending call's checked calls vouch for, spread over its channels
         # (cached: usually the same layers with the same counts in every batch, and the same checked calls)
-        key = (self._fronts, *[(call.i, n) for call, _, n, _ in pending])
+        key = (self._fronts, *[(call.i, n) for call, _, n, _, _ in pending])
         tests = self._bound_tests.get(key)
         if tests is None:
             if len(self._bound_tests) >= _COUNT_CACHE:
                 self._bound_tests.clear()
             tests = self._bound_tests[key] = self._bound_vectors(pending)
-        # the groups where a call is beyond its bound (one test per group, a few kernels), and there each
-        # layer's largest mean² / (var + eps)
-        ratios = {g: self._ratios_of(g) for g, bound, bound_eps in tests if self._beyond_bounds(g, bound, bound_eps)}
-        if not ratios:
+        # the groups where a call is beyond its bounds on a channel (one test per group, a few kernels), and there
+        # whether each layer is
+        beyond = {g: self._beyond_bounds(g, bound, bound_eps) for g, bound, bound_eps in tests}
+        if not any(beyond.values()):
             return
-        for call, j, n, t in pending:
+        over = {g: self._over_of(g, bound, bound_eps) for g, bound, bound_eps in tests if beyond[g]}
+        for call, j, n, t, version in pending:
             g, slot = self._ratio_plans[call.i]
-            r2 = ratios.get(g)
-            if r2 is None or call.covered(n, r2[slot]):
+            if g not in over or not over[g][slot]:
                 continue
             i = call.i
-            if t is None:
-                self._refused = self._beyond_checked(i)
+            if t is None or (version is not None and version_of(t) != version):
+                self._refused = self._beyond_checked(i, changed=t is not None)
                 raise self._refused
             eps_i = float(call.module.eps)
             if self._vouched(t, call.pair, eps_i):
@@ -377,13 +384,11 @@ class Collector:
             if self._guard:
                 self._seen = self._version()
 
-    def _bound_vectors(
-        self, pending: list[tuple[_LayerCall, int, int, Tensor | None]]
-    ) -> list[tuple[int, Tensor, Tensor]]:
-        """Per scratch group of the pending calls: the ratio each call's checked calls vouch for (see
-        :meth:`_LayerCall.bound`) on its layer's channels, infinite elsewhere, and that times eps."""
+    def _bound_vectors(self, pending: list[tuple[_LayerCall, int, int, Any, Any]]) -> list[tuple[int, Tensor, Tensor]]:
+        """Per scratch group of the pending calls: the ratio, channel by channel, that each call's checked calls
+        vouch for (see :meth:`_LayerCall.bound`) on its layer's channels, infinite elsewhere, and that times eps."""
         bounds: dict[int, Tensor] = {}
-        for call, _, n, _ in pending:
+        for call, _, n, _, _ in pending:
             g, slot = self._ratio_plans[call.i]
             if g not in bounds:
                 bounds[g] = torch.full_like(self._ratio_steps_of(g)[0], float("inf"))
@@ -413,18 +418,18 @@ class Collector:
             self._ratio_steps[g] = (torch.tensor(eps, dtype=scratch.buffer.dtype), torch.tensor(lengths))
         return self._ratio_steps[g]
 
-    def _ratios_of(self, g: int) -> list[float]:
-        """The largest mean² / (var + eps) of each layer's figures in scratch group ``g`` now (by the slots of
-        ``_ratio_plans``): over the whole buffer, one segmented maximum (its segments: the layers' channels and
-        the gaps between them, eps 1 in the gaps)."""
-        eps_per_channel, lengths = self._ratio_steps_of(g)
-        buffer = self._scratch[g].buffer
-        score = buffer[0].square().div_(buffer[1] + eps_per_channel)
-        return torch.segment_reduce(score, "max", lengths=lengths, unsafe=True).tolist()[1::2]
+    def _over_of(self, g: int, bound: Tensor, bound_eps: Tensor) -> list[bool]:
+        """By the slots of ``_ratio_plans``: whether each layer of scratch group ``g`` has a channel beyond its
+        bound (see :meth:`_beyond_bounds`) — one segmented maximum over the whole buffer (its segments: the
+        layers' channels and the gaps between them)."""
+        _, lengths = self._ratio_steps_of(g)
+        mean, var = self._scratch[g].buffer
+        over = torch.gt(mean.square(), torch.addcmul(bound_eps, bound, var)).to(mean.dtype)
+        return [bool(v) for v in torch.segment_reduce(over, "max", lengths=lengths, unsafe=True).tolist()[1::2]]
 
     def _vouched(self, t: Tensor, pair: Tensor, eps: float) -> bool:
         """Whether the float32 figures ``pair`` of a later call, which no checked call vouches for (see
-        :meth:`_LayerCall.covered`), pass a check now against ``t``, what it normalised — on the channels
+        :meth:`_LayerCall.bound`), pass a check now against ``t``, what it normalised — on the channels
         spread over the layer and those it rounds most, within a quarter of the tolerance
         (:meth:`~precisebn.spotcheck.SpotChecks.check_now`): a few channels copied as float64, where measuring
         the call in float64 would copy them all."""
@@ -601,8 +606,11 @@ class Collector:
                 since, so that it cannot be measured from it either.
         """
         assert self._spots is not None
-        for (i, trial, k, seen, x, n, version), passed in self._spots.run():
+        for (i, trial, k, seen, x, n, version), passed, comfortably in self._spots.run_graded():
             if passed:
+                if comfortably and _layout(seen[0]):  # (it vouches for calls up to twice as far from 0: see passed)
+                    call = self._calls[i]
+                    call.passed(n, call.pair, margin=True)
                 continue
             if version is not None and version_of(seen[0]) != version:
                 layer = self.layers[i]
@@ -890,10 +898,10 @@ class _LayerCall:
         self.verified = [0, 0]
         # on the CPU, in layout 1, the (values per channel, largest mean² / (var + eps)) of the calls whose figures
         # passed: the rounding of those kernels grows with both, so a later call is read through its figures only
-        # where one checked call had at least as many values and as large a ratio (see covered)
+        # where one checked call had at least as many values and as large a ratio, channel by channel (see bound)
         self.on_cpu = self.pair.device.type == "cpu"
-        self.ratios: list[tuple[int, float]] = []
-        self.cover: dict[int, float] = {}  # by values per channel: the largest ratio the checked calls vouch for
+        self.ratios: list[tuple[int, Tensor]] = []  # (values per channel, mean² / (var + eps) per channel)
+        self.cover: dict[int, Tensor | float] = {}  # by values per channel: what the checked calls vouch for
         # a layer with a forward of its own (not torch's), by its input's layout (see _layout): the input shapes
         # its calls were seen, watched, to normalise a tensor of the input's size once with batch figures in its
         # buffers, and that tensor's layout (which `verified` is read by) — a call of another shape or layout is
@@ -901,7 +909,7 @@ class _LayerCall:
         # a copy in another memory layout)
         self.shapes: tuple[dict[torch.Size, int], dict[torch.Size, int]] = ({}, {})
         # of those, the shapes at which the tensor it normalised was its input itself (not a copy or a transform):
-        # a call there that its checked calls do not vouch for (see covered) is measured from its input in float64
+        # a call there that its checked calls do not vouch for (see bound) is measured from its input in float64
         self.itself: tuple[set[torch.Size], set[torch.Size]] = (set(), set())
 
     def watched(
@@ -1013,34 +1021,34 @@ class _LayerCall:
                 self.itself[_layout(x)].add(x.shape)
         return layout
 
-    def bound(self, n: int) -> float:
-        """The largest mean² / (var + eps) that the checked calls of at least ``n`` values vouch for (-1: none)."""
+    def bound(self, n: int) -> Tensor | float:
+        """Channel by channel, the largest mean² / (var + eps) that the checked calls of at least ``n`` values
+        vouch for (a float64 tensor; -1: none) — a call of ``n`` values in layout 1 (on the CPU) is read through
+        its figures only within it: torch's float32 reduction of such inputs errs more with both the values and
+        the mean's distance from 0 in units of σ. By channel: a constant channel (a dead filter's bias: mean²/eps
+        of 1e9, exact) vouches for no other."""
         bound = self.cover.get(n)
         if bound is None:  # (cached by n: usually the same in every batch)
-            bound = self.cover[n] = max((r for k, r in self.ratios if n <= k), default=-1.0)
+            vouching = [r for k, r in self.ratios if n <= k]
+            bound = self.cover[n] = torch.stack(vouching).amax(0) if vouching else -1.0
         return bound
-
-    def covered(self, n: int, r2: float) -> bool:
-        """Whether the figures of a call of ``n`` values per channel in layout 1 (on the CPU), whose largest
-        mean² / (var + eps) is ``r2``, are vouched for by a checked call: one with at least as many values
-        and a mean at least as far from 0 in units of σ (:attr:`ratios`) — torch's float32 reduction of such
-        inputs errs more with both. Non-finite figures are: they are refused by name at the end anyway."""
-        return r2 <= self.bound(n) or r2 != r2
 
     def passed(self, n: int, pair: Tensor, margin: bool = False) -> None:
         """Records that figures ``pair`` of a call of ``n`` values per channel in layout 1 passed their check
-        (see :meth:`covered`); only the calls not vouched for by another are kept. ``margin``: they passed
-        within a quarter of the tolerance, so they vouch for calls up to ``2r + 1`` (``r``: their largest
-        |mean|/σ) — the kernel's error grows at most as ``(1 + r)²`` (a float32 sum of squares; a sum, or two
-        passes, as ``1 + r``)."""
-        r2 = _ratio(pair, float(self.module.eps))
-        if r2 != r2:
+        (see :meth:`bound`); only the calls not vouched for by another are kept (at most :data:`_VOUCHING`).
+        ``margin``: they passed within a quarter of the tolerance, so they vouch for calls up to ``2r + 1``
+        (``r``: a channel's |mean|/σ) — the kernel's error grows at most as ``(1 + r)²`` (a float32 sum of
+        squares; a sum, or two passes, as ``1 + r``). Non-finite figures vouch for nothing."""
+        figures = pair.double()
+        r2 = figures[0].square().div_(figures[1] + float(self.module.eps))
+        if not bool(r2.isfinite().all()):
             return
         if margin:
-            r2 = (2 * math.sqrt(r2) + 1) ** 2
-        if any(n <= k and r2 <= r for k, r in self.ratios):
+            r2 = r2.sqrt_().mul_(2).add_(1).square_()
+        if any(n <= k and bool((r2 <= r).all()) for k, r in self.ratios):
             return
-        self.ratios = [(k, r) for k, r in self.ratios if not (k <= n and r <= r2)] + [(n, r2)]
+        kept = [(k, r) for k, r in self.ratios if not (k <= n and bool((r <= r2).all()))]
+        self.ratios = [*kept[-(_VOUCHING - 1) :], (n, r2)]
         self.cover.clear()
         self.c._fronts += 1
 
@@ -1097,7 +1105,9 @@ class _LayerCall:
                         raise c._momentum_changed(i)
                 n = x.numel() // self.channels
                 row = c._row
-                layout: int | None = x.dim() < 3 or x.stride(1) == 1 or x.dtype in _REDUCED  # (_layout, inline)
+                layout: int | None = (  # (_layout, inline)
+                    x.dim() < 3 or x.stride(1) == 1 or x.dtype in _REDUCED or not x.is_contiguous()
+                )
                 new_shape = False
                 if not self.own_forward:  # a forward of its own, called with a new input shape: watched (_known_shape)
                     xl = layout
@@ -1133,9 +1143,7 @@ class _LayerCall:
                     layout = self._known_shape(seen, figures, x, once)
                     # not its input alone, once, with batch figures: what it normalised, in float64; else as usual
                     beyond = layout is None or n > self.verified[layout]
-                if layout == 1 and not beyond and self.on_cpu:  # its figures' ratio, compared later (see _defer)
-                    known = watching or self.own_forward or x.shape in self.itself[xl]  # what it normalised
-                    c._defer(self, j, n, (seen[0] if watching else x) if known else None)
+                deferred = layout == 1 and not beyond and self.on_cpu  # its figures' ratio, compared later
                 if beyond:
                     try:
                         self.measure_beyond(seen, figures, x, j)
@@ -1150,6 +1158,9 @@ class _LayerCall:
                     c.calls[i] += 1
                 if watching and counter is not None:  # (what it left is known: its counts are its own business)
                     c._lost[i] += counter._version - before - 1
+                if deferred:  # (once counted: the comparison may run at once, and then needs the call's count)
+                    known = watching or self.own_forward or x.shape in self.itself[xl]  # what it normalised
+                    c._defer(self, j, n, (seen[0] if watching else x) if known else None)
             elif path == "verify":
                 out = self.verify(forward, args, kwargs, j, inside > 0)
             else:
@@ -1249,17 +1260,16 @@ def _verified_size(n: int, layout: int, device: torch.device) -> int:
 _REDUCED = (torch.float16, torch.bfloat16)
 
 
-def _ratio(pair: Tensor, eps: float) -> float:
-    """The largest ``mean² / (var + eps)`` of figures ``pair`` (``(2, C)``); NaN if any is."""
-    return float(pair[0].square().div_(pair[1] + eps).amax())
+_VOUCHING = 8  # checked calls kept per layer to vouch for later ones (see _LayerCall.passed)
 
 
 def _layout(x: Tensor) -> int:
     """1 if torch's CPU kernels reduce ``x`` in float32, rounding more with more values — its channels
-    (dimension 1) adjacent in memory (channels_last, ``(N, C)``), or a half-precision input (autocast, or a
-    half-precision module before a float32 layer) — else 0 (the default layout of float32 and float64
-    inputs, reduced in float64)."""
-    return 1 if x.dim() < 3 or x.stride(1) == 1 or x.dtype in _REDUCED else 0
+    (dimension 1) adjacent in memory (channels_last, ``(N, C)``), any other non-contiguous input (a crop
+    ``x[..., 1:]``, a channel split: a probe measured 1.1e-4 σ at 1.6 M values), or a half-precision input
+    (autocast, or a half-precision module before a float32 layer) — else 0 (contiguous float32 and float64
+    inputs in the default layout, reduced in float64)."""
+    return 1 if x.dim() < 3 or x.stride(1) == 1 or x.dtype in _REDUCED or not x.is_contiguous() else 0
 
 
 _BUMPS: dict[str, bool] = {}

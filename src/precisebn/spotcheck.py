@@ -349,6 +349,11 @@ class SpotChecks:
 
     def run(self) -> list[tuple[Any, bool]]:
         """Makes the waiting checks: ``(owner, passed)`` per call, in the order added."""
+        return [(owner, passed) for owner, passed, _ in self.run_graded()]
+
+    def run_graded(self) -> list[tuple[Any, bool, bool]]:
+        """:meth:`run`, with whether each call passed within :data:`PARTIAL_MARGIN` of the tolerance too
+        (every checked channel, and the rounding term, within a quarter of it): ``(owner, passed, comfortably)``."""
         waiting, self._waiting = self._waiting, []
         self.layers.clear()
         used, self._used, self._held = self._used, 0, 0
@@ -360,7 +365,7 @@ class SpotChecks:
         finally:
             _give_back(workspace)
 
-    def _decide(self, waiting: list[_Waiting], values: Tensor) -> list[tuple[Any, bool]]:
+    def _decide(self, waiting: list[_Waiting], values: Tensor) -> list[tuple[Any, bool, bool]]:
         figures = torch.cat([pair for _, pair, _, _, _ in waiting], dim=1)  # (2, every call's channels)
         widths = [pair.shape[1] for _, pair, _, _, _ in waiting]
         starts, steps = [], []  # each call's checked channels: every step-th from its first (its columns)
@@ -383,13 +388,14 @@ class SpotChecks:
         )
         fig_mean, fig_var = figures.index_select(1, columns).double()
         refs = _references(values, runs, fig_mean)  # shifted by the figures' means
-        ok = passes(
-            fig_mean, fig_var, refs, torch.tensor(eps, dtype=torch.float64).repeat_interleave(checked), self.tolerance
-        )
-        failed = torch.segment_reduce((~ok).to(torch.float64), "sum", lengths=checked)
-        rounding = self._rounding(figures, widths, eps)
-        verdicts = ((rounding * (self.unit * self.unit) <= self.tolerance) & (failed == 0)).tolist()  # NaN fails
-        return [(owner, passed) for (owner, *_), passed in zip(waiting, verdicts)]
+        eps_per_column = torch.tensor(eps, dtype=torch.float64).repeat_interleave(checked)
+        rounding = self._rounding(figures, widths, eps) * (self.unit * self.unit)
+        verdicts = []
+        for tolerance in (self.tolerance, self.tolerance / PARTIAL_MARGIN):
+            ok = passes(fig_mean, fig_var, refs, eps_per_column, tolerance)
+            failed = torch.segment_reduce((~ok).to(torch.float64), "sum", lengths=checked)
+            verdicts.append(((rounding <= tolerance) & (failed == 0)).tolist())  # NaN fails
+        return [(owner, passed, good) for (owner, *_), passed, good in zip(waiting, *verdicts)]
 
     def _rounding(self, figures: Tensor, widths: list[int], eps: list[float]) -> Tensor:
         """Each call's largest ``mean² / (var + eps)`` over all its channels (NaN if any is)."""

@@ -131,9 +131,11 @@ class _Saved:
     version: int | None
     copy: Tensor | None  # the span's values (own copy), or None when in a blob or not copied
     blob: tuple[torch.device, int, int] | None = None  # (device, start, length) in that device's blob
-    # (dtype, device, shape, strides, storage offset) of a strided tensor: a forward may resize it in place
-    # (resize_, set_, .data =: torch.ao's observers grow an empty min_val to one value per channel)
+    # (dtype, device, shape, strides, storage offset, storage) of a strided tensor: a forward may resize it in
+    # place (resize_: torch.ao's observers grow an empty min_val to one value per channel) or point it at other
+    # memory (set_, .data =: its saved values must then go back into its own storage, not into that memory)
     geometry: tuple[Any, ...] | None = None
+    storage: Any = None  # its storage (kept: a forward that points the tensor elsewhere may drop it otherwise)
 
 
 class StateSnapshot:
@@ -189,6 +191,8 @@ class StateSnapshot:
                             continue
                         saved = _Saved(f"{prefix}.{key}" if prefix else key, t, version_of(t), None)
                         saved.geometry = _geometry(t)
+                        if saved.geometry is not None:
+                            saved.storage = t.untyped_storage()
                         self._saved.append(saved)
                         span = _span(t)
                         if span is None:
@@ -276,30 +280,31 @@ class StateSnapshot:
 
 
 def _geometry(t: Tensor) -> tuple[Any, ...] | None:
-    """``t``'s dtype, device, shape, strides and storage offset (``None`` unless strided and in memory)."""
+    """``t``'s dtype, device, shape, strides, storage offset and storage (its address: ``resize_`` may move
+    the memory of the same storage) — ``None`` unless strided and in memory."""
     if t.layout != torch.strided or t.is_meta:
         return None
-    return (t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset())
+    return (t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage()._cdata)
 
 
 def _reshape(s: _Saved) -> bool:
-    """Puts back the geometry of a tensor that a forward resized in place (its values follow): on its own
-    storage where that still holds it (``resize_`` keeps the bytes it had), else on fresh memory. Whether
-    that worked."""
-    dtype, device, shape, stride, offset = s.geometry  # type: ignore[misc]
-    t = s.tensor
+    """Puts back the geometry of a tensor that a forward resized in place or pointed at other memory (its
+    values follow): on its own storage (kept by the snapshot) where that still holds it — ``resize_`` keeps
+    the bytes it had, ``set_`` leaves them — else on fresh memory. Whether that worked."""
+    dtype, device, shape, stride, offset, _ = s.geometry  # type: ignore[misc]
+    t, storage = s.tensor, s.storage
     extent = 0 if 0 in shape else 1 + sum((n - 1) * k for n, k in zip(shape, stride))
-    needed = (offset + extent) * t.element_size()
+    needed = (offset + extent) * torch.empty((), dtype=dtype).element_size()
     try:
         with torch.inference_mode() if s.version is None else contextlib.nullcontext():
-            if t.dtype == dtype and t.device == device and t.untyped_storage().nbytes() >= needed:
-                t.set_(t.untyped_storage(), offset, shape, stride)
-            else:
-                fresh = torch.empty(offset + extent, dtype=dtype, device=device)
-                t.set_(fresh.untyped_storage(), offset, shape, stride)
+            if t.dtype != dtype or t.device != device:  # (.data = a tensor of another dtype or device)
+                t.data = torch.empty(0, dtype=dtype, device=device)
+            if storage.nbytes() < needed:  # (its own storage shrunk: the values come from the copy)
+                storage = torch.empty(offset + extent, dtype=dtype, device=device).untyped_storage()
+            t.set_(storage, offset, shape, stride)
     except RuntimeError:
         return False
-    return _geometry(t) == s.geometry
+    return _geometry(t)[:5] == s.geometry[:5]  # type: ignore[index]
 
 
 def _same_objects(now: dict[str, object], saved: dict[str, object]) -> bool:
