@@ -77,7 +77,7 @@ from torch import Tensor
 
 from .errors import InvalidArgumentError, UnsupportedLayerError
 from .layers import RecalibrationState, ScratchGroup
-from .spotcheck import HELD, PARTIAL_MARGIN, SpotChecks
+from .spotcheck import HELD, SpotChecks
 from .state import version_of
 from .stats import RunningMoments, fold_errors, fold_errors_from_sums, merge_counted
 from .trial import Trial, fitting
@@ -373,7 +373,7 @@ class Collector:
                 raise self._refused
             eps_i = float(call.module.eps)
             if self._vouched(t, call.pair, eps_i):
-                call.passed(n, call.pair, margin=True)
+                call.passed(n, call.pair, reach=2.0)
                 continue
             moments = moments_of([t])  # (float32 figures here: the call counted n, kept now in float64 instead)
             assert moments is not None
@@ -385,8 +385,8 @@ class Collector:
                 self._seen = self._version()
 
     def _bound_vectors(self, pending: list[tuple[_LayerCall, int, int, Any, Any]]) -> list[tuple[int, Tensor, Tensor]]:
-        """Per scratch group of the pending calls: the ratio, channel by channel, that each call's checked calls
-        vouch for (see :meth:`_LayerCall.bound`) on its layer's channels, infinite elsewhere, and that times eps."""
+        """Per scratch group of the pending calls: the ratio each call's checked calls vouch for (see
+        :meth:`_LayerCall.bound`) on its layer's channels, infinite elsewhere, and that times eps."""
         bounds: dict[int, Tensor] = {}
         for call, _, n, _, _ in pending:
             g, slot = self._ratio_plans[call.i]
@@ -398,10 +398,11 @@ class Collector:
         return [(g, bound, bound * self._ratio_steps_of(g)[0]) for g, bound in bounds.items()]
 
     def _beyond_bounds(self, g: int, bound: Tensor, bound_eps: Tensor) -> bool:
-        """Whether in scratch group ``g`` a layer's figures have mean² > bound · (var + eps) on some channel
-        (NaN is not beyond: non-finite figures are refused by name at the end anyway)."""
+        """Whether in scratch group ``g`` a layer's figures have mean² > bound · (var + eps) on some channel whose
+        data vary (variance 0: constant data, exact figures; NaN is not beyond: non-finite figures are refused by
+        name at the end anyway)."""
         mean, var = self._scratch[g].buffer
-        return bool(torch.gt(mean.square(), torch.addcmul(bound_eps, bound, var)).any())
+        return bool(torch.gt(mean.square(), torch.addcmul(bound_eps, bound, var)).logical_and_(var > 0).any())
 
     def _ratio_steps_of(self, g: int) -> tuple[Tensor, Tensor]:
         """Scratch group ``g``'s eps per channel (1 in the gaps between layers) and the lengths of its segments
@@ -424,7 +425,7 @@ class Collector:
         layers' channels and the gaps between them)."""
         _, lengths = self._ratio_steps_of(g)
         mean, var = self._scratch[g].buffer
-        over = torch.gt(mean.square(), torch.addcmul(bound_eps, bound, var)).to(mean.dtype)
+        over = torch.gt(mean.square(), torch.addcmul(bound_eps, bound, var)).logical_and_(var > 0).to(mean.dtype)
         return [bool(v) for v in torch.segment_reduce(over, "max", lengths=lengths, unsafe=True).tolist()[1::2]]
 
     def _vouched(self, t: Tensor, pair: Tensor, eps: float) -> bool:
@@ -524,7 +525,8 @@ class Collector:
             if score <= TOLERANCE[pair.dtype]:
                 call.verified[layout] = max(call.verified[layout], _verified_size(n, layout, pair.device))
                 if layout:
-                    call.passed(n, pair, margin=score <= TOLERANCE[pair.dtype] / PARTIAL_MARGIN)
+                    tolerance = TOLERANCE[pair.dtype]  # (how far it passed: how much further it vouches for)
+                    call.passed(n, pair, reach=min(2.0, (tolerance / score) ** 0.5) if score > 0 else 2.0)
 
     def _sum_figures(self, fold: int) -> None:
         """Adds the figures left in the scratch buffers by this batch's last calls to the sums."""
@@ -610,7 +612,7 @@ class Collector:
             if passed:
                 if comfortably and _layout(seen[0]):  # (it vouches for calls up to twice as far from 0: see passed)
                     call = self._calls[i]
-                    call.passed(n, call.pair, margin=True)
+                    call.passed(n, call.pair, reach=2.0)
                 continue
             if version is not None and version_of(seen[0]) != version:
                 layer = self.layers[i]
@@ -900,8 +902,8 @@ class _LayerCall:
         # passed: the rounding of those kernels grows with both, so a later call is read through its figures only
         # where one checked call had at least as many values and as large a ratio, channel by channel (see bound)
         self.on_cpu = self.pair.device.type == "cpu"
-        self.ratios: list[tuple[int, Tensor]] = []  # (values per channel, mean² / (var + eps) per channel)
-        self.cover: dict[int, Tensor | float] = {}  # by values per channel: what the checked calls vouch for
+        self.ratios: list[tuple[int, float]] = []  # (values per channel, largest mean² / (var + eps))
+        self.cover: dict[int, float] = {}  # by values per channel: the largest ratio the checked calls vouch for
         # a layer with a forward of its own (not torch's), by its input's layout (see _layout): the input shapes
         # its calls were seen, watched, to normalise a tensor of the input's size once with batch figures in its
         # buffers, and that tensor's layout (which `verified` is read by) — a call of another shape or layout is
@@ -1021,34 +1023,35 @@ class _LayerCall:
                 self.itself[_layout(x)].add(x.shape)
         return layout
 
-    def bound(self, n: int) -> Tensor | float:
-        """Channel by channel, the largest mean² / (var + eps) that the checked calls of at least ``n`` values
-        vouch for (a float64 tensor; -1: none) — a call of ``n`` values in layout 1 (on the CPU) is read through
-        its figures only within it: torch's float32 reduction of such inputs errs more with both the values and
-        the mean's distance from 0 in units of σ. By channel: a constant channel (a dead filter's bias: mean²/eps
-        of 1e9, exact) vouches for no other."""
+    def bound(self, n: int) -> float:
+        """The largest mean² / (var + eps) that the checked calls of at least ``n`` values vouch for (-1: none):
+        a call of ``n`` values in layout 1 (on the CPU) is read through its figures only within it on every
+        channel whose data vary (a constant one, variance 0, is exact: see :meth:`passed`) — torch's float32
+        reduction of such inputs errs more with both the values and the mean's distance from 0 in units of σ."""
         bound = self.cover.get(n)
         if bound is None:  # (cached by n: usually the same in every batch)
-            vouching = [r for k, r in self.ratios if n <= k]
-            bound = self.cover[n] = torch.stack(vouching).amax(0) if vouching else -1.0
+            bound = self.cover[n] = max((r for k, r in self.ratios if n <= k), default=-1.0)
         return bound
 
-    def passed(self, n: int, pair: Tensor, margin: bool = False) -> None:
+    def passed(self, n: int, pair: Tensor, reach: float = 1.0) -> None:
         """Records that figures ``pair`` of a call of ``n`` values per channel in layout 1 passed their check
-        (see :meth:`bound`); only the calls not vouched for by another are kept (at most :data:`_VOUCHING`).
-        ``margin``: they passed within a quarter of the tolerance, so they vouch for calls up to ``2r + 1``
-        (``r``: a channel's |mean|/σ) — the kernel's error grows at most as ``(1 + r)²`` (a float32 sum of
-        squares; a sum, or two passes, as ``1 + r``). Non-finite figures vouch for nothing."""
+        (see :meth:`bound`): its largest |mean|/σ, ``r``, over the channels whose data vary — a constant channel
+        (a dead filter's bias: mean²/eps of 1e9) has variance 0 exactly, and figures that are exact (every value
+        equal to the mean they give), so it vouches for no other (a probe: it let them be read 1.26e-5 σ off).
+        Only the calls not vouched for by another are kept. ``reach``: by how much further from 0 they vouch for
+        calls, as ``1 + r`` — the kernel's error grows at most as ``(1 + r)²`` (a float32 sum of squares; a sum,
+        or two passes, as ``1 + r``), so figures that passed within a quarter of the tolerance vouch for calls up
+        to ``2r + 1`` (reach 2), ones whose error was a fraction f of it up to ``(1 + r)/√f − 1``. Non-finite
+        figures vouch for nothing."""
         figures = pair.double()
-        r2 = figures[0].square().div_(figures[1] + float(self.module.eps))
-        if not bool(r2.isfinite().all()):
+        r2 = float(torch.where(figures[1] > 0, figures[0].square() / (figures[1] + float(self.module.eps)), 0.0).amax())
+        if r2 != r2 or r2 == float("inf"):
             return
-        if margin:
-            r2 = r2.sqrt_().mul_(2).add_(1).square_()
-        if any(n <= k and bool((r2 <= r).all()) for k, r in self.ratios):
+        if reach > 1.0:
+            r2 = ((1 + r2**0.5) * reach - 1) ** 2
+        if any(n <= k and r2 <= r for k, r in self.ratios):
             return
-        kept = [(k, r) for k, r in self.ratios if not (k <= n and bool((r <= r2).all()))]
-        self.ratios = [*kept[-(_VOUCHING - 1) :], (n, r2)]
+        self.ratios = [(k, r) for k, r in self.ratios if not (k <= n and r <= r2)] + [(n, r2)]
         self.cover.clear()
         self.c._fronts += 1
 
@@ -1241,7 +1244,7 @@ class _LayerCall:
         if figures and x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads: free
             comfortably = c._check_on_cpu(i, trial, seen, x, n, self.pair)
             if layout:  # (the layer keeps the fast path only if this call's figures pass)
-                self.passed(n, self.pair, margin=comfortably)
+                self.passed(n, self.pair, reach=2.0 if comfortably else 1.0)
         else:  # (no figures of this call in its buffers, whatever they hold: the float64 path)
             trial.add(seen, x, self.channels, n, figures)
         trial.counted &= counter is not None and counter._version == before + 1
@@ -1258,9 +1261,6 @@ def _verified_size(n: int, layout: int, device: torch.device) -> int:
 
 
 _REDUCED = (torch.float16, torch.bfloat16)
-
-
-_VOUCHING = 8  # checked calls kept per layer to vouch for later ones (see _LayerCall.passed)
 
 
 def _layout(x: Tensor) -> int:
