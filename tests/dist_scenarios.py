@@ -160,6 +160,25 @@ def outside_the_group(rank: int, world_size: int) -> Result:
     return {"error": None, "world_size": report.world_size}
 
 
+def failure_in_a_subgroup(rank: int, world_size: int) -> Result:
+    """A group of global ranks 1 and 2; a bad batch on global rank 2 (a probe: both were told "rank 1 of 2"
+    failed, global rank 1 being told it failed itself — the number was the rank within the group)."""
+    group = torch.distributed.new_group([1, 2])
+    result: Result = {"error": None}
+    if rank > 0:
+        data = shard(rank, world_size)
+        if rank == 2:
+            data[0] = data[0][:1]  # (one sample: one value per channel)
+        model = make_model()
+        before = buffers(model)
+        try:
+            precisebn.recalibrate(model, data, process_group=group)
+        except DistributedError as exc:
+            result = {**_error(exc), "unchanged": same_state(before, buffers(model))}
+    torch.distributed.barrier()  # (rank 0 hosts the store the failure messages go through: it waits)
+    return result
+
+
 def expect_failure(data: Any, **options: Any) -> Result:
     """Recalibrates a fresh model expecting every rank to raise; records the error and
     whether the model kept its exact state."""
@@ -310,6 +329,57 @@ def per_call_mismatch(rank: int, world_size: int) -> Result:
     return {"error": None}
 
 
+def writes_differ(rank: int, world_size: int) -> Result:
+    """A probe (round 15): with prior=/adapt= differing, or the ranks' models holding different running
+    statistics as the prior, each rank wrote other statistics; and estimate on one rank with recalibrate on
+    another hung (a different number of collectives). Each case is now refused on every rank."""
+    out: dict[str, Result] = {}
+    out["prior"] = expect_failure(shard(rank, world_size), prior=None if rank == 0 else 100)
+    out["adapt"] = expect_failure(shard(rank, world_size), adapt="both" if rank == 0 else "mean")
+    model = make_model()
+    with torch.no_grad():
+        model[1].running_mean.add_(float(rank))  # (DDP with broadcast_buffers=False: the ranks' own statistics)
+    before = buffers(model)
+    try:
+        precisebn.recalibrate(model, shard(rank, world_size), prior=100)
+        out["own statistics"] = {"error": None}
+    except DistributedError as exc:
+        out["own statistics"] = {**_error(exc), "unchanged": same_state(before, buffers(model))}
+    model = make_model()
+    before = buffers(model)
+    try:
+        if rank == 0:
+            precisebn.estimate(model, shard(rank, world_size))
+        else:
+            precisebn.recalibrate(model, shard(rank, world_size))
+        out["functions"] = {"error": None}
+    except DistributedError as exc:
+        out["functions"] = {**_error(exc), "unchanged": same_state(before, buffers(model))}
+    return out
+
+
+def interrupted_in_the_merge(rank: int, world_size: int) -> Result:
+    """Ctrl-C on rank 1 while the merge's collectives run (a probe: the others then waited in the next one
+    until the group's timeout): held until they are done, then raised there, reaching every rank."""
+    import signal
+
+    from precisebn import distributed
+
+    original = distributed.RankContext.all_reduce
+    seen = itertools.count()
+
+    def all_reduce(self, tensor, op=None):  # type: ignore[no-untyped-def]
+        if rank == 1 and next(seen) == 1:  # (the status exchange was the first; the merge's data next)
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self, tensor, op)
+
+    distributed.RankContext.all_reduce = all_reduce  # type: ignore[method-assign]
+    try:
+        return expect_failure(shard(rank, world_size))
+    finally:
+        distributed.RankContext.all_reduce = original  # type: ignore[method-assign]
+
+
 def layer_mismatch(rank: int, world_size: int) -> Result:
     return expect_failure(shard(rank, world_size), layers=None if rank == 0 else ["1"])
 
@@ -456,6 +526,7 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         frozen_option_mismatch,
         wrong_process_group,
         outside_the_group,
+        failure_in_a_subgroup,
         float64_union,
         auto_union,
         auto_failure,
@@ -469,6 +540,8 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         prior_fails_on_one_rank,
         auto_empty_rank,
         per_call_mismatch,
+        writes_differ,
+        interrupted_in_the_merge,
         unprintable_errors,
         empty_rank,
         non_finite,

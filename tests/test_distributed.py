@@ -159,7 +159,12 @@ def test_two_ranks(tmp_path: Path) -> None:
         m = res["layer_mismatch"]
         assert m["error"] == "DistributedError" and "different normalization layers" in m["message"] and m["unchanged"]
         m = res["mode_mismatch"]
-        assert m["error"] == "DistributedError" and "different mode=" in m["message"] and m["unchanged"]
+        assert (
+            m["error"] == "DistributedError"
+            and "passed different options" in m["message"]
+            and "mode=" in m["message"]
+            and m["unchanged"]
+        )
         e = res["empty_rank"]
         assert e["error"] == "DistributedError" and e["failed_ranks"] == [1] and e["unchanged"]
         assert "rank 1: EmptyDataError" in e["message"]
@@ -208,13 +213,17 @@ def test_collectives_are_let_go_of_before_precisebn_goes_on(tmp_path: Path) -> N
 
 
 def test_three_uneven_ranks(tmp_path: Path) -> None:
-    results = run_ranks(3, ["union", "empty_rank", "outside_the_group"], tmp_path)
+    results = run_ranks(3, ["union", "empty_rank", "outside_the_group", "failure_in_a_subgroup"], tmp_path)
     check_union(results, 3)
     for res in results:
         assert res["empty_rank"]["failed_ranks"] == [1] and res["empty_rank"]["unchanged"]
     assert [res["outside_the_group"].get("world_size") for res in results[:2]] == [2, 2]
     assert results[2]["outside_the_group"]["error"] == "InvalidArgumentError"
     assert "not a member of process_group" in results[2]["outside_the_group"]["message"]
+    for res in results[1:]:  # (named by their global ranks)
+        f = res["failure_in_a_subgroup"]
+        assert f["error"] == "DistributedError" and f["unchanged"], f
+        assert "failed on rank 2 of the group of ranks 1, 2 (rank 2: InvalidArgumentError" in f["message"], f
 
 
 def test_failure_on_one_rank_surfaces_fast_everywhere(tmp_path: Path) -> None:
@@ -235,7 +244,13 @@ def test_mistakes_on_one_rank_reach_every_rank_at_once(tmp_path: Path) -> None:
     """Found by a hostile probe: each of these hung the other ranks until the process group's timeout,
     gave a blank error, let one rank write alone, or surfaced only after the others' whole pass."""
     names = ["recalibrate_argument_error", "auto_on_one_rank", "prior_fails_on_one_rank", "auto_empty_rank"]
-    names += ["per_call_mismatch", "tolerance_mismatch", "paths_over_ranks"]
+    names += [
+        "per_call_mismatch",
+        "tolerance_mismatch",
+        "paths_over_ranks",
+        "writes_differ",
+        "interrupted_in_the_merge",
+    ]
     results = run_ranks(2, names, tmp_path, timeout=100)
     for res in results:
         for option, expected in (
@@ -260,8 +275,15 @@ def test_mistakes_on_one_rank_reach_every_rank_at_once(tmp_path: Path) -> None:
         assert t["error"] == "DistributedError" and t["unchanged"], t
         assert "tolerance (rank 0: 1e-09, rank 1: 0.5)" in t["message"], t
         c = res["per_call_mismatch"]
-        assert c["error"] == "DistributedError" and "per_call=True" in c["message"], c
-        assert "different normalization layers" not in c["message"], c
+        assert c["error"] == "DistributedError" and "per_call=" in c["message"], c
+        for case in ("prior", "adapt", "own statistics", "functions"):
+            w = res["writes_differ"][case]
+            assert w["error"] == "DistributedError" and w["unchanged"], (case, w)
+        assert "would write different statistics" in res["writes_differ"]["own statistics"]["message"]
+        assert "call the same function" in res["writes_differ"]["functions"]["message"]
+    i0, i1 = results[0]["interrupted_in_the_merge"], results[1]["interrupted_in_the_merge"]
+    assert i1["error"] == "KeyboardInterrupt" and i1["unchanged"], i1
+    assert i0["error"] == "DistributedError" and i0["failed_ranks"] == [1] and i0["unchanged"], i0
 
 
 def test_an_error_whose_message_cannot_be_stored_still_reaches_every_rank_at_once(tmp_path: Path) -> None:

@@ -34,11 +34,14 @@ batch, not at the process group's timeout. A rank that dies without raising
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import signal
+import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, NoReturn
 
 import torch
@@ -104,6 +107,7 @@ class RankContext:
 
     def __init__(self, group: Any, rank: int, world_size: int, device: torch.device, ranks: tuple[int, ...]) -> None:
         self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
+        self.ranks = ranks  # each group rank's global rank (named in messages: a subgroup's 1 is not global 1)
         n = RankContext._calls.get(ranks, 0) + 1
         RankContext._calls[ranks] = n
         self.prefix = f"precisebn/{zlib.crc32(repr(ranks).encode())}/{n}"
@@ -210,13 +214,22 @@ class RankContext:
                         message = self.store.get(key).decode("utf-8", "backslashreplace")
                 except Exception:
                     pass
-            details.append(f"rank {r}: {message}")
+            details.append(f"rank {self._global(r)}: {message}")
+        of = (
+            f"{self.world_size}"
+            if self._global(0) == 0 and self._global(self.world_size - 1) == self.world_size - 1
+            else (f"the group of ranks {', '.join(map(str, self.ranks))}")
+        )
         return DistributedError(
-            f"precisebn failed on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} "
-            f"of {self.world_size} ({'; '.join(details)}). No rank's model was changed; fix the cause "
-            "on that rank and call again on every rank.",
+            f"precisebn failed on rank{'s' if len(failed) > 1 else ''} "
+            f"{', '.join(str(self._global(r)) for r in failed)} of {of} ({'; '.join(details)}). No rank's model was "
+            "changed; fix the cause on that rank and call again on every rank.",
             failed,
         )
+
+    def _global(self, r: int) -> int:
+        """Group rank ``r`` as a global rank (what the processes' logs and torchrun call it)."""
+        return self.ranks[r] if 0 <= r < len(self.ranks) else r
 
     # -- collectives -------------------------------------------------------------------
 
@@ -311,16 +324,35 @@ class RankContext:
             (),
         )
 
-    def agree(self) -> None:
+    def agree(self, digest: int = 0) -> None:
         """One more status exchange, after the merge: raises the same error on every rank if any
-        failed since (:meth:`fail` on that rank), so that none goes on alone."""
-        table = self._exchange(_OK, 0, 0, 0, 0.0)
+        failed since (:meth:`fail` on that rank), so that none goes on alone, or if the ranks' ``digest``
+        of what they are about to write differs (each rank pools the merged statistics with its own model's
+        as a prior: different prior=, adapt=, or running statistics that differ between the ranks)."""
+        table = self._exchange(_OK, 0, 0, digest, 0.0)
         if any(row[0] != _OK for row in table):
             raise self._failure_error(table)
+        if len({int(row[3]) for row in table}) > 1:
+            raise DistributedError(
+                "the ranks would write different statistics: the merged ones are the same on every rank, but "
+                "pooled with each rank's own model (prior=) or written in part (adapt=) they differ — a different "
+                "prior= or adapt= on some rank, or running statistics that differ between the ranks' models (e.g. "
+                "DDP with broadcast_buffers=False) used as the prior. Pass the same prior= and adapt= everywhere, "
+                "and give every rank the same statistics first (e.g. broadcast them from rank 0). No model was "
+                "changed.",
+                (),
+            )
 
-    def merge(self, local: Measurement) -> Measurement:
-        """Merges every rank's moments exactly; the same result on every rank."""
-        digest = zlib.crc32(f"mode={local.mode}\n{_layout(local)}".encode())  # (the mode too: one slot)
+    def merge(self, local: Measurement, options: str = "") -> Measurement:
+        """Merges every rank's moments exactly; the same result on every rank. ``options``: what every rank
+        must have passed alike besides the mode (which function was called, per_call...): in the layers'
+        digest (a different function, e.g. estimate on one rank and recalibrate on another, would make
+        different collectives after this one: every rank would wait for the others)."""
+        with _interrupts_held():  # (Ctrl-C between this rank's collectives would leave the others waiting)
+            return self._merge(local, options)
+
+    def _merge(self, local: Measurement, options: str) -> Measurement:
+        digest = zlib.crc32(f"mode={local.mode}\n{options}\n{_layout(local)}".encode())  # (one slot for all)
         calls_digest = zlib.crc32("\n".join(layer.name for layer in local.layers).encode())
         table = self._exchange(_OK, local.samples, local.batches, digest, local.seconds, calls_digest=calls_digest)
         if any(row[0] in (_FAILED, _STOPPED) for row in table):
@@ -331,9 +363,11 @@ class RankContext:
         if len(digests) > 1:
             per_rank = ", ".join(f"rank {r}: {int(row[3]):08x}" for r, row in enumerate(table))
             raise DistributedError(
-                f"ranks selected different normalization layers or passed a different mode= (digests {per_rank}); "
-                "every rank must pass the same model architecture, the same layers= selection and the same mode= "
-                "(statistics of different activations cannot be pooled). No model was changed."
+                f"ranks selected different normalization layers or passed different options (digests {per_rank}; "
+                f"this rank: mode={local.mode!r}, {options or 'no other options'}): every rank must pass the same "
+                "model architecture, the same layers= selection and the same mode= and per_call=, and call the "
+                "same function (estimate on every rank, or recalibrate, or the same integration). No model was "
+                "changed."
             )
         if len({int(row[7]) for row in table}) > 1:
             raise DistributedError(
@@ -392,6 +426,26 @@ class RankContext:
         most = torch.tensor(per_forward, dtype=torch.float64, device=self.device)
         self.all_reduce(most, torch.distributed.ReduceOp.MAX)  # collective 4
         return [int(v) for v in most.tolist()]
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Ctrl-C (SIGINT) held until the block ends, then raised: a rank interrupted between the merge's
+    collectives would leave the other ranks waiting in the next one (a probe: 30 minutes, the group's
+    timeout). Only in the main thread, with Python's own handler in place (else as it is)."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
 
 
 def _merged_path(local: str, fast: int, exact: int) -> str:

@@ -390,7 +390,13 @@ def _estimate(
         raise
     else:
         if ctx is not None:
-            local = ctx.merge(local)  # (paths and per_forward over the ranks, as the statistics)
+            options = f"per_call={per_call!r}, {'writes' if plan is not None else 'no writes'}"
+            try:
+                local = ctx.merge(local, options)  # (paths and per_forward over the ranks, as the statistics)
+            except KeyboardInterrupt as exc:  # (held until the merge's collectives were done: see merge)
+                if plan is not None:  # the others go on to agree(): they learn of it there
+                    ctx.fail(exc)
+                raise
             local.check()  # the same verdict on every rank: they all hold the same values
         stats = local.to_population()
         if plan is None:
@@ -402,7 +408,7 @@ def _estimate(
         except BaseException as exc:
             ctx.fail(exc)
             raise
-        ctx.agree()  # raises on every rank if any failed to plan its writes
+        ctx.agree(planned.digest())  # raises on every rank if any failed to plan its writes, or would write otherwise
         return stats, planned
     finally:
         if ctx is not None:

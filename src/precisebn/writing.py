@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import zlib
 
 import torch
 from torch import nn
@@ -39,6 +40,12 @@ class Writes:
         self, report: Report, targets: list[torch.Tensor], new: list[torch.Tensor], kept: list[tuple[str, int]]
     ) -> None:
         self.report, self._targets, self._new, self._kept = report, targets, new, kept
+
+    def digest(self) -> int:
+        """A checksum of every value to be written (on the host: after the passes), which every rank of a
+        distributed recalibration must share."""
+        data = [t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes() for t in self._new]
+        return zlib.crc32(b"".join(data)) ^ len(self._targets)
 
     def commit(self) -> Report:
         """Writes every value at once (the old values put back if that is interrupted)."""
