@@ -403,3 +403,41 @@ def test_16_bit_netpbm_images_and_folders_walked_in_order(tmp_path):
     assert [p.relative_to(tmp_path / "data").as_posix() for p in files.files] == ["a/16bit.pgm"]
     loaded, error = files[0]
     assert error == "" and torch.equal(loaded[..., 0], torch.from_numpy(np.rint(values / 257.0).astype(np.uint8)))
+
+
+class Nested(nn.Module):
+    """A model with a submodule of its own called ``model`` (``bn`` and ``model.bn``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3)
+        self.model = nn.Sequential()
+        self.model.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.bn(self.bn(x))
+
+
+def test_statistics_of_a_few_layers_apply_to_a_plain_or_wrapped_checkpoint(tmp_path):
+    """A probe: statistics of ``bn`` alone also match ``model.bn`` by its end, and apply refused the plain
+    checkpoint as "holding the model under several prefixes"; a Lightning-style ``model.`` checkpoint of such a
+    model must still take them under ``model.``; two copies of the model (``model.`` and ``ema_model.``) are
+    still refused."""
+    import precisebn
+    from precisebn.checkpoint import stats_replacement
+
+    net = Nested()
+    stats = precisebn.estimate(net, [torch.randn(8, 3) for _ in range(2)], layers=["bn"])
+    sd = net.state_dict()
+    torch.save(sd, tmp_path / "plain.pt")
+    replace, prefix = stats_replacement(load_checkpoint(tmp_path / "plain.pt"), stats)
+    assert prefix == "" and sorted(replace) == ["bn.running_mean", "bn.running_var"]
+    torch.save({f"model.{k}": v for k, v in sd.items()}, tmp_path / "wrapped.pt")
+    replace, prefix = stats_replacement(load_checkpoint(tmp_path / "wrapped.pt"), stats)
+    assert prefix == "model." and sorted(replace) == ["model.bn.running_mean", "model.bn.running_var"]
+    torch.save(
+        {**{f"model.{k}": v for k, v in sd.items()}, **{f"ema_model.{k}": v for k, v in sd.items()}},
+        tmp_path / "two.pt",
+    )
+    with pytest.raises(CheckpointMismatchError, match="several prefixes"):
+        stats_replacement(load_checkpoint(tmp_path / "two.pt"), stats)

@@ -1267,3 +1267,56 @@ def test_layers_named_as_inspect_shows_them_for_a_prefixed_checkpoint(tiny, work
     written, before = torch.load("o.pt", weights_only=True), torch.load("lightning.pt", weights_only=True)
     changed = {k for k in written if not torch.equal(written[k], before[k])}
     assert changed == {f"model.{norms[0]}.running_mean", f"model.{norms[0]}.running_var"}
+
+
+NESTED_MODULE = """
+import torch
+from torch import nn
+
+
+class Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.bn = nn.BatchNorm2d(3)
+        self.model = nn.Sequential()
+        self.model.bn = nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return self.model.bn(self.bn(self.conv(x)))
+"""
+
+
+def test_a_package_module_and_its_init_files_are_inputs(tiny, work, capsys):
+    """Probe 16: --model pkg.sub.mods:Nested protected pkg/sub/mods.py, but --out pkg/__init__.py replaced the
+    package's __init__ with a checkpoint."""
+    (work["dir"] / "pkg" / "sub").mkdir(parents=True)
+    (work["dir"] / "pkg" / "__init__.py").write_text("")
+    (work["dir"] / "pkg" / "sub" / "__init__.py").write_text("")
+    (work["dir"] / "pkg" / "sub" / "mods.py").write_text(NESTED_MODULE)
+    for target in ("pkg/__init__.py", "pkg/sub/__init__.py", "pkg/sub/mods.py"):
+        args = _tiny_args(tiny, work["ckpt"], target)
+        args[args.index("--model") + 1] = "pkg.sub.mods:Nested"
+        assert main(args) == 2, target
+        assert "is the input --model's" in capsys.readouterr().err
+    assert (work["dir"] / "pkg" / "__init__.py").read_text() == ""
+
+
+def test_layers_named_as_the_model_names_them_whatever_the_checkpoints_prefix(tiny, work, capsys):
+    """Probe 16: with a ``model.``-prefixed checkpoint, --layers model.bn (the model's own submodule ``model``)
+    had its prefix taken off and selected the top-level ``bn``: the same flag chose other layers depending on
+    how the checkpoint was saved."""
+    (work["dir"] / "cli_nested.py").write_text(NESTED_MODULE)
+    namespace: dict[str, Any] = {}
+    exec(NESTED_MODULE, namespace)  # (the same class the CLI imports from cli_nested.py)
+    nested = namespace["Nested"]()
+    sd = nested.state_dict()
+    torch.save(sd, "plain.pt")
+    torch.save({f"model.{k}": v for k, v in sd.items()}, "prefixed.pt")
+    for ckpt, prefix in (("plain.pt", ""), ("prefixed.pt", "model.")):
+        args = _tiny_args(tiny, Path(ckpt), f"out_{ckpt}", "--layers", "model.bn")
+        args[args.index("--model") + 1] = "cli_nested:Nested"
+        assert main(args) == 0, capsys.readouterr().err
+        written = torch.load(f"out_{ckpt}", weights_only=True)
+        changed = {k for k in written if not torch.equal(written[k], sd[k[len(prefix) :]])}
+        assert changed == {f"{prefix}model.bn.running_mean", f"{prefix}model.bn.running_var"}, ckpt

@@ -231,13 +231,21 @@ class _Patterns:
         return "--layers " + " ".join(repr(p) for p in self.patterns)
 
 
-def _layer_selection(patterns: list[str] | None, prefix: str = "") -> Any:
+def _layer_selection(patterns: list[str] | None, prefix: str = "", names: set[str] | None = None) -> Any:
     """``--layers`` for the library: names (or patterns) of the model's modules — written with the checkpoint's
-    prefix too (``model.bn1`` of a Lightning checkpoint, as ``inspect`` shows them), which is taken off."""
+    prefix too (``model.bn1`` of a Lightning checkpoint, as ``inspect`` shows them), which is taken off where
+    the name (or pattern) as given names none of the model's modules (``names``): a model's own ``model.bn``
+    stays itself, whatever the checkpoint's prefix."""
     if not patterns:
         return None
     if prefix:
-        patterns = [p[len(prefix) :] if p.startswith(prefix) else p for p in patterns]
+        import fnmatch
+
+        known = names or set()
+        patterns = [
+            p[len(prefix) :] if p.startswith(prefix) and not any(fnmatch.fnmatchcase(n, p) for n in known) else p
+            for p in patterns
+        ]
     if not any(ch in p for p in patterns for ch in "*?["):
         return patterns  # exact names: the library suggests close matches for typos
     return _Patterns(patterns)
@@ -329,7 +337,7 @@ def run_recalibrate(args: argparse.Namespace) -> int:
             capture=args.capture,
             prior=args.prior,
             adapt=args.adapt,
-            layers=_layer_selection(args.layers, prefix),
+            layers=_layer_selection(args.layers, prefix, {name for name, _ in model.named_modules()}),
             device=device,
             progress=progress,
             forward=_forward,
@@ -401,12 +409,17 @@ def _sources(args: argparse.Namespace) -> dict[str, Path]:
         module, sep, _ = spec.partition(":")
         if not sep or module in ("torchvision", "timm") or Path(spec).exists():
             continue
-        base = Path(*module.split("."))
+        parts = module.split(".")
+        base = Path(*parts)
         for root in ("", *sys.path):
             candidates = (Path(root) / base.with_suffix(".py"), Path(root) / base / "__init__.py")
             found = [p for p in candidates if p.is_file()]
             if found:
                 inputs[f"--{option[2:]}'s module"] = found[0]
+                for k in range(1, len(parts)):  # (its packages' __init__.py are imported too)
+                    package = Path(root, *parts[:k], "__init__.py")
+                    if package.is_file():
+                        inputs[f"--{option[2:]}'s package {'.'.join(parts[:k])}"] = package
                 break
     return inputs
 
