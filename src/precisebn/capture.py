@@ -165,7 +165,7 @@ class Collector:
             for slot, i in enumerate(scratch.layer_ids):
                 self._ratio_plans[i] = (g, slot)
         self._ratio_steps: dict[int, tuple[Tensor, Tensor]] = {}  # group: (eps per channel, segment lengths)
-        self._bound_tests: dict[tuple[Any, ...], list[tuple[int, Tensor, Tensor]]] = {}
+        self._bound_tests: dict[tuple[Any, ...], list[tuple[int, Tensor, Tensor, int, int]]] = {}
         self._fronts = 0  # changes of the layers' checked calls (see _LayerCall.passed): the cached bounds' version
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
@@ -359,10 +359,10 @@ class Collector:
             tests = self._bound_tests[key] = self._bound_vectors(pending)
         # the groups where a call is beyond its bounds on a channel (one test per group, a few kernels), and there
         # whether each layer is
-        beyond = {g: self._beyond_bounds(g, bound, bound_eps) for g, bound, bound_eps in tests}
+        beyond = {g: self._beyond_bounds(g, *vectors) for g, *vectors in tests}
         if not any(beyond.values()):
             return
-        over = {g: self._over_of(g, bound, bound_eps) for g, bound, bound_eps in tests if beyond[g]}
+        over = {g: self._over_of(g, bound, bound_eps) for g, bound, bound_eps, _, _ in tests if beyond[g]}
         for call, j, n, t, version in pending:
             g, slot = self._ratio_plans[call.i]
             if g not in over or not over[g][slot]:
@@ -384,24 +384,35 @@ class Collector:
             if self._guard:
                 self._seen = self._version()
 
-    def _bound_vectors(self, pending: list[tuple[_LayerCall, int, int, Any, Any]]) -> list[tuple[int, Tensor, Tensor]]:
+    def _bound_vectors(
+        self, pending: list[tuple[_LayerCall, int, int, Any, Any]]
+    ) -> list[tuple[int, Tensor, Tensor, int, int]]:
         """Per scratch group of the pending calls: the ratio each call's checked calls vouch for (see
-        :meth:`_LayerCall.bound`) on its layer's channels, infinite elsewhere, and that times eps."""
-        bounds: dict[int, Tensor] = {}
+        :meth:`_LayerCall.bound`) on its layer's channels, infinite elsewhere, that times eps, and the stretch of
+        the buffer that holds those layers."""
+        by_slot: dict[int, dict[int, float]] = {}
         for call, _, n, _, _ in pending:
             g, slot = self._ratio_plans[call.i]
-            if g not in bounds:
-                bounds[g] = torch.full_like(self._ratio_steps_of(g)[0], float("inf"))
-            scratch = self._scratch[g]
-            at = scratch.offsets[slot]
-            bounds[g][at : at + scratch.channels[slot]] = call.bound(n)
-        return [(g, bound, bound * self._ratio_steps_of(g)[0]) for g, bound in bounds.items()]
+            by_slot.setdefault(g, {})[slot] = call.bound(n)
+        out = []
+        for g, bounds in by_slot.items():
+            eps, lengths = self._ratio_steps_of(g)
+            segments = [float("inf")] * len(lengths)  # (the gaps, then each layer: 2·slot + 1)
+            for slot, value in bounds.items():
+                segments[2 * slot + 1] = value
+            bound = torch.tensor(segments, dtype=eps.dtype).repeat_interleave(lengths)
+            scratch = self._scratch[g]  # (the test reads only the stretch of the buffer that holds these layers)
+            lo = min(scratch.offsets[slot] for slot in bounds)
+            hi = max(scratch.offsets[slot] + scratch.channels[slot] for slot in bounds)
+            out.append((g, bound, bound * eps, lo, hi))
+        return out
 
-    def _beyond_bounds(self, g: int, bound: Tensor, bound_eps: Tensor) -> bool:
-        """Whether in scratch group ``g`` a layer's figures have mean² > bound · (var + eps) on some channel whose
-        data vary (variance 0: constant data, exact figures; NaN is not beyond: non-finite figures are refused by
-        name at the end anyway)."""
-        mean, var = self._scratch[g].buffer
+    def _beyond_bounds(self, g: int, bound: Tensor, bound_eps: Tensor, lo: int, hi: int) -> bool:
+        """Whether in scratch group ``g`` (columns ``lo:hi``) a layer's figures have mean² > bound · (var + eps)
+        on some channel whose data vary (variance 0: constant data, exact figures; NaN is not beyond: non-finite
+        figures are refused by name at the end anyway)."""
+        mean, var = self._scratch[g].buffer[:, lo:hi]
+        bound, bound_eps = bound[lo:hi], bound_eps[lo:hi]
         return bool(torch.gt(mean.square(), torch.addcmul(bound_eps, bound, var)).logical_and_(var > 0).any())
 
     def _ratio_steps_of(self, g: int) -> tuple[Tensor, Tensor]:
@@ -409,14 +420,16 @@ class Collector:
         (the gaps and the layers' channels, in turn)."""
         if g not in self._ratio_steps:
             scratch = self._scratch[g]
-            eps, lengths, at = [], [], 0
+            values, lengths, at = [], [], 0
             for i, off, c in zip(scratch.layer_ids, scratch.offsets, scratch.channels):
+                values += [1.0, float(self.layers[i].module.eps)]
                 lengths += [off - at, c]
-                eps += [1.0] * (off - at) + [float(self.layers[i].module.eps)] * c
                 at = off + c
+            values.append(1.0)
             lengths.append(scratch.buffer.shape[1] - at)
-            eps += [1.0] * lengths[-1]
-            self._ratio_steps[g] = (torch.tensor(eps, dtype=scratch.buffer.dtype), torch.tensor(lengths))
+            counts = torch.tensor(lengths)
+            eps = torch.tensor(values, dtype=scratch.buffer.dtype).repeat_interleave(counts)
+            self._ratio_steps[g] = (eps, counts)
         return self._ratio_steps[g]
 
     def _over_of(self, g: int, bound: Tensor, bound_eps: Tensor) -> list[bool]:
@@ -1051,8 +1064,8 @@ class _LayerCall:
         or two passes, as ``1 + r``), so figures that passed within a quarter of the tolerance vouch for calls up
         to ``2r + 1`` (reach 2), ones whose error was a fraction f of it up to ``(1 + r)/√f − 1``. Non-finite
         figures vouch for nothing."""
-        figures = pair.double()
-        r2 = float(torch.where(figures[1] > 0, figures[0].square() / (figures[1] + float(self.module.eps)), 0.0).amax())
+        mean, var = pair[0], pair[1]
+        r2 = float(torch.where(var > 0, mean.square().div_(var + float(self.module.eps)), 0.0).amax())
         if r2 != r2 or r2 == float("inf"):
             return
         if reach > 1.0:
