@@ -161,6 +161,7 @@ def test_buffers_resized_or_at_odd_offsets_are_put_back(how: str) -> None:
     model = nn.Sequential(nn.Linear(4, 6), Observed(), nn.BatchNorm1d(6))
     before = state_snapshot(model)
     observed = {k: (t, t.clone()) for k, t in model[1]._buffers.items()}
+    sizes = {k: t.untyped_storage().nbytes() for k, t in model[1]._buffers.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (nothing lost: no ModelChangedWarning)
         if how == "estimate":
@@ -174,6 +175,7 @@ def test_buffers_resized_or_at_odd_offsets_are_put_back(how: str) -> None:
         assert_unchanged(model, before)
     for k, (t, values) in observed.items():
         assert model[1]._buffers[k] is t and t.shape == values.shape and torch.equal(t, values), k
+        assert t.untyped_storage().nbytes() == sizes[k], k  # (a grown one's memory too: a probe, round 16)
 
 
 class PointsElsewhere(nn.Module):

@@ -136,6 +136,7 @@ class _Saved:
     # memory (set_, .data =: its saved values must then go back into its own storage, not into that memory)
     geometry: tuple[Any, ...] | None = None
     storage: Any = None  # its storage (kept: a forward that points the tensor elsewhere may drop it otherwise)
+    nbytes: int = 0  # that storage's size (resize_ may grow it: a model saved afterwards would carry the rest)
 
 
 class StateSnapshot:
@@ -193,6 +194,7 @@ class StateSnapshot:
                         saved.geometry = _geometry(t)
                         if saved.geometry is not None:
                             saved.storage = t.untyped_storage()
+                            saved.nbytes = saved.storage.nbytes()
                         self._saved.append(saved)
                         span = _span(t)
                         if span is None:
@@ -301,6 +303,9 @@ def _reshape(s: _Saved) -> bool:
                 t.data = torch.empty(0, dtype=dtype, device=device)
             if storage.nbytes() < needed:  # (its own storage shrunk: the values come from the copy)
                 storage = torch.empty(offset + extent, dtype=dtype, device=device).untyped_storage()
+            elif storage.nbytes() != s.nbytes and s.nbytes >= needed:  # (grown by resize_: its size back too)
+                with contextlib.suppress(RuntimeError):
+                    storage.resize_(s.nbytes)
             t.set_(storage, offset, shape, stride)
     except RuntimeError:
         return False
