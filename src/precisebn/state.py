@@ -44,7 +44,9 @@ __all__ = [
     "version_of",
 ]
 
-_UNINITIALIZED = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)  # lazy modules' tensors
+# lazy modules' tensors (UninitializedParameter, UninitializedBuffer) by their plain mixin class: Parameter's
+# metaclass makes isinstance against those slow, and every tensor of the model is tested
+_UNINITIALIZED = nn.parameter.UninitializedTensorMixin
 _RENORMALISED = (nn.Embedding, nn.EmbeddingBag)  # modules whose forward writes their weight (max_norm)
 
 
