@@ -281,8 +281,7 @@ class RankContext:
         fails meanwhile is seen at once, in the same exchange). Each rank brings its own
         precision ``p_r`` over its ``n_r`` samples; the union's is taken as
         ``max_r(p_r·√n_r) / √N`` (standard errors shrink as 1/√samples when ranks see
-        alike data) over the ranks that have an estimate (a shard of one batch has none; its samples
-        count in N). The ranks stop together when that is within ``tolerance`` and N ≥
+        alike data). The ranks stop together when that is within ``tolerance`` and N ≥
         ``min_samples``, when N reaches ``max_samples``, or when no rank has data left.
         """
 
