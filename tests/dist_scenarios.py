@@ -218,14 +218,6 @@ def auto_union(rank: int, world_size: int) -> Result:
     }
 
 
-def auto_one_batch_rank(rank: int, world_size: int) -> Result:
-    """num_samples="auto" with rank 0's shard a single batch (no standard error of its own: it was taken as
-    infinite, and the others read their whole data — a probe: 601 batches where 88 did)."""
-    data = list(itertools.islice(_stream(rank), 1 if rank == 0 else 400))
-    stats = precisebn.estimate(make_model(), data, num_samples="auto", tolerance=0.05)
-    return {"batches": stats.batches, "samples": stats.samples}
-
-
 def auto_failure(rank: int, world_size: int) -> Result:
     """Rank 1's stream fails after 13 batches while the others vote: every rank raises."""
     return expect_failure(_stream(rank, fail_at=13 if rank == 1 else None), num_samples="auto", tolerance=1e-3)
@@ -537,7 +529,6 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         failure_in_a_subgroup,
         float64_union,
         auto_union,
-        auto_one_batch_rank,
         auto_failure,
         argument_error,
         layer_mismatch,

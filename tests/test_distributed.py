@@ -177,7 +177,7 @@ def test_two_ranks(tmp_path: Path) -> None:
 
 
 def test_auto_stops_at_the_same_batch_on_every_rank(tmp_path: Path) -> None:
-    results = run_ranks(2, ["auto_union", "auto_failure", "auto_one_batch_rank"], tmp_path)
+    results = run_ranks(2, ["auto_union", "auto_failure"], tmp_path)
     first = results[0]["auto_union"]
     assert "error" not in first, first
     assert first["batches"] % 8 == 0 and first["se"] <= 0.05
@@ -189,8 +189,6 @@ def test_auto_stops_at_the_same_batch_on_every_rank(tmp_path: Path) -> None:
         f = res["auto_failure"]
         assert f["error"] == "DistributedError" and f["failed_ranks"] == [1] and f["unchanged"], f
         assert "disk read error on rank 1" in f["message"]
-        one = res["auto_one_batch_rank"]  # (rank 1 stops early, with rank 0's one batch counted)
-        assert one["batches"] < 401 and one["samples"] == one["batches"] * 4, one
 
 
 def test_no_reference_to_the_process_group_outlives_a_call(tmp_path: Path) -> None:

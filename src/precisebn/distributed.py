@@ -289,9 +289,7 @@ class RankContext:
         rule = zlib.crc32(f"{tolerance!r} {min_samples} {max_samples}".encode())  # (every rank must stop alike)
 
         def vote(precision: float, samples: int, has_data: bool) -> bool:
-            # -1: no estimate of this rank's own (a shard of one batch: no spread between its folds to measure;
-            # it was taken as infinite, and the ranks never stopped early — a probe read all 601 batches)
-            weighted = precision * math.sqrt(samples) if math.isfinite(precision) else -1.0
+            weighted = precision * math.sqrt(samples) if math.isfinite(precision) else float("inf")
             table = self._exchange(_VOTE, samples, 0, rule, tolerance, min(weighted, 1e300), has_data)
             if any(row[0] in (_FAILED, _STOPPED) for row in table):
                 raise _FailedAtVote(self._failure_error(table))
@@ -308,8 +306,7 @@ class RankContext:
                     )
                 )
             total = sum(row[1] for row in table)
-            known = [row[5] for row in table if row[5] >= 0]  # (the ranks with an estimate; none: not precise yet)
-            union = max(known) / math.sqrt(max(total, 1.0)) if known else float("inf")
+            union = max(row[5] for row in table) / math.sqrt(max(total, 1.0))
             no_data = not any(row[6] for row in table)
             return no_data or total >= max_samples or (total >= min_samples and union <= tolerance)
 
