@@ -441,3 +441,38 @@ def test_statistics_of_a_few_layers_apply_to_a_plain_or_wrapped_checkpoint(tmp_p
     )
     with pytest.raises(CheckpointMismatchError, match="several prefixes"):
         stats_replacement(load_checkpoint(tmp_path / "two.pt"), stats)
+
+
+class Wrapped(nn.Module):
+    """A model with a submodule named like a wrapper (``model``, ``module``, ``_orig_mod``) holding the
+    BatchNorm the forward reaches, and a top-level ``bn`` it never reaches."""
+
+    def __init__(self, inner: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.bn = nn.BatchNorm1d(3)
+        self.add_module(inner, nn.Sequential())
+        getattr(self, inner).bn = nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.inner).bn(x)
+
+
+@pytest.mark.parametrize("wrapper", ["model.", "module.", "_orig_mod."])
+def test_statistics_named_like_a_wrapper_go_under_the_wrapper(tmp_path, wrapper):
+    """A probe (17): statistics of ``model.bn`` alone, for a checkpoint saved under a wrapper of the same name
+    (``model.bn.*`` is then the top-level ``bn``, ``model.model.bn.*`` the one measured), went into the
+    top-level ``bn`` — the names as they are won the tie; the prefix every name carries wins it now."""
+    import precisebn
+    from precisebn.checkpoint import stats_replacement
+
+    inner = wrapper[:-1]
+    net = Wrapped(inner)
+    stats = precisebn.estimate(net, [torch.randn(8, 3) for _ in range(2)])
+    reached = precisebn.population.PopulationStats(
+        {f"{inner}.bn": stats[f"{inner}.bn"]}, stats.samples, stats.batches, stats.mode
+    )
+    torch.save({f"{wrapper}{k}": v for k, v in net.state_dict().items()}, tmp_path / "w.pt")
+    replace, prefix = stats_replacement(load_checkpoint(tmp_path / "w.pt"), reached)
+    assert prefix == wrapper
+    assert sorted(replace) == [f"{wrapper}{inner}.bn.running_mean", f"{wrapper}{inner}.bn.running_var"]

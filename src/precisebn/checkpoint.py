@@ -469,9 +469,10 @@ def load_into(model: nn.Module, ckpt: Checkpoint) -> str:
 
 def _best_prefix(names: list[str], expected: set[str]) -> str:
     """The dotted prefix (``""``, ``module.``, ``model.``...) whose removal from the checkpoint's names
-    matches the most names in ``expected``. Among prefixes that match as many: none (the names as they are),
-    else one that every name of the checkpoint carries (a wrapper's: ``module.``, Lightning's ``model.``) —
-    statistics of a few layers also match the ends of other layers' names (``bn1`` and ``layer1.0.bn1``).
+    matches the most names in ``expected``. Among prefixes that match as many: the one that every name of the
+    checkpoint carries (a wrapper's: ``module.``, Lightning's ``model.`` — then ``model.bn`` is the model's
+    ``bn`` even if the model has a ``model.bn`` of its own), else none (the names as they are) — statistics of a
+    few layers also match the ends of other layers' names (``bn1`` and ``layer1.0.bn1``).
 
     Raises:
         CheckpointMismatchError: Two prefixes match as many and neither rule picks one (the file holds two
@@ -492,11 +493,11 @@ def _best_prefix(names: list[str], expected: set[str]) -> str:
     ranked = sorted(hits.items(), key=lambda item: (-item[1], len(item[0])))
     if len(ranked) > 1 and ranked[1][1] == ranked[0][1]:
         tied = [prefix for prefix, n in ranked if n == ranked[0][1]]
-        if "" in tied:
-            return ""
-        wrapping = [prefix for prefix in tied if all(name.startswith(prefix) for name in names)]
-        if len(wrapping) == 1:
+        wrapping = [prefix for prefix in tied if prefix and all(name.startswith(prefix) for name in names)]
+        if len(wrapping) == 1:  # (a wrapper's: its names then also end in the model's, e.g. model.model.bn)
             return wrapping[0]
+        if not wrapping and "" in tied:
+            return ""
         shown = ", ".join(repr(p) if p else "'' (no prefix)" for p in tied[:4])
         raise CheckpointMismatchError(
             f"the checkpoint holds the model's names under several prefixes ({shown}, {ranked[0][1]} names each): "
