@@ -408,12 +408,17 @@ class Collector:
         return out
 
     def _beyond_bounds(self, g: int, bound: Tensor, bound_eps: Tensor, lo: int, hi: int) -> bool:
-        """Whether in scratch group ``g`` (columns ``lo:hi``) a layer's figures have mean² > bound · (var + eps)
-        on some channel whose data vary (variance 0: constant data, exact figures; NaN is not beyond: non-finite
-        figures are refused by name at the end anyway)."""
+        """Whether in scratch group ``g`` (columns ``lo:hi``) a layer's figures are beyond their bound on some
+        channel (see :meth:`_over`)."""
+        return bool(self._over(g, bound, bound_eps, lo, hi).any())
+
+    def _over(self, g: int, bound: Tensor, bound_eps: Tensor, lo: int, hi: int) -> Tensor:
+        """Per channel of scratch group ``g``'s columns ``lo:hi``: mean² > bound · (var + eps), where the data
+        vary (variance 0: constant data, exact figures; NaN is not beyond: non-finite figures are refused by
+        name at the end anyway)."""
         mean, var = self._scratch[g].buffer[:, lo:hi]
-        bound, bound_eps = bound[lo:hi], bound_eps[lo:hi]
-        return bool(torch.gt(mean.square(), torch.addcmul(bound_eps, bound, var)).logical_and_(var > 0).any())
+        over = torch.gt(mean.square(), torch.addcmul(bound_eps[lo:hi], bound[lo:hi], var))
+        return over.logical_and_(var > 0)
 
     def _ratio_steps_of(self, g: int) -> tuple[Tensor, Tensor]:
         """Scratch group ``g``'s eps per channel (1 in the gaps between layers) and the lengths of its segments
@@ -437,8 +442,7 @@ class Collector:
         bound (see :meth:`_beyond_bounds`) — one segmented maximum over the whole buffer (its segments: the
         layers' channels and the gaps between them)."""
         _, lengths = self._ratio_steps_of(g)
-        mean, var = self._scratch[g].buffer
-        over = torch.gt(mean.square(), torch.addcmul(bound_eps, bound, var)).logical_and_(var > 0).to(mean.dtype)
+        over = self._over(g, bound, bound_eps, 0, bound.numel()).to(bound.dtype)
         return [bool(v) for v in torch.segment_reduce(over, "max", lengths=lengths, unsafe=True).tolist()[1::2]]
 
     def _vouched(self, t: Tensor, pair: Tensor, eps: float) -> bool:
@@ -449,9 +453,13 @@ class Collector:
         the call in float64 would copy them all."""
         if pair.dtype != torch.float32:
             return False
+        return self._spot_checks().check_now(t, pair, eps, every=True) is True
+
+    def _spot_checks(self) -> SpotChecks:
+        """The batch's CPU checks of float32 figures (made when first needed)."""
         if self._spots is None:
             self._spots = SpotChecks(TOLERANCE[torch.float32], torch.finfo(torch.float32).eps / 2)
-        return self._spots.check_now(t, pair, eps, every=True) is True
+        return self._spots
 
     def _buffers_replaced(self, i: int) -> UnsupportedLayerError:
         return self._refusal(
@@ -537,9 +545,8 @@ class Collector:
         for (call, n, layout, pair, _), score in zip(beyond, discrepancies(items)):
             if score <= TOLERANCE[pair.dtype]:
                 call.verified[layout] = max(call.verified[layout], _verified_size(n, layout, pair.device))
-                if layout:
-                    tolerance = TOLERANCE[pair.dtype]  # (how far it passed: how much further it vouches for)
-                    call.passed(n, pair, reach=min(2.0, (tolerance / score) ** 0.5) if score > 0 else 2.0)
+                if layout:  # (how far it passed: how much further it vouches for)
+                    call.passed(n, pair, reach=_reach(score, TOLERANCE[pair.dtype]))
 
     def _sum_figures(self, fold: int) -> None:
         """Adds the figures left in the scratch buffers by this batch's last calls to the sums."""
@@ -592,9 +599,7 @@ class Collector:
         if pair.dtype != torch.float32:
             trial.add_checked(t, x, channels, n, pair, eps)
             return False
-        if self._spots is None:
-            self._spots = SpotChecks(TOLERANCE[torch.float32], torch.finfo(torch.float32).eps / 2)
-        spots = self._spots
+        spots = self._spot_checks()
         nbytes = t.numel() * t.element_size()
         if spots.at_once(nbytes):  # checked now: holding it until the others' checks costs fresh pages
             verdict = spots.check_now(t, pair, eps, every)
@@ -677,8 +682,7 @@ class Collector:
             tolerance = TOLERANCE[mean.dtype]
             only_layout_1 = call.ratios and not call.verified[0]  # (every call of this batch in layout 1)
             if call.on_cpu and mean.dtype == torch.float32 and worst[i] <= tolerance and only_layout_1:
-                reach = min(2.0, (tolerance / value) ** 0.5) if value > 0 else 2.0
-                call.passed(int(ref.count.reshape(-1)[0]), torch.stack([mean, var]), reach=reach)
+                call.passed(int(ref.count.reshape(-1)[0]), torch.stack([mean, var]), reach=_reach(value, tolerance))
         for i, trial in trials.items():
             dtype = self._views[i][0].dtype  # the layer's own buffers may be gone by now (a forward may drop them)
             if trial.fits and not trial.off and worst[i] <= TOLERANCE[dtype]:
@@ -1282,6 +1286,12 @@ def _verified_size(n: int, layout: int, device: torch.device) -> int:
 
 
 _REDUCED = (torch.float16, torch.bfloat16)
+
+
+def _reach(score: float, tolerance: float) -> float:
+    """How much further from 0 (as ``1 + r``) figures whose check scored ``score`` vouch for later calls (see
+    :meth:`_LayerCall.passed`): ``sqrt(tolerance / score)``, at most 2 (a quarter of the tolerance)."""
+    return min(2.0, (tolerance / score) ** 0.5) if score > 0 else 2.0
 
 
 def _layout(x: Tensor) -> int:

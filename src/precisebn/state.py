@@ -64,7 +64,12 @@ def _extent(t: Tensor) -> int:
     shape = t.shape
     if len(shape) == 1:
         return 1 + (shape[0] - 1) * t.stride(0)
-    return 1 + sum((n - 1) * s for n, s in zip(shape, t.stride()))
+    return _extent_of(shape, t.stride())
+
+
+def _extent_of(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """:func:`_extent` of a tensor of ``shape`` and ``stride`` (0 for an empty one)."""
+    return 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
 
 
 def _span(t: Tensor) -> Tensor | None:
@@ -297,8 +302,8 @@ def _reshape(s: _Saved) -> bool:
     the bytes it had, ``set_`` leaves them — else on fresh memory. Whether that worked."""
     dtype, device, shape, stride, offset, _ = s.geometry  # type: ignore[misc]
     t, storage = s.tensor, s.storage
-    extent = 0 if 0 in shape else 1 + sum((n - 1) * k for n, k in zip(shape, stride))
-    needed = (offset + extent) * torch.empty((), dtype=dtype).element_size()
+    extent = _extent_of(shape, stride)
+    needed = (offset + extent) * dtype.itemsize
     try:
         with torch.inference_mode() if s.version is None else contextlib.nullcontext():
             if t.dtype != dtype or t.device != device:  # (.data = a tensor of another dtype or device)

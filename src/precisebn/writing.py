@@ -44,8 +44,10 @@ class Writes:
     def digest(self) -> int:
         """A checksum of every value to be written (on the host: after the passes), which every rank of a
         distributed recalibration must share."""
-        data = [t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes() for t in self._new]
-        return zlib.crc32(b"".join(data)) ^ len(self._targets)
+        if not self._new:
+            return len(self._targets)
+        raw = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in self._new])
+        return zlib.crc32(raw.cpu().numpy().tobytes()) ^ len(self._targets)  # (one copy to the host)
 
     def commit(self) -> Report:
         """Writes every value at once (the old values put back if that is interrupted)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import io
+import os
 import signal
 import sys
 import traceback
@@ -173,8 +174,6 @@ class _Tolerant(io.TextIOBase):
     def _gone(self) -> None:
         self.closed_by_reader = True
         with contextlib.suppress(Exception):  # (what is left in its buffer must not fail at exit either)
-            import os
-
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self.stream.fileno())
             os.close(devnull)

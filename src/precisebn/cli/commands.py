@@ -307,14 +307,9 @@ def run_recalibrate(args: argparse.Namespace) -> int:
                 "--crop/--mean/--std or --transform, or the statistics will be those of the wrong inputs.",
                 stacklevel=1,
             )
-    data, available = resolve_data(
-        args.data,
-        batch_size=64 if args.batch_size is None else args.batch_size,
-        preprocessing=preprocessing,
-        workers=args.workers or 0,
-        seed=args.seed or 0,
-        kwargs=args.data_kwargs_parsed,
-        skipped=skipped,
+    loading = {k: v for k in ("batch_size", "workers", "seed") if (v := getattr(args, k)) is not None}
+    data, available = resolve_data(  # (resolve_data's defaults where not given)
+        args.data, preprocessing=preprocessing, kwargs=args.data_kwargs_parsed, skipped=skipped, **loading
     )
     num_samples = args.num_samples
     limit = DEFAULT_NUM_SAMPLES if num_samples is None else num_samples  # (the library's default)
@@ -565,14 +560,6 @@ def run_inspect(args: argparse.Namespace) -> int:
     return EXIT_FLAGGED if args.strict and flagged else EXIT_OK
 
 
-def _figure_format(path: Path) -> str:
-    """The figure format a path's extension names (its temporary file has another): matplotlib's, else PNG."""
-    from matplotlib.figure import Figure
-
-    suffix = path.suffix[1:].lower()
-    return suffix if suffix in Figure().canvas.get_supported_filetypes() else "png"
-
-
 def check_diff(args: argparse.Namespace) -> Any:
     from ..files import OutputPlan
 
@@ -609,6 +596,7 @@ def run_diff(args: argparse.Namespace) -> int:
 
         with args.plan.staged() as tmp:
             title = f"{args.a.name} → {args.b.name}"
-            plot_report(diff.report, tmp["--plot"], title=title, format=_figure_format(args.plot))
+            # (the format its own extension names: the temporary file's is .tmp)
+            plot_report(diff.report, tmp["--plot"], title=title, format=args.plot.suffix[1:] or "png")
         print(f"wrote {args.plot}")
     return EXIT_OK
