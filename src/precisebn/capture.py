@@ -1258,14 +1258,15 @@ class _LayerCall:
         trial.slot = sum(1 for e in c._extras if e[0] == i)  # this call's figures: kept next, else in its buffers
         # the layout of what it normalised, if it fits the fast path (else the layer goes to the float64 path)
         t = fitting(seen, x, self.channels)
-        layout = _layout(x if t is None else t)
+        xl = _layout(x)
+        layout = xl if t is None or t is x else _layout(t)
         self.verified[layout] = max(self.verified[layout], _verified_size(n, layout, x.device))
-        shapes = self.shapes[_layout(x)]
+        shapes = self.shapes[xl]
         once = counter is None or counter._version == before + 1
         if not self.own_forward and figures and t is not None and once and len(shapes) < _SHAPES:
             shapes[x.shape] = layout
             if t is x:
-                self.itself[_layout(x)].add(x.shape)
+                self.itself[xl].add(x.shape)
         if figures and x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads: free
             comfortably = c._check_on_cpu(i, trial, seen, x, n, self.pair)
             if layout:  # (the layer keeps the fast path only if this call's figures pass)
