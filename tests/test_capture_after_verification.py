@@ -781,10 +781,12 @@ def test_a_larger_call_whose_figures_pass_lets_later_calls_of_its_size_read_them
     reduces in float64) larger calls read their figures at once: length-sorted data (every batch larger
     than the last) paid a float64 reduction per batch, 1.6x slower (a probe)."""
     import precisebn.capture as capture
+    import precisebn.layercall as layercall
 
     reductions = []
     original = capture.moments_of
-    monkeypatch.setattr(capture, "moments_of", lambda seen: reductions.append(seen[0].shape) or original(seen))
+    for module in (capture, layercall):  # (the collector's and the layers' calls)
+        monkeypatch.setattr(module, "moments_of", lambda seen: reductions.append(seen[0].shape) or original(seen))
     g = torch.Generator().manual_seed(2)
     cases = {  # (first batch, later batches, expected float64 reductions)
         "(N, C)": ((16, 4), [(512, 4)] * 4, [(512, 4)]),
@@ -808,6 +810,7 @@ def test_a_beyond_call_whose_float64_measurement_raises_counts_for_nothing(monke
     call (kept apart before it) stays as it was (a probe: its figures were summed under the earlier call's
     count, the mean 5.9e-3 σ off)."""
     import precisebn.capture as capture
+    import precisebn.layercall as layercall
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -830,7 +833,8 @@ def test_a_beyond_call_whose_float64_measurement_raises_counts_for_nothing(monke
             raise MemoryError("float64 copy")
         return real(seen)
 
-    monkeypatch.setattr(capture, "moments_of", failing_once)
+    for module in (capture, layercall):  # (the collector's and the layers' calls)
+        monkeypatch.setattr(module, "moments_of", failing_once)
     g = torch.Generator().manual_seed(0)
     shapes = [(4, 4, 4, 4)] + [(4, 4, 16, 16)] * 3  # channels_last: larger calls are measured (and checked)
     batches = [torch.randn(*shape, generator=g).contiguous(memory_format=torch.channels_last) for shape in shapes]
@@ -924,11 +928,13 @@ def test_a_forward_of_its_own_is_watched_once_per_input_shape(monkeypatch) -> No
     the verifying batch and at the first call of each new input shape, not at every call, and read
     through its figures (no float64 reduction), exact."""
     import precisebn.capture as capture
+    import precisebn.layercall as layercall
 
     watched, reductions = [], []
-    watch, moments_of = capture.Watch, capture.moments_of
-    monkeypatch.setattr(capture, "Watch", lambda module, x: watched.append(x.shape) or watch(module, x))
-    monkeypatch.setattr(capture, "moments_of", lambda seen: reductions.append(seen[0].shape) or moments_of(seen))
+    watch, moments_of = layercall.Watch, capture.moments_of
+    monkeypatch.setattr(layercall, "Watch", lambda module, x: watched.append(x.shape) or watch(module, x))
+    for module in (capture, layercall):  # (the collector's and the layers' calls)
+        monkeypatch.setattr(module, "moments_of", lambda seen: reductions.append(seen[0].shape) or moments_of(seen))
     g = torch.Generator().manual_seed(4)
     model = nn.Sequential(nn.Conv2d(3, 4, 1), OwnForward(4))
     sizes = (8, 8, 16, 8, 16, 4, 4)

@@ -44,16 +44,16 @@ call's float64 moments are kept under its index. The call index is a host intege
 so is the check that every batch calls the layer equally often.
 
 Later calls are read through their figures unchecked — except a call beyond the size its layer was
-verified for in the layout of what it normalises (:func:`_verified_size`), measured in float64 (and on the
-CPU checked at the end of its batch, see :meth:`_LayerCall.measure_beyond`), and a call of a layer with a
-forward of its own at an input shape not seen before, watched (:meth:`_LayerCall._known_shape`: measured in
+verified for in the layout of what it normalises (:func:`verified_size`), measured in float64 (and on the
+CPU checked at the end of its batch, see :meth:`LayerCall.measure_beyond`), and a call of a layer with a
+forward of its own at an input shape not seen before, watched (:meth:`LayerCall._known_shape`: measured in
 float64 unless it normalises one tensor of its input's size once with batch figures into its own buffers;
 the counter increments of watched calls are left out of :meth:`Collector.finish`'s check); what
 keeps the verified batch valid for them: each
 layer's scratch ``num_batches_tracked`` is set back to 0 after every batch, and put back in the
 layer if its forward replaced it (a forward that counts its calls sees the verified counts again); a
 fast-path call whose layer's momentum is no longer 1.0 is refused; a call that raises counts for
-nothing, and what it wrote into the scratch is taken back (:meth:`_LayerCall.unstash`,
+nothing, and what it wrote into the scratch is taken back (:meth:`LayerCall.unstash`,
 :meth:`Collector._failed`); a call inside the layer's own call (whose figures the enclosing call
 overwrites) is refused — in the verifying batch such calls, and the calls enclosing them, go to the
 float64 path; a call read unwatched that does not move the layer's counter by exactly one is refused
@@ -68,27 +68,25 @@ of per-layer counts (usually one or two per run), kept in a small cache.
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .errors import InvalidArgumentError, UnsupportedLayerError
+from .layercall import LayerCall, layout_of, reach, verified_size
 from .layers import RecalibrationState, ScratchGroup
 from .spotcheck import HELD, SpotChecks
 from .state import version_of
 from .stats import RunningMoments, fold_errors, fold_errors_from_sums, merge_counted
 from .trial import Trial, fitting
-from .watch import TOLERANCE, Watch, discrepancies, moments_of, normalises_its_input
+from .watch import TOLERANCE, discrepancies, moments_of
 
 logger = logging.getLogger("precisebn")
 
 __all__ = ["Collector", "times"]
 
 _COUNT_CACHE = 16  # distinct per-layer count combinations kept on the device
-_SHAPES = 256  # input shapes remembered per layer with a forward of its own (more: each call of a new one watched)
 
 FOLDS = 16
 """Batches are accumulated into this many interleaved folds (batch b into fold b mod FOLDS),
@@ -154,11 +152,11 @@ class Collector:
         self._trials: dict[int, Trial] = {}  # layers being verified in this batch
         # this batch's calls beyond their layer's verified size, on the CPU: (call, values per channel, layout,
         # figures, float64 moments)
-        self._beyond: list[tuple[_LayerCall, int, int, Tensor, RunningMoments]] = []
+        self._beyond: list[tuple[LayerCall, int, int, Tensor, RunningMoments]] = []
         self._spots: SpotChecks | None = None  # CPU: the checks of this batch's calls waiting to be made together
         # this batch's calls read through their figures in layout 1 on the CPU, waiting for their ratio to be
         # compared (see _defer): (call, index in the batch, values per channel, what it normalised or None)
-        self._pending: list[tuple[_LayerCall, int, int, Tensor | None, int | None]] = []
+        self._pending: list[tuple[LayerCall, int, int, Tensor | None, int | None]] = []
         self._pending_bytes = 0
         self._ratio_plans: dict[int, tuple[int, int]] = {}  # layer: (its scratch group, its slot there)
         for g, scratch in enumerate(state.groups):
@@ -166,7 +164,7 @@ class Collector:
                 self._ratio_plans[i] = (g, slot)
         self._ratio_steps: dict[int, tuple[Tensor, Tensor]] = {}  # group: (eps per channel, segment lengths)
         self._bound_tests: dict[tuple[Any, ...], list[tuple[int, Tensor, Tensor, int, int]]] = {}
-        self._fronts = 0  # changes of the layers' checked calls (see _LayerCall.passed): the cached bounds' version
+        self._fronts = 0  # changes of the layers' checked calls (see LayerCall.passed): the cached bounds' version
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
         self._scratch = state.groups
@@ -184,7 +182,7 @@ class Collector:
         # Each layer's own statistics (the scratch's starting point), as (2, C) and as (mean, var) views: what
         # the layer's buffers are between its calls, so that code reading them outside the layer's own call (a
         # QAT ConvBn scaling its conv's weight by them, a forward hook) sees the model's statistics, not the
-        # figures of a call earlier in the batch; each call is lent its scratch (see _LayerCall.__call__).
+        # figures of a call earlier in the batch; each call is lent its scratch (see LayerCall.__call__).
         self._initial_pairs: list[Tensor | None] = [None] * n
         self._initial_views: list[tuple[Tensor, Tensor] | None] = [None] * n
         for scratch in state.groups:
@@ -192,15 +190,15 @@ class Collector:
             for i, pair in zip(scratch.layer_ids, scratch.slices(scratch.initial)):
                 self._initial_pairs[i] = pair
                 self._initial_views[i] = (pair[0], pair[1])
-        self._calls: list[_LayerCall] = []
+        self._calls: list[LayerCall] = []
         for i, layer in enumerate(self.layers):
-            self._calls.append(_LayerCall(self, i))  # (it looks at the forward before it is wrapped)
+            self._calls.append(LayerCall(self, i))  # (it looks at the forward before it is wrapped)
             state.wrap_forward(layer.module, self._calls[-1])
             buffers = layer.module._buffers
             buffers["running_mean"], buffers["running_var"] = self._initial_views[i]  # type: ignore[misc]
         # In-place changes of the scratch buffers by anything but torch's normalization kernels (which leave
         # version counters alone): their version counters are read at every call's start and end (see
-        # _LayerCall.__call__); where the kernels bump them (checked once per device type), not at all. (The
+        # LayerCall.__call__); where the kernels bump them (checked once per device type), not at all. (The
         # statistics a layer holds between its calls are not watched: nothing written there is read.)
         self._scratch_buffers = [g.buffer for g in state.groups]  # (what is held between calls is not read)
         self._guard = bool(self._scratch_buffers) and not any(
@@ -327,7 +325,7 @@ class Collector:
             "in float64 from what it normalises), or exclude the layer with layers=.",
         )
 
-    def _defer(self, call: _LayerCall, j: int, n: int, t: Tensor | None) -> None:
+    def _defer(self, call: LayerCall, j: int, n: int, t: Tensor | None) -> None:
         """Keeps a call read through its figures in layout 1 on the CPU until its figures' ratio is compared
         with the calls its layer had checked (:meth:`_run_pending`: all waiting calls at once, before the layer
         is called again, at the end of the batch, or once :data:`~precisebn.spotcheck.HELD` bytes of their inputs
@@ -341,7 +339,7 @@ class Collector:
 
     def _run_pending(self) -> None:
         """The calls kept by :meth:`_defer`: each whose figures no checked call vouches for (see
-        :meth:`_LayerCall.bound`) has them checked now (:meth:`_vouched`); if they do not pass, what it
+        :meth:`LayerCall.bound`) has them checked now (:meth:`_vouched`); if they do not pass, what it
         normalised is measured in float64 instead (and its figures checked at the end of the batch, as a call
         beyond its verified size). A call whose normalised tensor is not known is refused.
 
@@ -385,10 +383,10 @@ class Collector:
                 self._seen = self._version()
 
     def _bound_vectors(
-        self, pending: list[tuple[_LayerCall, int, int, Any, Any]]
+        self, pending: list[tuple[LayerCall, int, int, Any, Any]]
     ) -> list[tuple[int, Tensor, Tensor, int, int]]:
         """Per scratch group of the pending calls: the ratio each call's checked calls vouch for (see
-        :meth:`_LayerCall.bound`) on its layer's channels, infinite elsewhere, that times eps, and the stretch of
+        :meth:`LayerCall.bound`) on its layer's channels, infinite elsewhere, that times eps, and the stretch of
         the buffer that holds those layers."""
         by_slot: dict[int, dict[int, float]] = {}
         for call, _, n, _, _ in pending:
@@ -447,7 +445,7 @@ class Collector:
 
     def _vouched(self, t: Tensor, pair: Tensor, eps: float) -> bool:
         """Whether the float32 figures ``pair`` of a later call, which no checked call vouches for (see
-        :meth:`_LayerCall.bound`), pass a check now against ``t``, what it normalised — on the channels
+        :meth:`LayerCall.bound`), pass a check now against ``t``, what it normalised — on the channels
         spread over the layer and those it rounds most, within a quarter of the tolerance
         (:meth:`~precisebn.spotcheck.SpotChecks.check_now`): a few channels copied as float64, where measuring
         the call in float64 would copy them all."""
@@ -479,7 +477,7 @@ class Collector:
 
     def _failed(self, i: int, j: int, before: int) -> None:
         """Takes back the call of layer ``i`` (index ``j`` in the batch) that raised: nothing of it was
-        counted (and its scratch is as before it, see :meth:`_LayerCall.unstash`), so that if the model
+        counted (and its scratch is as before it, see :meth:`LayerCall.unstash`), so that if the model
         goes on (catching the error), the layer is as before the call — but for what the call did to its
         counter (from version ``before``), taken off the check in :meth:`finish` (only that: a shortfall of
         earlier calls still shows there)."""
@@ -544,9 +542,9 @@ class Collector:
         items = [(pair[0], pair[1], moments, float(call.module.eps)) for call, _, _, pair, moments in beyond]
         for (call, n, layout, pair, _), score in zip(beyond, discrepancies(items)):
             if score <= TOLERANCE[pair.dtype]:
-                call.verified[layout] = max(call.verified[layout], _verified_size(n, layout, pair.device))
+                call.verified[layout] = max(call.verified[layout], verified_size(n, layout, pair.device))
                 if layout:  # (how far it passed: how much further it vouches for)
-                    call.passed(n, pair, reach=_reach(score, TOLERANCE[pair.dtype]))
+                    call.passed(n, pair, reach=reach(score, TOLERANCE[pair.dtype]))
 
     def _sum_figures(self, fold: int) -> None:
         """Adds the figures left in the scratch buffers by this batch's last calls to the sums."""
@@ -594,7 +592,7 @@ class Collector:
             return False
         # channels adjacent in memory: torch's kernel rounds more, and most where |mean|/σ is largest, in a
         # channel a few checked ones can miss: every channel is checked
-        every = bool(_layout(t))
+        every = bool(layout_of(t))
         eps = float(layer.module.eps)
         if pair.dtype != torch.float32:
             trial.add_checked(t, x, channels, n, pair, eps)
@@ -628,7 +626,7 @@ class Collector:
         assert self._spots is not None
         for (i, trial, k, seen, x, n, version), passed, comfortably in self._spots.run_graded():
             if passed:
-                if comfortably and _layout(seen[0]):  # (it vouches for calls up to twice as far from 0: see passed)
+                if comfortably and layout_of(seen[0]):  # (it vouches for calls up to twice as far from 0: see passed)
                     call = self._calls[i]
                     call.passed(n, call.pair, reach=2.0)
                 continue
@@ -682,7 +680,7 @@ class Collector:
             tolerance = TOLERANCE[mean.dtype]
             only_layout_1 = call.ratios and not call.verified[0]  # (every call of this batch in layout 1)
             if call.on_cpu and mean.dtype == torch.float32 and worst[i] <= tolerance and only_layout_1:
-                call.passed(int(ref.count.reshape(-1)[0]), torch.stack([mean, var]), reach=_reach(value, tolerance))
+                call.passed(int(ref.count.reshape(-1)[0]), torch.stack([mean, var]), reach=reach(value, tolerance))
         for i, trial in trials.items():
             dtype = self._views[i][0].dtype  # the layer's own buffers may be gone by now (a forward may drop them)
             if trial.fits and not trial.off and worst[i] <= TOLERANCE[dtype]:
@@ -879,429 +877,6 @@ class Collector:
                 by_device.setdefault(worst.device, []).append(worst)
         values = [v for group in by_device.values() for v in torch.stack(group).tolist()]
         return max((v if v == v else float("inf") for v in values), default=float("inf"))
-
-
-class _LayerCall:
-    """What one layer's wrapped forward calls: routes the call by the layer's path and
-    records it in the collector. One small object per layer (rather than closures: a
-    pass makes few objects for the garbage collector to track)."""
-
-    __slots__ = (
-        "active",
-        "c",
-        "channels",
-        "cover",
-        "i",
-        "init_mean",
-        "init_var",
-        "itself",
-        "mean_view",
-        "module",
-        "nested",
-        "on_cpu",
-        "own_forward",
-        "pair",
-        "ratios",
-        "shapes",
-        "var_view",
-        "verified",
-    )
-
-    def __init__(self, collector: Collector, i: int) -> None:
-        self.c = collector
-        self.i = i
-        self.channels = collector.layers[i].channels
-        self.mean_view, self.var_view = collector._views[i]
-        self.pair = collector._pairs[i]
-        self.init_mean, self.init_var = collector._initial_views[i]  # type: ignore[misc]
-        self.module = collector.layers[i].module
-        self.own_forward = normalises_its_input(self.module)  # torch's own forward: what it normalises is its input
-        self.active = 0  # calls of the layer running now (more than one: a call inside its own call)
-        self.nested = False  # verifying batch: a call ran inside the outermost call running now
-        # by layout (see _layout), the most values per channel a later call may have to be read through its
-        # figures (see _verified_size; 0: no call in that layout was checked): a call with more is measured in
-        # float64 (and on the CPU checked, raising this when its figures pass) — torch's CPU kernels for
-        # channels_last and (N, C) inputs round more, and more with more values; other layouts round otherwise
-        self.verified = [0, 0]
-        # on the CPU, in layout 1, the (values per channel, largest mean² / (var + eps)) of the calls whose figures
-        # passed: the rounding of those kernels grows with both, so a later call is read through its figures only
-        # where one checked call had at least as many values and as large a ratio, channel by channel (see bound)
-        self.on_cpu = self.pair.device.type == "cpu"
-        self.ratios: list[tuple[int, float]] = []  # (values per channel, largest mean² / (var + eps))
-        self.cover: dict[int, float] = {}  # by values per channel: the largest ratio the checked calls vouch for
-        # a layer with a forward of its own (not torch's), by its input's layout (see _layout): the input shapes
-        # its calls were seen, watched, to normalise a tensor of the input's size once with batch figures in its
-        # buffers, and that tensor's layout (which `verified` is read by) — a call of another shape or layout is
-        # watched again (its behaviour may depend on them: a "ghost" BatchNorm normalising per chunk of the batch,
-        # a copy in another memory layout)
-        self.shapes: tuple[dict[torch.Size, int], dict[torch.Size, int]] = ({}, {})
-        # of those, the shapes at which the tensor it normalised was its input itself (not a copy or a transform):
-        # a call there that its checked calls do not vouch for (see bound) is measured from its input in float64
-        self.itself: tuple[set[torch.Size], set[torch.Size]] = (set(), set())
-
-    def watched(
-        self, forward: Callable[..., Any], x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Any, list[Tensor], bool]:
-        """Runs the layer; returns its output, what it normalised with its running buffers, and
-        whether every such normalization overwrote them with its batch figures (see
-        :attr:`~precisebn.watch.Watch.frozen`)."""
-        module = self.module
-        if (
-            self.own_forward
-            and module.track_running_stats
-            and module.momentum == 1.0  # else what it leaves is not its batch figures (watched: frozen)
-            and module._buffers.get("running_mean") is self.mean_view
-        ):
-            return forward(*args, **kwargs), [x], True  # torch's own forward, in training mode (checked)
-        with Watch(module, x) as watch:
-            out = forward(*args, **kwargs)
-        if watch.changed():
-            layer = self.c.layers[self.i]
-            raise UnsupportedLayerError(
-                f"layer {layer.name!r} ({layer.type_name}) changed the tensor it normalised with its running "
-                "buffers in place, later in its own forward, so what that tensor holds now is not what the layer "
-                "normalised, and precisebn cannot measure it. Make the layer's forward leave that tensor as it "
-                "is (e.g. use an out-of-place operation), or exclude the layer with layers=. The model was left "
-                "unchanged."
-            )
-        return out, watch.seen, not watch.frozen
-
-    def stash(self, x: Tensor, j: int, inside: bool = False) -> int | None:
-        """Before a call on the fast path (or verifying it) that is not the layer's usual first call
-        of a batch: refuses too few values, and keeps the previous call's figures if the layer was
-        called earlier in this batch (the call is about to overwrite them) — unless the call runs
-        inside the layer's own call (``inside``): the enclosing call kept them already, and the
-        scratch holds nothing of a call's since. Returns where they are kept, for :meth:`unstash`."""
-        c, i = self.c, self.i
-        if self.own_forward and x.numel() // self.channels == 1:  # (a forward of its own may handle it)
-            raise c._too_few(i, x)
-        if not c._row[i] or inside:
-            return None
-        c._extras.append((i, j - 1, c._row[i], self.mean_view.clone(), self.var_view.clone()))
-        self.pair.copy_(c._initial_pair(i))  # what this call reads in its buffers: the model's statistics
-        if c._guard:
-            c._seen = c._version()
-        return len(c._extras) - 1
-
-    def unstash(self, stashed: int | None) -> None:
-        """After a call that raised (the model may catch it and go on), whatever its forward wrote:
-        puts back in the layer's scratch what it held before the call — the previous call's figures
-        that :meth:`stash` kept (no longer kept apart), else the layer's own statistics (its scratch
-        before its first call of a batch)."""
-        c = self.c
-        if stashed is None:
-            self.pair.copy_(c._initial_pair(self.i))
-            return
-        _, _, _, mean, var = c._extras[stashed]
-        self.mean_view.copy_(mean)
-        self.var_view.copy_(var)
-        del c._extras[stashed]
-
-    def measure_beyond(self, seen: list[Tensor], figures: bool, x: Tensor, j: int) -> None:
-        """A fast-path call beyond the size its layer was verified for in its layout (see
-        :attr:`verified`, :func:`_verified_size`): what it normalised is reduced in float64 and kept as its moments, and
-        its figures are taken out of the scratch (the layer's own statistics again: the sums read
-        nothing of this call; an earlier call of this batch was stashed already). Its figures, if it
-        left them, are checked against those moments at the end of the batch (all such calls at once,
-        see :meth:`Collector._check_beyond`): when they pass, later calls of up to this many
-        values are read through their figures again. Only on the CPU, where reading a value costs no
-        synchronisation: elsewhere such calls stay on float64 (exact, no host read in the batch loop)."""
-        c, i = self.c, self.i
-        moments = moments_of(seen)  # (what can fail comes first: a call that raises leaves nothing counted)
-        on_cpu = x.device.type == "cpu" and self.pair.device.type == "cpu"
-        check = None
-        t = fitting(seen, x, self.channels) if on_cpu and figures and moments is not None else None
-        if t is not None and t.numel() // self.channels > 1:
-            check = (self, t.numel() // self.channels, _layout(t), self.pair.clone(), moments)
-        n = sum(v.numel() // self.channels for v in seen)
-        if moments is not None:  # (nothing normalised with its buffers: nothing counted, as on the float64 path)
-            c._keep((i, j if c.per_call else 0), moments, n)
-        if check is not None:
-            c._beyond.append(check)
-        self.pair.copy_(c._initial_pair(i))
-        if c._guard:
-            c._seen = c._version()
-        c._row[i] = 0
-        c.calls[i] += 1
-        if moments is not None:
-            c.counts[i] += n
-            if c.per_call:
-                c._count_call(i, j, n)
-
-    def _known_shape(self, seen: list[Tensor], figures: bool, x: Tensor, counted: bool) -> int | None:
-        """After a watched call of a layer with a forward of its own, with an input shape not seen
-        before: the layout (:func:`_layout`) of what it normalised if that is one tensor of the input's
-        size, normalised once with its running buffers and batch figures — later calls of that shape are
-        then read through their figures unwatched (up to the size verified for that layout). Else
-        ``None``: the call is measured in float64 from what it normalised (:meth:`measure_beyond`), its
-        behaviour depending on the shape (a "ghost" BatchNorm normalising each chunk of the batch apart
-        leaves the last chunk's figures). The shape is remembered only if the call also moved the layer's
-        counter once (``counted``): the check of calls read unwatched relies on it."""
-        t = fitting(seen, x, self.channels) if figures and x.numel() // self.channels > 1 else None
-        if t is None:
-            return None
-        layout = _layout(t)
-        shapes = self.shapes[_layout(x)]
-        if counted and len(shapes) < _SHAPES:
-            shapes[x.shape] = layout
-            if t is x:
-                self.itself[_layout(x)].add(x.shape)
-        return layout
-
-    def bound(self, n: int) -> float:
-        """The largest mean² / (var + eps) that the checked calls of at least ``n`` values vouch for (-1: none):
-        a call of ``n`` values in layout 1 (on the CPU) is read through its figures only within it on every
-        channel whose data vary (a constant one, variance 0, is exact: see :meth:`passed`) — torch's float32
-        reduction of such inputs errs more with both the values and the mean's distance from 0 in units of σ."""
-        bound = self.cover.get(n)
-        if bound is None:  # (cached by n: usually the same in every batch)
-            bound = self.cover[n] = max((r for k, r in self.ratios if n <= k), default=-1.0)
-        return bound
-
-    def passed(self, n: int, pair: Tensor, reach: float = 1.0) -> None:
-        """Records that figures ``pair`` of a call of ``n`` values per channel in layout 1 passed their check
-        (see :meth:`bound`): its largest |mean|/σ, ``r``, over the channels whose data vary — a constant channel
-        (a dead filter's bias: mean²/eps of 1e9) has variance 0 exactly, and figures that are exact (every value
-        equal to the mean they give), so it vouches for no other (a probe: it let them be read 1.26e-5 σ off).
-        Only the calls not vouched for by another are kept. ``reach``: by how much further from 0 they vouch for
-        calls, as ``1 + r`` — the kernel's error grows at most as ``(1 + r)²`` (a float32 sum of squares; a sum,
-        or two passes, as ``1 + r``), so figures that passed within a quarter of the tolerance vouch for calls up
-        to ``2r + 1`` (reach 2), ones whose error was a fraction f of it up to ``(1 + r)/√f − 1``. Non-finite
-        figures vouch for nothing."""
-        mean, var = pair[0], pair[1]
-        r2 = float(torch.where(var > 0, mean.square().div_(var + float(self.module.eps)), 0.0).amax())
-        if r2 != r2 or r2 == float("inf"):
-            return
-        if reach > 1.0:
-            r2 = ((1 + r2**0.5) * reach - 1) ** 2
-        if any(n <= k and r2 <= r for k, r in self.ratios):
-            return
-        self.ratios = [(k, r) for k, r in self.ratios if not (k <= n and r <= r2)] + [(n, r2)]
-        self.cover.clear()
-        self.c._fronts += 1
-
-    def count(self, x: Tensor, j: int) -> int:
-        """Counts a call that returned: its values per channel are this batch's (in the sums at its end)."""
-        c, i = self.c, self.i
-        n = x.numel() // self.channels
-        c._row[i] = n
-        c.counts[i] += n
-        c.calls[i] += 1
-        if c.per_call:
-            c._count_call(i, j, n)
-        return n
-
-    def __call__(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        c, i = self.c, self.i
-        path = c.paths[i]
-        in_batch = c._in_batch
-        j = in_batch[i]  # this call's index within the batch
-        in_batch[i] = j + 1
-        module = self.module
-        guard = c._guard
-        buffers = module._buffers
-        lent = False
-        inside = self.active  # > 0: a call inside the layer's own call
-        self.active = inside + 1
-        if inside:
-            self.nested = True  # (read by the enclosing call in the verifying batch; it cleared it)
-        pushed = False  # (a Ctrl-C before the push must not pop another call's entry)
-        counter = c._counters[i]
-        before = counter._version if counter is not None else 0  # (what a call that raises did to it: not counted)
-        try:
-            if guard:  # (inline: this runs for every layer in every batch)
-                stack = c._stack
-                owner = stack[-1] if stack else c._last
-                stack.append(i)
-                pushed = True
-                if c._changed():
-                    c._entered(owner, len(stack) > 1)
-            if inside and (path == "fast" or c.per_call):
-                raise c._called_inside_itself(i)
-            # lend the layer its scratch for this call (between calls it holds its own statistics)
-            held = buffers.get("running_mean")
-            if held is self.init_mean and buffers.get("running_var") is self.init_var:
-                buffers["running_mean"], buffers["running_var"] = self.mean_view, self.var_view
-                lent = True
-            elif path == "fast" and (held is not self.mean_view or buffers.get("running_var") is not self.var_view):
-                raise c._buffers_replaced(i)  # (the scratch already: a call inside its own call)
-            if path == "fast":
-                x = args[0] if args else None
-                if type(x) is not Tensor or not module.training or module.momentum != 1.0:
-                    x = c._check(i, args, kwargs)  # the full checks (which raise)
-                    if module.momentum != 1.0:
-                        raise c._momentum_changed(i)
-                n = x.numel() // self.channels
-                row = c._row
-                layout: int | None = (  # (_layout, inline)
-                    x.dim() < 3 or x.stride(1) == 1 or x.dtype in _REDUCED or not x.is_contiguous()
-                )
-                new_shape = False
-                if not self.own_forward:  # a forward of its own, called with a new input shape: watched (_known_shape)
-                    xl = layout
-                    layout = self.shapes[xl].get(x.shape)  # (what it normalises: its layout)
-                    new_shape = layout is None
-                # beyond the size verified for its layout (see _verified_size): measured in float64
-                beyond = layout is not None and n > self.verified[layout]
-                watching = beyond or new_shape
-                # too few values, a second call in this batch, per call, beyond, new shape
-                unusual = n == 1 or row[i] or c.per_call or watching
-                if row[i] and c._pending:  # (its figures are about to be overwritten)
-                    c._run_pending()
-                stashed = self.stash(x, j) if unusual else None
-                try:
-                    if watching:
-                        out, seen, figures = self.watched(forward, x, args, kwargs)
-                    else:
-                        out = forward(*args, **kwargs)
-                except BaseException:
-                    self.unstash(stashed)
-                    raise
-                if buffers.get("running_mean") is not self.mean_view or buffers.get("running_var") is not self.var_view:
-                    raise c._buffers_replaced(i)  # its forward put other tensors there: its figures went there
-                if lent:  # (here rather than in finally: the identities are checked already)
-                    buffers["running_mean"], buffers["running_var"] = self.init_mean, self.init_var
-                    lent = False
-                if guard and c._changed():
-                    raise c._modified_in_place(i, during=True)
-                once = counter is None or counter._version == before + 1  # (a host integer, every call)
-                if not (once or watching) and c._checked_calls[i]:
-                    raise c._counted_otherwise(i, counter._version - before)  # type: ignore[union-attr]
-                if new_shape:
-                    layout = self._known_shape(seen, figures, x, once)
-                    # not its input alone, once, with batch figures: what it normalised, in float64; else as usual
-                    beyond = layout is None or n > self.verified[layout]
-                deferred = layout == 1 and not beyond and self.on_cpu  # its figures' ratio, compared later
-                if beyond:
-                    try:
-                        self.measure_beyond(seen, figures, x, j)
-                    except BaseException:  # (e.g. no memory for the float64 copy): the call counts for nothing
-                        self.unstash(stashed)
-                        raise
-                elif unusual:
-                    self.count(x, j)
-                else:  # count() for the usual call, inline: this runs for every layer in every batch
-                    row[i] = n
-                    c.counts[i] += n
-                    c.calls[i] += 1
-                if watching and counter is not None:  # (what it left is known: its counts are its own business)
-                    c._lost[i] += counter._version - before - 1
-                if deferred:  # (once counted: the comparison may run at once, and then needs the call's count)
-                    known = watching or self.own_forward or x.shape in self.itself[xl]  # what it normalised
-                    c._defer(self, j, n, (seen[0] if watching else x) if known else None)
-            elif path == "verify":
-                out = self.verify(forward, args, kwargs, j, inside > 0)
-            else:
-                x = c._check(i, args, kwargs)
-                if self.own_forward and x.numel() // self.channels == 1:  # (torch would say so without the name)
-                    raise c._too_few(i, x)
-                if path == "none":  # verified never to normalise with its running buffers: nothing to watch
-                    out = forward(*args, **kwargs)
-                    c.calls[i] += 1
-                else:
-                    out, seen, _ = self.watched(forward, x, args, kwargs)
-                    if seen:  # (what can fail comes first: a call that raises leaves nothing counted)
-                        n = sum(t.numel() // self.channels for t in seen)
-                        c._keep((i, j if c.per_call else 0), moments_of(seen), n)  # type: ignore[arg-type]
-                        c.counts[i] += n
-                        if c.per_call:
-                            c._count_call(i, j, n)
-                    c.calls[i] += 1
-                if guard:
-                    c._changed()  # (its buffers are not read: whatever its forward did to them is its own)
-        except BaseException as exc:
-            c._failed(i, j, before)
-            if isinstance(exc, UnsupportedLayerError):
-                c._refused = exc
-            raise
-        finally:
-            self.active = inside
-            if lent:  # its own statistics again, unless its forward put other tensors there
-                if buffers.get("running_mean") is self.mean_view:
-                    buffers["running_mean"] = self.init_mean
-                if buffers.get("running_var") is self.var_view:
-                    buffers["running_var"] = self.init_var
-            if pushed:
-                c._stack.pop()
-                c._last = i
-        if j >= c.most[i]:
-            c.most[i] = j + 1
-        return out
-
-    def verify(
-        self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], j: int, inside: bool
-    ) -> Any:
-        """A call in the batch that verifies the layer: runs it watched, then counts it and
-        records what it normalised (checked against its figures, see :class:`~precisebn.trial.Trial`).
-        A call inside the layer's own call (``inside``), and one that enclosed such a call, leave no
-        figures of their own (the enclosing call overwrites the inner one's): the float64 path."""
-        c, i = self.c, self.i
-        x = c._check(i, args, kwargs)
-        if c._spots is not None and i in c._spots.layers:  # its waiting figures are about to be overwritten
-            c._run_spot_checks()
-        counter = c._counters[i]
-        before = counter._version if counter is not None else -1
-        if not inside:
-            self.nested = False  # (a call inside this one sets it)
-        stashed = self.stash(x, j, inside)
-        try:
-            out, seen, figures = self.watched(forward, x, args, kwargs)
-        except BaseException:
-            self.unstash(stashed)
-            raise
-        trial = c._trials.get(i) or c._trials.setdefault(i, Trial(c.counts[i]))
-        n = self.count(x, j)
-        if c._guard and c._changed():  # its forward changed its buffers in place after normalising: not its figures
-            figures = False
-        if inside or self.nested or n == 1:  # (one value per channel: a forward of its own that handles it)
-            figures = False
-        trial.slot = sum(1 for e in c._extras if e[0] == i)  # this call's figures: kept next, else in its buffers
-        # the layout of what it normalised, if it fits the fast path (else the layer goes to the float64 path)
-        t = fitting(seen, x, self.channels)
-        xl = _layout(x)
-        layout = xl if t is None or t is x else _layout(t)
-        self.verified[layout] = max(self.verified[layout], _verified_size(n, layout, x.device))
-        shapes = self.shapes[xl]
-        once = counter is None or counter._version == before + 1
-        if not self.own_forward and figures and t is not None and once and len(shapes) < _SHAPES:
-            shapes[x.shape] = layout
-            if t is x:
-                self.itself[xl].add(x.shape)
-        if figures and x.device.type == "cpu" and self.mean_view.device.type == "cpu":  # host reads: free
-            comfortably = c._check_on_cpu(i, trial, seen, x, n, self.pair)
-            if layout:  # (the layer keeps the fast path only if this call's figures pass)
-                self.passed(n, self.pair, reach=2.0 if comfortably else 1.0)
-        else:  # (no figures of this call in its buffers, whatever they hold: the float64 path)
-            trial.add(seen, x, self.channels, n, figures)
-        trial.counted &= counter is not None and counter._version == before + 1
-        return out
-
-
-def _verified_size(n: int, layout: int, device: torch.device) -> int:
-    """Up to how many values per channel a call whose figures passed with ``n`` lets later calls in
-    its layout read their figures: ``n`` where the kernel's rounding grows with them (the CPU's
-    float32 reductions of channels adjacent in memory), any number elsewhere (the CPU's default
-    layout reduces in float64; accelerators are checked in the verifying batch only, and checking
-    a larger call later would take a host read inside the loop)."""
-    return n if layout and device.type == "cpu" else sys.maxsize
-
-
-_REDUCED = (torch.float16, torch.bfloat16)
-
-
-def _reach(score: float, tolerance: float) -> float:
-    """How much further from 0 (as ``1 + r``) figures whose check scored ``score`` vouch for later calls (see
-    :meth:`_LayerCall.passed`): ``sqrt(tolerance / score)``, at most 2 (a quarter of the tolerance)."""
-    return min(2.0, (tolerance / score) ** 0.5) if score > 0 else 2.0
-
-
-def _layout(x: Tensor) -> int:
-    """1 if torch's CPU kernels reduce ``x`` in float32, rounding more with more values — its channels
-    (dimension 1) adjacent in memory (channels_last, ``(N, C)``), any other non-contiguous input (a crop
-    ``x[..., 1:]``, a channel split: a probe measured 1.1e-4 σ at 1.6 M values), or a half-precision input
-    (autocast, or a half-precision module before a float32 layer) — else 0 (contiguous float32 and float64
-    inputs in the default layout, reduced in float64)."""
-    return 1 if x.dim() < 3 or x.stride(1) == 1 or x.dtype in _REDUCED or not x.is_contiguous() else 0
 
 
 _BUMPS: dict[str, bool] = {}
