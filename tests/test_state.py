@@ -694,3 +694,76 @@ def test_ctrl_c_while_restoring_still_restores_everything(function: str, line: s
     assert fired
     assert_unchanged(model, after if function == "_release" else before)
     precisebn.recalibrate(model, data)  # not left "in use"
+
+
+class _HeldStatistics(nn.BatchNorm2d):
+    """Keeps its running buffers in a list from __init__ and normalises with those (a probe)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels)
+        self.stats = [self.running_mean, self.running_var]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean, var = self.stats
+        return nn.functional.batch_norm(x, mean, var, self.weight, self.bias, self.training, self.momentum, self.eps)
+
+
+class _ParentHoldsStatistics(nn.Module):
+    """A fused conv+bn parent normalising with references to its child's buffers (a probe)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+        self.rm, self.rv = self.bn.running_mean, self.bn.running_var
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.bn
+        return nn.functional.batch_norm(self.conv(x), self.rm, self.rv, b.weight, b.bias, b.training, b.momentum, b.eps)
+
+
+@pytest.mark.parametrize(
+    "build", [lambda: nn.Sequential(nn.Conv2d(3, 4, 3), _HeldStatistics(4)), _ParentHoldsStatistics]
+)
+@pytest.mark.parametrize("function", ["estimate", "recalibrate"])
+def test_statistics_written_through_references_held_elsewhere_are_refused_and_put_back(build, function) -> None:
+    """The layer's own buffers are swapped out for the passes; code holding them apart (a list attribute, a
+    parent) normalised with them, and the kernel wrote the last batch's figures there: estimate() left the
+    model changed, recalibrate() reported the layer "kept" with its buffers changed (a probe). Now refused by
+    name, the model bitwise as it was."""
+    torch.manual_seed(0)
+    model = build()
+    bn = model[1] if isinstance(model, nn.Sequential) else model.bn
+    with torch.no_grad():
+        bn.running_mean.uniform_(0.5, 2.0)
+        bn.running_var.uniform_(0.5, 2.0)
+    before = state_snapshot(model)
+    data = [torch.randn(4, 3, 10, 10) for _ in range(3)]
+    with pytest.raises(UnsupportedLayerError, match="references held apart") as raised:
+        getattr(precisebn, function)(model, data, num_batches=3)
+    assert repr("1" if isinstance(model, nn.Sequential) else "bn") in str(raised.value)
+    assert_unchanged(model, before)
+
+
+def test_a_counter_written_through_a_held_reference_is_put_back() -> None:
+    """A forward that counts its calls in a reference to its num_batches_tracked kept from __init__ writes the
+    swapped-out counter: the statistics are unaffected (it normalises with its buffers), and the counter is put
+    back bitwise."""
+
+    class Counting(nn.BatchNorm1d):
+        def __init__(self, channels: int) -> None:
+            super().__init__(channels)
+            self.calls = self.num_batches_tracked
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls.add_(10)
+            return super().forward(x)
+
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(3, 4), Counting(4))
+    data = [torch.randn(8, 3) for _ in range(3)]
+    truth = compute_truth(model, data)["1"]
+    before = state_snapshot(model)
+    stats = precisebn.estimate(model, data, num_batches=3)["1"]
+    assert_unchanged(model, before)
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(stats.var, truth.var) < 1e-6

@@ -8,6 +8,7 @@ import timm
 import torch
 from timm.layers import BatchNormAct2d
 from torch import nn
+from torch.nn import functional as F
 
 import precisebn
 from conftest import compute_truth, max_rel_error
@@ -509,3 +510,29 @@ def test_layers_calling_torchs_normalization_ops_directly_are_measured(layer: ty
     truth = compute_truth(model, data)["0"]
     assert max_rel_error(model[0].running_mean, truth.mean, truth.var.sqrt()) < 1e-5
     assert max_rel_error(model[0].running_var, truth.var) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "alias", [lambda t: t.data, lambda t: t.detach(), lambda t: t.view(-1)], ids=["data", "detach", "view"]
+)
+def test_a_layer_normalising_with_an_alias_of_its_buffers_is_measured(alias) -> None:
+    """``F.batch_norm(x, self.running_mean.data, self.running_var.data, ...)`` (a pattern in public code) updates
+    the layer's buffers like torch's own layer: it was reported "buffers never used (kept)", its statistics not
+    recomputed (a probe). The alias is seen now, and the statistics are those of its input, exact."""
+
+    class Aliased(nn.BatchNorm2d):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mean, var = alias(self.running_mean), alias(self.running_var)
+            return F.batch_norm(x, mean, var, self.weight, self.bias, self.training, self.momentum, self.eps)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), Aliased(8))
+    data = [torch.randn(4, 3, 10, 10) + 2 for _ in range(4)]
+    truth = compute_truth(model, data)["1"]
+    stats = precisebn.estimate(model, data, num_batches=4)["1"]
+    assert stats.count == truth.count and stats.path in ("fast", "float64")
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(stats.var, truth.var) < 1e-6
+    report = precisebn.recalibrate(model, data, num_batches=4)
+    assert report["1"].updated
+    assert max_rel_error(model[1].running_var.double(), truth.var) < 1e-6

@@ -31,7 +31,7 @@ from .errors import (
     UninitializedLayerError,
     UnsupportedLayerError,
 )
-from .state import StateSnapshot, copy_all, overlapping, refuse_uninitialized, to_the_end
+from .state import StateSnapshot, ValueCopies, copy_all, overlapping, refuse_uninitialized, to_the_end
 
 __all__ = [
     "LayerSelection",
@@ -400,7 +400,36 @@ class RecalibrationState:
     groups: list[ScratchGroup]
     views: list[tuple[Tensor, Tensor]]
     counters: list[Tensor | None]  # each layer's scratch num_batches_tracked (one increment per own call)
+    originals: ValueCopies | None = None  # the values of the buffers swapped out
+    owners: list[tuple[int, str]] = field(default_factory=list)  # (layer, buffer name) of each of them
     _wrapped: list[tuple[nn.Module, object]] = field(default_factory=list)
+
+    def refuse_written_elsewhere(self) -> None:
+        """Raises :class:`~precisebn.errors.UnsupportedLayerError` if a selected layer's own
+        ``running_mean``/``running_var`` (swapped out for the passes) were written during them: by
+        code that holds them apart from the layer's buffer dict (``self.stats = [self.running_mean,
+        ...]``, a parent's ``self.rm = bn.running_mean``) and normalises with them — what precisebn
+        would measure is not what that code normalises (their values are put back on exit)."""
+        if self.originals is None:
+            return
+        names = sorted(
+            {
+                self.layers[i].name
+                for k in self.originals.changed()
+                for i, key in [self.owners[k]]
+                if key != "num_batches_tracked"
+            }
+        )
+        if names:
+            shown = ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise UnsupportedLayerError(
+                f"the running statistics of layer(s) {shown} were written during the passes through references "
+                "held apart from the layer's own buffers (an attribute holding self.running_mean, a parent module "
+                "normalising with them): precisebn points a layer's running_mean/running_var at its own scratch "
+                "buffers for the passes, so it cannot see what such code normalises. Read the buffers from the "
+                "layer at each call (self.running_mean, not a reference kept in __init__), or exclude the layer "
+                "with layers=. The model was left unchanged."
+            )
 
     def wrap_forward(
         self, module: nn.Module, call: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
@@ -533,24 +562,28 @@ def recalibration_state(
     modules = list(model.named_modules()) if modules is None else modules
     refuse_uninitialized(modules)
     refuse_parameter_statistics(layers)
-    swapped = {
-        id(t)
-        for layer in layers
-        for k in ("running_mean", "running_var", "num_batches_tracked")
-        if isinstance(t := layer.module._buffers.get(k), Tensor)
-    }
+    owners, originals = [], []  # the buffers swapped out (and which layer had each)
+    for i, layer in enumerate(layers):
+        for k in ("running_mean", "running_var", "num_batches_tracked"):
+            if isinstance(t := layer.module._buffers.get(k), Tensor):
+                owners.append((i, k))
+                originals.append(t)
     with contextlib.ExitStack() as stack:
         # parallel lists rather than (module, value) pairs: a pass makes few objects for the gc to track
         mods = [m for _, m in modules]
         stack.callback(to_the_end, _restore_flags, mods, [m.training for m in mods])  # (Ctrl-C: finished first)
         norms = [layer.module for layer in layers]
         stack.callback(to_the_end, _restore_momenta, norms, [m.momentum for m in norms])
-        snapshot = StateSnapshot(modules, uncopied=swapped)
+        snapshot = StateSnapshot(modules, uncopied={id(t) for t in originals})
         stack.callback(to_the_end, _restore_snapshot, snapshot)
+        # their values too: nothing should write them while they are out, but code holding them (a list
+        # attribute, a parent module) still can (a probe: estimate() left the last batch's figures there)
+        kept = ValueCopies(originals)
+        stack.callback(to_the_end, kept.restore)
 
         groups, views = _allocate_scratch(layers)
         counters: list[Tensor | None] = []
-        state = RecalibrationState(list(layers), groups, views, counters)
+        state = RecalibrationState(list(layers), groups, views, counters, kept, owners)
         stack.callback(to_the_end, _unwrap_forwards, state._wrapped)
         stack.enter_context(_compiled_code_runs_eagerly())
 

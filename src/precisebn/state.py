@@ -35,6 +35,7 @@ from .errors import ConcurrentUseError, UninitializedLayerError
 
 __all__ = [
     "StateSnapshot",
+    "ValueCopies",
     "copy_all",
     "exclusive",
     "overlapping",
@@ -144,6 +145,91 @@ class _Saved:
     geometry: tuple[Any, ...] | None = None
     storage: Any = None  # its storage (kept: a forward that points the tensor elsewhere may drop it otherwise)
     nbytes: int = 0  # that storage's size (resize_ may grow it: a model saved afterwards would carry the rest)
+
+
+class ValueCopies:
+    """Exact copies of a few tensors' values (one byte blob per device), to tell later whether any
+    changed and put them back: for tensors taken out of the model for the passes, which nothing of
+    the model should write — but code holding references to them (an attribute list, a parent
+    module) still can.
+
+    >>> import torch
+    >>> a, b = torch.zeros(2), torch.ones(3)
+    >>> kept = ValueCopies([a, b])
+    >>> _ = b.add_(1)
+    >>> kept.changed(), kept.restore(), b.tolist()
+    ([1], None, [1.0, 1.0, 1.0])
+    """
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        self._tensors = tensors
+        self._at: list[tuple[torch.device, int, int] | None] = []  # (device, start, length) in its blob
+        self._own: dict[int, Tensor] = {}  # copies of the spans without a byte view (by index)
+        pieces: dict[torch.device, list[Tensor]] = {}
+        sizes: dict[torch.device, int] = {}
+        with torch.no_grad():
+            for k, t in enumerate(tensors):
+                span = _span(t)
+                raw = _bytes(span) if span is not None else None
+                if raw is None:
+                    self._at.append(None)
+                    if span is not None:
+                        self._own[k] = span.clone()
+                    continue
+                start = sizes.get(span.device, 0)  # type: ignore[union-attr]
+                self._at.append((raw.device, start, raw.numel()))
+                sizes[raw.device] = start + raw.numel()
+                pieces.setdefault(raw.device, []).append(raw)
+            self._blobs = {device: torch.cat(raws) for device, raws in pieces.items()}
+
+    def changed(self) -> list[int]:
+        """The indices of the tensors whose values (or size) changed: one comparison per device when none did."""
+        now: dict[torch.device, list[Tensor]] = {}
+        for t, at in zip(self._tensors, self._at):
+            if at is not None:
+                span = _span(t)
+                raw = _bytes(span) if span is not None else None
+                if raw is None or raw.numel() != at[2] or raw.device != at[0]:
+                    return self._each()
+                now.setdefault(at[0], []).append(raw)
+        same = all(torch.equal(torch.cat(raws), self._blobs[d]) for d, raws in now.items())
+        return self._each() if not same or self._own else []
+
+    def _each(self) -> list[int]:
+        out = []
+        for k, (t, at) in enumerate(zip(self._tensors, self._at)):
+            span = _span(t)
+            if at is not None:
+                raw = _bytes(span) if span is not None else None
+                device, start, length = at
+                if (
+                    raw is None
+                    or raw.numel() != length
+                    or not torch.equal(raw, self._blobs[device][start : start + length])
+                ):
+                    out.append(k)
+            elif k in self._own and (
+                span is None or span.shape != self._own[k].shape or not torch.equal(span, self._own[k])
+            ):
+                out.append(k)
+        return out
+
+    def restore(self) -> None:
+        """Writes the copied values back into the tensors that changed (and still hold as many)."""
+        with torch.no_grad():
+            for k in self.changed():
+                t, at = self._tensors[k], self._at[k]
+                span = _span(t)
+                if span is None:
+                    continue
+                with torch.inference_mode() if version_of(t) is None else contextlib.nullcontext():
+                    if at is not None:
+                        device, start, length = at
+                        raw = _bytes(span)
+                        if raw is not None and raw.numel() == length:
+                            span.copy_(self._blobs[device][start : start + length].clone().view(span.dtype))
+                    elif span.shape == self._own[k].shape:
+                        span.copy_(self._own[k])
 
 
 class StateSnapshot:

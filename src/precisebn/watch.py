@@ -159,6 +159,7 @@ class Watch:
         self.frozen = False
         self._versions: list[int | None] = []  # of each tensor in seen, when it was normalised
         self._tap: _Tap | None = None
+        self._derived: list[_Tap] = []  # taps on aliases of the buffer made during the call (see _Tap)
         self._mode: _WatchMode | None = None
 
     def __enter__(self) -> Watch:
@@ -172,12 +173,22 @@ class Watch:
             self._mode.__enter__()
         return self
 
+    def tap(self, alias: Tensor) -> _Tap:
+        """A tap of this watch on ``alias``, a view of exactly the watched buffer's memory (detached on exit)."""
+        tap = alias.as_subclass(_Tap)
+        tap._watch = self
+        self._derived.append(tap)
+        return tap
+
     def __exit__(self, *exc: object) -> None:
         if self._tap is not None:
             if self._buffers.get("running_mean") is self._tap:
                 self._buffers["running_mean"] = self.running_mean
             self._tap._watch = None
             self._tap = None
+        for tap in self._derived:
+            tap._watch = None
+        self._derived.clear()
         if self._mode is not None:
             self._mode.__exit__(*exc)
             self._mode = None
@@ -219,8 +230,29 @@ def _norm_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
 _no_subclass = torch._C.DisableTorchFunctionSubclass
 
 
+def _aliases(a: Any, b: Any) -> bool:
+    """Whether ``a`` is ``b`` or a tensor viewing exactly its memory (``b.data``, ``b.detach()``,
+    ``b.view(-1)``): normalising with it updates ``b`` as with ``b`` itself."""
+    if a is b:
+        return True
+    return (
+        isinstance(a, Tensor)
+        and isinstance(b, Tensor)
+        and a.layout == torch.strided
+        and b.layout == torch.strided
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.shape == b.shape
+        and a.data_ptr() == b.data_ptr() != 0
+        and a.stride() == b.stride()
+    )
+
+
 class _Tap(Tensor):
-    """The alias a :class:`Watch` puts in place of a layer's ``running_mean``."""
+    """The alias a :class:`Watch` puts in place of a layer's ``running_mean``. An operation on it that
+    gives a view of exactly its memory (``.data``, ``.detach()``, ``.view(-1)``: a forward passing such an
+    alias to ``F.batch_norm`` normalises with the layer's buffers all the same) gives a tap of the same
+    watch, so that the normalization call is seen (a probe: such layers were reported "never used")."""
 
     _watch: Watch | None
 
@@ -230,9 +262,14 @@ class _Tap(Tensor):
         call = _norm_call(func, args, kwargs)
         if call is not None and type(call[1]) is cls and getattr(call[1], "_watch", None) is not None:
             watch = call[1]._watch
-            watch.record(call[0], call[3] and call[2] is watch.running_var)
+            watch.record(call[0], call[3] and _aliases(call[2], watch.running_var))
         with _no_subclass():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        if call is None and args and type(args[0]) is cls and type(out) is Tensor:
+            watch = getattr(args[0], "_watch", None)
+            if watch is not None and _aliases(out, watch.running_mean):
+                return watch.tap(out)
+        return out
 
 
 class _WatchMode(TorchFunctionMode):
@@ -245,8 +282,8 @@ class _WatchMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         call = _norm_call(func, args, kwargs)
-        if call is not None and call[1] is not None and call[1] is self.watch.running_mean:
-            self.watch.record(call[0], call[3] and call[2] is self.watch.running_var)
+        if call is not None and call[1] is not None and _aliases(call[1], self.watch.running_mean):
+            self.watch.record(call[0], call[3] and _aliases(call[2], self.watch.running_var))
         return func(*args, **kwargs)
 
 
