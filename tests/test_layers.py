@@ -375,3 +375,27 @@ def test_running_statistics_held_as_parameters_are_refused_clearly() -> None:
         with pytest.raises(UnsupportedLayerError, match=r"layer '1' \(BatchNorm1d\) keeps its running_mean and "):
             call()  # (was a bare KeyError: 'running_mean')
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_predicate_finds_a_shared_layer_by_any_of_its_names() -> None:
+    """A BatchNorm registered as ``stem.1`` and ``blk.1``: a predicate saw only its first name, so selecting
+    ``blk.`` left it out silently and naming ``blk.1`` found nothing (a probe) — while a list of names finds it
+    by either. Now the predicate is asked with every name."""
+    shared = nn.BatchNorm1d(4)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Sequential(nn.Linear(4, 4), shared)
+            self.blk = nn.Sequential(nn.Linear(4, 4), shared, nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.blk(self.stem(x))
+
+    model = Model()
+    by_prefix = precisebn.layers.find_norm_layers(model, lambda name, module: name.startswith("blk."))
+    assert [layer.module for layer in by_prefix] == [shared, model.blk[3]]
+    exact = precisebn.layers.find_norm_layers(model, lambda name, module: name == "blk.1")
+    assert [layer.module for layer in exact] == [shared]
+    listed = precisebn.layers.find_norm_layers(model, ["blk.1", "blk.3"])
+    assert [layer.module for layer in listed] == [shared, model.blk[3]]
