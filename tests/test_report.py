@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Mapping
@@ -124,3 +125,22 @@ def test_medians_are_the_usual_median() -> None:
         torch.tensor([0.01, 0.03], dtype=torch.float64), torch.tensor([0.019, 0.369], dtype=torch.float64),
     )  # fmt: skip
     assert row.se_var_median == pytest.approx(0.194) and row.se_mean_median == pytest.approx(0.02)
+
+
+def test_reports_and_statistics_compare_by_value() -> None:
+    """``==`` raised on a Report, a LayerReport, PopulationStats and LayerStats of more than one channel (the
+    generated equality compared tensors element by element, a probe). Equal now when the statistics and their
+    provenance are (the wall time aside), unequal when a value differs; a layer never reached (NaN) equals itself."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(3))
+    data = [torch.randn(5, 3) for _ in range(3)]
+    forward = lambda m, x: m[:2](x)  # noqa: E731 (the last layer is never reached: NaN statistics)
+    s1, s2 = precisebn.estimate(model, data, forward=forward), precisebn.estimate(model, data, forward=forward)
+    assert s1 == s2 and s1["2"] == s2["2"] and not s1["2"].reached
+    assert hash(s1["1"]) == hash(s2["1"])
+    other = precisebn.estimate(model, data[:2], forward=forward)
+    assert s1 != other and s1["1"] != other["1"]
+    r1 = precisebn.recalibrate(copy.deepcopy(model), data, forward=forward)
+    r2 = precisebn.recalibrate(copy.deepcopy(model), data, forward=forward)
+    assert r1 == r2 and r1["1"] == r2["1"] and dict(r1) == dict(r2)
+    assert r1 != precisebn.recalibrate(copy.deepcopy(model), data[:2], forward=forward)

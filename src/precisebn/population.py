@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._equality import equal_fields, hash_fields
 from ._optional import require
 from ._version import __version__
 from .errors import InvalidArgumentError, MissingFileError, StatsMismatchError
@@ -57,6 +58,14 @@ class LayerStats:
     se_var: Tensor | None = None
     per_forward: int = 1
 
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return equal_fields(self, other)
+
+    def __hash__(self) -> int:
+        return hash_fields(self)
+
     @property
     def reached(self) -> bool:
         """Whether the layer saw any value."""
@@ -94,6 +103,14 @@ class PopulationStats(Mapping[str, LayerStats]):
     seconds: float = 0.0
     world_size: int = 1
     versions: dict[str, str] = field(default_factory=lambda: {"precisebn": __version__, "torch": torch.__version__})
+
+    def __eq__(self, other: object) -> bool:
+        """Equal statistics and provenance; the wall time (``seconds``) is not compared."""
+        if type(other) is not type(self):
+            return NotImplemented
+        return equal_fields(self, other, but=("seconds",))
+
+    __hash__ = None  # type: ignore[assignment]  (mutable)
 
     def __getitem__(self, name: str) -> LayerStats:
         return self.layers[name]

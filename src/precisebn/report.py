@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ._equality import equal_fields, hash_fields
 from ._table import format_table
 from .files import atomic_path
 
@@ -59,6 +60,14 @@ class LayerReport:
     se_mean: Tensor | None = None
     se_var: Tensor | None = None
     per_forward: int = 1
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return equal_fields(self, other)
+
+    def __hash__(self) -> int:
+        return hash_fields(self)
 
     @property
     def pooled_calls(self) -> bool:
@@ -196,6 +205,14 @@ class Report(Mapping[str, LayerReport]):
     seconds: float
     mode: str
     world_size: int = 1
+
+    def __eq__(self, other: object) -> bool:
+        """Equal statistics and provenance; the wall time (``seconds``) is not compared."""
+        if type(other) is not type(self):
+            return NotImplemented
+        return equal_fields(self, other, but=("seconds",))
+
+    __hash__ = None  # type: ignore[assignment]  (mutable)
 
     def __getitem__(self, name: str) -> LayerReport:
         for layer in self.layers:
