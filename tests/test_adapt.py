@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import precisebn
-from conftest import assert_unchanged, max_rel_error, state_snapshot
+from conftest import assert_unchanged, max_rel_error, pooled_with_prior, state_snapshot
 from precisebn.cli import main
 from precisebn.errors import InvalidArgumentError, StatsMismatchError
 from precisebn.recalibrate import check_options
@@ -308,3 +308,33 @@ def test_scheduler_and_lightning_callbacks_pass_prior_and_adapt_through() -> Non
             make(model, batches, prior=-1)
         with pytest.raises(InvalidArgumentError, match="adapt must be"):
             make(model, batches, adapt="scale")
+
+
+def test_a_layer_reached_by_some_batches_converts_the_prior_at_its_share_of_the_samples() -> None:
+    """``prior=N`` is N samples of pseudo-data at each layer's values per sample of the whole measurement: a
+    layer called on half the samples gets half their values from the prior too, so ``prior=16`` next to 16 new
+    samples weighs half and half in it as everywhere (what the README says). Steps with different shares of a
+    layer do not add up to one step (a probe: 2nd decimal): the README says when steps are exact."""
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.BatchNorm1d(2).double(), nn.BatchNorm1d(2).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.a(x)
+            return self.b(x) + y if x.shape[0] == 8 else y  # (only the batches of 8 reach b)
+
+    torch.manual_seed(0)
+    model = Branchy()
+    with torch.no_grad():
+        model.b.running_mean.fill_(10.0)
+        model.b.running_var.fill_(4.0)
+    data = [torch.randn(8, 2, dtype=torch.float64) * 3 + 1, torch.randn(4, 2, dtype=torch.float64) - 2]
+    data.append(torch.randn(4, 2, dtype=torch.float64))
+    prior_mean, prior_var = model.b.running_mean.clone(), model.b.running_var.clone()
+    precisebn.recalibrate(model, data, num_samples="all", prior=16)
+    reached = data[0].T  # 8 of the 16 samples reach b: at its 0.5 values per sample, 16 samples are 8 values
+    mean, var = pooled_with_prior(prior_mean, prior_var, 16 * reached.shape[1] / 16, reached)
+    assert max_rel_error(model.b.running_mean, mean) < 1e-12
+    assert max_rel_error(model.b.running_var, var) < 1e-12
