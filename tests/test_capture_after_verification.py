@@ -9,6 +9,7 @@ now exact against the float64 truth, or refused by name with the model unchanged
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -1379,3 +1380,38 @@ def test_a_constant_channel_does_not_vouch_for_the_others() -> None:
     scale = (truth["0"].var[live] + 1e-5).sqrt()
     mean_error = max_rel_error(stats["0"].mean[live], truth["0"].mean[live], scale)
     assert mean_error < 2e-6, mean_error
+
+
+def test_later_batches_far_from_zero_are_warned_of() -> None:
+    """NCHW on the CPU, which torch reduces in float64: later calls read their figures at any size. Channel 1
+    (not among the few checked ones) is verified at |mean|/σ = 4e4, then drifts at 1e6: each batch's float32
+    mean rounds by 0.06 σ, and the variance ended 1.8e-4 off, silently (a probe). Now a warning names the layer
+    (one look at the pooled statistics at the end); capture="float64" is exact, and says nothing."""
+    g = torch.Generator().manual_seed(0)
+
+    def batch(n: int, hw: int, s: float, drift: float = 0.0) -> torch.Tensor:
+        x = torch.randn(n, 16, hw, hw, generator=g)
+        x[:, 1] = (1e6 + drift) + s * x[:, 1]
+        return x
+
+    drifts = (torch.rand(10, generator=g) - 0.5) * 0.6
+    batches = [batch(2, 2, 25.0)] + [batch(8, 8, 1.0, float(d)) for d in drifts]
+    layer = nn.BatchNorm2d(16)
+    truth = compute_truth(layer, batches)[""]
+    with pytest.warns(precisebn.errors.PreciseBNWarning, match=r"layer\(s\) '' \(\|mean\|/σ up to"):
+        assert precisebn.estimate(layer, batches, num_samples="all")[""].path == "fast"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exact = precisebn.estimate(layer, batches, num_samples="all", capture="float64")[""]
+    assert max_rel_error(exact.var, truth.var) < 1e-8
+
+
+def test_ordinary_data_are_not_warned_of() -> None:
+    """The warning above is for channels far from 0 only: a conv/BatchNorm model on ordinary data says nothing."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8))
+    batches = [torch.randn(4, 3, 12, 12) * 5 + 3 for _ in range(6)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats = precisebn.estimate(model, batches, num_samples="all")
+    assert {s.path for s in stats.values()} == {"fast"}
