@@ -301,15 +301,19 @@ def _warn_far_from_zero(entries: list[tuple[NormLayer, LayerStats]]) -> None:
     ]
     if not fast:
         return
-    limits, ratios = [], []
-    for layer, s in fast:
+    limits = []
+    for layer, _ in fast:
         dtype = layer.module._buffers["running_mean"].dtype  # type: ignore[union-attr]
         unit = torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
         limits.append(TOLERANCE.get(dtype, 1e-5) / (unit * unit) if unit else float("inf"))
-        ratios.append(s.mean.square() / (s.var + float(layer.module.eps)))
-    worst = torch.segment_reduce(
-        torch.cat([r.reshape(-1).to("cpu") for r in ratios]), "max", lengths=torch.tensor([r.numel() for r in ratios])
-    ).tolist()
+    lengths = torch.tensor([s.mean.numel() for _, s in fast])
+    eps = torch.tensor([float(layer.module.eps) for layer, _ in fast], dtype=torch.float64).repeat_interleave(lengths)
+    home = None if len({s.mean.device for _, s in fast}) > 1 else fast[0][1].mean.device  # (one copy to the host)
+    mean, var = (
+        torch.cat([getattr(s, k).reshape(-1).to(home or "cpu", torch.float64) for _, s in fast]).cpu()
+        for k in ("mean", "var")
+    )
+    worst = torch.segment_reduce(mean.square_().div_(var.add_(eps)), "max", lengths=lengths).tolist()
     over = [(layer.name, r2**0.5) for (layer, _), r2, limit in zip(fast, worst, limits) if r2 > limit]
     if over:
         shown = ", ".join(f"{name!r} (|mean|/σ up to {r:.3g})" for name, r in over[:5])

@@ -148,10 +148,11 @@ class _Saved:
 
 
 class ValueCopies:
-    """Exact copies of a few tensors' values (one byte blob per device), to tell later whether any
-    changed and put them back: for tensors taken out of the model for the passes, which nothing of
-    the model should write — but code holding references to them (an attribute list, a parent
-    module) still can.
+    """Exact copies of a few tensors' values, to tell later whether any changed and put them back:
+    for tensors taken out of the model for the passes, which nothing of the model should write — but
+    code holding references to them (an attribute list, a parent module) still can. Contiguous tensors
+    are copied and compared by one concatenation per device and dtype (bitwise: NaN equals NaN), others
+    one by one.
 
     >>> import torch
     >>> a, b = torch.zeros(2), torch.ones(3)
@@ -163,73 +164,104 @@ class ValueCopies:
 
     def __init__(self, tensors: list[Tensor]) -> None:
         self._tensors = tensors
-        self._at: list[tuple[torch.device, int, int] | None] = []  # (device, start, length) in its blob
-        self._own: dict[int, Tensor] = {}  # copies of the spans without a byte view (by index)
-        pieces: dict[torch.device, list[Tensor]] = {}
-        sizes: dict[torch.device, int] = {}
-        with torch.no_grad():
-            for k, t in enumerate(tensors):
+        self._groups: dict[tuple[torch.device, torch.dtype, int], list[int]] = {}  # (by dimensions: 0, 1, more)
+        self._sizes: list[int] = []
+        self._own: dict[int, Tensor | None] = {}  # copies of the other tensors' spans (None: no values)
+        for k, t in enumerate(tensors):
+            self._sizes.append(t.numel())
+            if _plain(t):
+                self._groups.setdefault((t.device, t.dtype, min(t.dim(), 2)), []).append(k)
+            else:
                 span = _span(t)
-                raw = _bytes(span) if span is not None else None
-                if raw is None:
-                    self._at.append(None)
-                    if span is not None:
-                        self._own[k] = span.clone()
-                    continue
-                start = sizes.get(span.device, 0)  # type: ignore[union-attr]
-                self._at.append((raw.device, start, raw.numel()))
-                sizes[raw.device] = start + raw.numel()
-                pieces.setdefault(raw.device, []).append(raw)
-            self._blobs = {device: torch.cat(raws) for device, raws in pieces.items()}
+                self._own[k] = None if span is None else span.detach().clone()
+        with torch.no_grad():
+            self._blobs = {key: self._joined(key, ids) for key, ids in self._groups.items()}
+
+    def _joined(self, key: tuple[torch.device, torch.dtype, int], ids: list[int]) -> Tensor:
+        tensors = [self._tensors[k] for k in ids]
+        if key[2] == 1:  # (running statistics: one cat; reshaping each first costs as much again)
+            return torch.cat(tensors)
+        if key[2] == 0:  # (counters)
+            return torch.stack(tensors)
+        return torch.cat([t.reshape(-1) for t in tensors])
 
     def changed(self) -> list[int]:
-        """The indices of the tensors whose values (or size) changed: one comparison per device when none did."""
-        now: dict[torch.device, list[Tensor]] = {}
-        for t, at in zip(self._tensors, self._at):
-            if at is not None:
-                span = _span(t)
-                raw = _bytes(span) if span is not None else None
-                if raw is None or raw.numel() != at[2] or raw.device != at[0]:
-                    return self._each()
-                now.setdefault(at[0], []).append(raw)
-        same = all(torch.equal(torch.cat(raws), self._blobs[d]) for d, raws in now.items())
-        return self._each() if not same or self._own else []
-
-    def _each(self) -> list[int]:
+        """The indices of the tensors whose values (or size) changed: one comparison per device and
+        dtype when none did."""
         out = []
-        for k, (t, at) in enumerate(zip(self._tensors, self._at)):
-            span = _span(t)
-            if at is not None:
-                raw = _bytes(span) if span is not None else None
-                device, start, length = at
-                if (
-                    raw is None
-                    or raw.numel() != length
-                    or not torch.equal(raw, self._blobs[device][start : start + length])
+        with torch.no_grad():
+            for key, ids in self._groups.items():
+                try:  # (a tensor resized, of another dtype or device: another length, dtype, or no cat at all)
+                    if _bitwise_equal(self._joined(key, ids), self._blobs[key]):
+                        continue
+                except RuntimeError:
+                    pass
+                at = 0
+                for k in ids:  # (something changed: which)
+                    t, n = self._tensors[k], self._sizes[k]
+                    same = _plain(t) and t.numel() == n and (t.device, t.dtype) == key[:2]
+                    if not (same and _bitwise_equal(t.detach().reshape(-1), self._blobs[key][at : at + n])):
+                        out.append(k)
+                    at += n
+            for k, saved in self._own.items():
+                span = _span(self._tensors[k])
+                if saved is None:
+                    if span is not None:
+                        out.append(k)
+                elif (
+                    span is None
+                    or span.shape != saved.shape
+                    or span.dtype != saved.dtype
+                    or not _bitwise_equal(span, saved)
                 ):
                     out.append(k)
-            elif k in self._own and (
-                span is None or span.shape != self._own[k].shape or not torch.equal(span, self._own[k])
-            ):
-                out.append(k)
-        return out
+        return sorted(out)
 
     def restore(self) -> None:
         """Writes the copied values back into the tensors that changed (and still hold as many)."""
+        starts = {}
+        for ids in self._groups.values():
+            at = 0
+            for k in ids:
+                starts[k] = at
+                at += self._sizes[k]
         with torch.no_grad():
             for k in self.changed():
-                t, at = self._tensors[k], self._at[k]
-                span = _span(t)
-                if span is None:
-                    continue
+                t = self._tensors[k]
+                if k in self._own:
+                    saved, span = self._own[k], _span(t)
+                    if saved is None or span is None or span.shape != saved.shape or span.dtype != saved.dtype:
+                        continue
+                    values, target = saved, span
+                else:
+                    group = next(g for g, ids in self._groups.items() if k in ids)
+                    if (t.device, t.dtype) != group[:2] or t.numel() != self._sizes[k]:
+                        continue
+                    values, target = self._blobs[group][starts[k] : starts[k] + self._sizes[k]].view(t.shape), t
                 with torch.inference_mode() if version_of(t) is None else contextlib.nullcontext():
-                    if at is not None:
-                        device, start, length = at
-                        raw = _bytes(span)
-                        if raw is not None and raw.numel() == length:
-                            span.copy_(self._blobs[device][start : start + length].clone().view(span.dtype))
-                    elif span.shape == self._own[k].shape:
-                        span.copy_(self._own[k])
+                    target.copy_(values)
+
+
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+_VIEWED = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16}
+_VIEWED |= {torch.int8, torch.uint8, torch.bool}
+
+
+def _plain(t: Tensor) -> bool:
+    """A strided, contiguous tensor in memory, of a dtype that an integer type of its size can view."""
+    return t.dtype in _VIEWED and t.layout == torch.strided and not t.is_meta and t.is_contiguous()
+
+
+def _bitwise_equal(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bits (NaN equals NaN, -0.0 differs from 0.0)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.is_floating_point:
+        ints = _INTS[a.element_size()]
+        a, b = a.contiguous().view(ints), b.contiguous().view(ints)
+    return torch.equal(a, b)
 
 
 class StateSnapshot:
