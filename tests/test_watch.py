@@ -536,3 +536,59 @@ def test_a_layer_normalising_with_an_alias_of_its_buffers_is_measured(alias) -> 
     report = precisebn.recalibrate(model, data, num_batches=4)
     assert report["1"].updated
     assert max_rel_error(model[1].running_var.double(), truth.var) < 1e-6
+
+
+VIEWS = {
+    "unsqueeze-squeeze": lambda t: t.unsqueeze(0).squeeze(0),
+    "view-index": lambda t: t.view(1, -1)[0],
+    "chunk": lambda t: t.chunk(1)[0],
+    "split": lambda t: t.split(t.numel())[0],
+    "unbind": lambda t: t.view(1, -1).unbind(0)[0],
+    "dtype-view": lambda t: t.view(torch.int32).view(torch.float32),
+    "detach-view-view": lambda t: t.detach().view(1, -1).view(-1),
+}
+
+
+@pytest.mark.parametrize("view", VIEWS.values(), ids=VIEWS.keys())
+def test_views_of_the_buffers_reached_in_several_steps_are_followed(view) -> None:
+    """Views of exactly the buffers' memory reached through intermediate views or tuples: each step's result
+    sharing the buffer's memory stays a tap, so the normalization call is seen (a probe: "never normalised
+    with its running buffers", statistics kept)."""
+
+    class Viewed(nn.BatchNorm2d):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mean, var = view(self.running_mean), view(self.running_var)
+            return F.batch_norm(x, mean, var, self.weight, self.bias, self.training, self.momentum, self.eps)
+
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), Viewed(8))
+    data = [torch.randn(4, 3, 10, 10) - 1 for _ in range(4)]
+    truth = compute_truth(model, data)["1"]
+    stats = precisebn.estimate(model, data, num_batches=4)["1"]
+    assert stats.count == truth.count
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(stats.var, truth.var) < 1e-6
+
+
+@pytest.mark.parametrize("keep", [lambda t: t.detach(), lambda t: t], ids=["detach", "itself"])
+def test_buffers_kept_from_the_first_call_are_followed_in_later_watched_calls(keep) -> None:
+    """A forward keeping its buffers (or an alias) from its first call and normalising with them ever after:
+    the first call's watch saw them, the later calls' watches (each batch larger than the verified one, in the
+    (N, C) layout) did not — the layer was "fast" with the first batch's 16 values of 64, 1.35 σ off (a
+    probe). A kept tap is matched to the watch active on its memory now."""
+
+    class Kept(nn.BatchNorm1d):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if getattr(self, "kept", None) is None:
+                self.kept = (keep(self.running_mean), keep(self.running_var))
+            mean, var = self.kept
+            return F.batch_norm(x, mean, var, self.weight, self.bias, True, self.momentum, self.eps)
+
+    torch.manual_seed(0)
+    data = [torch.randn(16 * (k + 1), 3) + 5 * k for k in range(4)]
+    model = nn.Sequential(Kept(3))
+    truth = compute_truth(model, data)["0"]
+    stats = precisebn.estimate(model, data, num_samples="all")["0"]
+    assert stats.count == truth.count
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(stats.var, truth.var) < 1e-6

@@ -21,6 +21,7 @@ float64 reduction of what it normalised.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
 import torch
@@ -168,13 +169,14 @@ class Watch:
             tap = running_mean.as_subclass(_Tap)  # type: ignore[union-attr]
             tap._watch = self
             self._buffers["running_mean"] = self._tap = tap
+            _active().append(self)
         elif running_mean is not None:
             self._mode = _WatchMode(self)
             self._mode.__enter__()
         return self
 
     def tap(self, alias: Tensor) -> _Tap:
-        """A tap of this watch on ``alias``, a view of exactly the watched buffer's memory (detached on exit)."""
+        """A tap of this watch on ``alias``, a view of the watched buffer's memory (detached on exit)."""
         tap = alias.as_subclass(_Tap)
         tap._watch = self
         self._derived.append(tap)
@@ -186,6 +188,9 @@ class Watch:
                 self._buffers["running_mean"] = self.running_mean
             self._tap._watch = None
             self._tap = None
+            active = _active()
+            if self in active:
+                active.remove(self)
         for tap in self._derived:
             tap._watch = None
         self._derived.clear()
@@ -248,28 +253,79 @@ def _aliases(a: Any, b: Any) -> bool:
     )
 
 
+_watching = threading.local()
+
+
+def _active() -> list[Watch]:
+    """The watches through a tap active in this thread, innermost last."""
+    active = getattr(_watching, "active", None)
+    if active is None:
+        active = _watching.active = []
+    return active
+
+
+def _watch_of(t: Tensor, exact: bool) -> Watch | None:
+    """The watch that ``t`` (a tap) belongs to — its own while active, else the innermost active watch
+    whose buffer ``t`` views (a tap kept by the layer from an earlier call: ``self._cache =
+    self.running_mean.detach()``) — if ``t`` views exactly that buffer (``exact``) or any of its memory."""
+    own = getattr(t, "_watch", None)
+    if own is not None and t is own._tap:  # (the buffer itself: also where its memory has no address, meta)
+        return own
+    for watch in ([own] if own is not None else []) + _active()[::-1]:
+        buffer = watch.running_mean
+        if exact and _aliases(t, buffer):
+            return watch
+        if not exact and isinstance(buffer, Tensor) and _same_storage(t, buffer):
+            return watch
+    return None
+
+
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    try:
+        return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+    except (RuntimeError, NotImplementedError):  # (no storage: a tensor subclass of another kind, meta...)
+        return False
+
+
 class _Tap(Tensor):
     """The alias a :class:`Watch` puts in place of a layer's ``running_mean``. An operation on it that
-    gives a view of exactly its memory (``.data``, ``.detach()``, ``.view(-1)``: a forward passing such an
-    alias to ``F.batch_norm`` normalises with the layer's buffers all the same) gives a tap of the same
-    watch, so that the normalization call is seen (a probe: such layers were reported "never used")."""
+    gives views of its memory (``.data``, ``.detach()``, ``.view(1, -1)[0]``, ``.chunk(1)``: a forward passing
+    one of exactly the buffer's memory to ``F.batch_norm`` normalises with the layer's buffers all the same)
+    gives taps of the same watch, so that the normalization call is seen (a probe: such layers were reported
+    "never used"); so does a tap the layer kept from an earlier call, while a watch of that memory is active."""
 
     _watch: Watch | None
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        call = _norm_call(func, args, kwargs)
-        if call is not None and type(call[1]) is cls and getattr(call[1], "_watch", None) is not None:
-            watch = call[1]._watch
-            watch.record(call[0], call[3] and _aliases(call[2], watch.running_var))
-        with _no_subclass():
+        with _no_subclass():  # (the checks' own tensor calls on taps come here too otherwise)
+            call = _norm_call(func, args, kwargs)
+            if call is not None and type(call[1]) is cls:
+                watch = _watch_of(call[1], exact=True)
+                if watch is not None:
+                    watch.record(call[0], call[3] and _aliases(call[2], watch.running_var))
             out = func(*args, **kwargs)
-        if call is None and args and type(args[0]) is cls and type(out) is Tensor:
-            watch = getattr(args[0], "_watch", None)
-            if watch is not None and _aliases(out, watch.running_mean):
-                return watch.tap(out)
+            if call is None and args and type(args[0]) is cls and _may_view(out):
+                watch = _watch_of(args[0], exact=False)
+                if watch is not None:
+                    return _tapped(out, watch)
         return out
+
+
+def _may_view(out: Any) -> bool:
+    """Whether ``out`` is a plain tensor, or a tuple or list holding one (what a view of a tap can give)."""
+    return type(out) is Tensor or (isinstance(out, (tuple, list)) and any(type(o) is Tensor for o in out))
+
+
+def _tapped(out: Any, watch: Watch) -> Any:
+    """``out`` (a tensor, or a tuple or list of them) with every plain tensor that views the watched buffer's
+    memory made a tap of ``watch``."""
+    if type(out) is Tensor:
+        return watch.tap(out) if _same_storage(out, watch.running_mean) else out  # type: ignore[arg-type]
+    if isinstance(out, (tuple, list)) and any(type(o) is Tensor for o in out):
+        return type(out)(_tapped(o, watch) if type(o) is Tensor else o for o in out)
+    return out
 
 
 class _WatchMode(TorchFunctionMode):
