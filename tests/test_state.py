@@ -767,3 +767,96 @@ def test_a_counter_written_through_a_held_reference_is_put_back() -> None:
     assert_unchanged(model, before)
     assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
     assert max_rel_error(stats.var, truth.var) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "change",
+    [lambda t: t.resize_(2, 2), lambda t: t.set_(torch.arange(8.0)), lambda t: t.resize_(2)],
+    ids=["same size, new shape", "pointed at other memory", "shrunk"],
+)
+def test_held_buffers_resized_or_pointed_elsewhere_are_put_back_whole(change) -> None:
+    """A reference held apart resized in place or pointed at other memory during the passes: the values went
+    back but not the shape or memory — a (2, 2) running_mean, 8 values with garbage (a probe). Now its geometry
+    is put back on its own storage first, then its values; the layer is refused by name."""
+
+    class Resizing(nn.BatchNorm1d):
+        def __init__(self) -> None:
+            super().__init__(4)
+            self.held = self.running_mean
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                change(self.held)
+            return x
+
+    model = nn.Sequential(nn.Linear(3, 4), Resizing())
+    with torch.no_grad():
+        model[1].running_mean.copy_(torch.arange(4.0))
+    before = state_snapshot(model)
+    storage = model[1].running_mean.untyped_storage().data_ptr()
+    with pytest.raises(UnsupportedLayerError, match="never normalised with their running buffers"):
+        precisebn.estimate(model, [torch.randn(8, 3) for _ in range(2)])
+    assert_unchanged(model, before)
+    assert model[1].running_mean.shape == (4,) and model[1].running_mean.untyped_storage().data_ptr() == storage
+
+
+def test_buffers_of_measured_layers_written_by_a_hook_are_put_back_without_a_refusal() -> None:
+    """A mean-teacher hook holding list(teacher.buffers()) updates the teacher's statistics after every student
+    forward: those buffers are swapped out while the teacher's layer is measured (it normalises with its own
+    buffers), so the writes are a side effect to undo, not a layer normalising with references held apart — it
+    was refused (a probe). Measured now, the model bitwise as it was."""
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    teacher = copy.deepcopy(student)
+    with torch.no_grad():  # (the teacher's statistics move towards the student's)
+        student[1].running_mean.fill_(0.5)
+        student[1].running_var.fill_(2.0)
+    pairs = list(zip(teacher.buffers(), student.buffers()))
+
+    def ema(module: nn.Module, args: Any, out: Any) -> None:
+        with torch.no_grad():
+            for t, s in pairs:
+                if t.dtype.is_floating_point:
+                    t.mul_(0.99).add_(s, alpha=0.01)
+
+    student.register_forward_hook(ema)
+    model = nn.ModuleDict({"s": student, "t": teacher})
+    data = [torch.randn(2, 3, 8, 8) for _ in range(3)]
+    forward = lambda m, x: m["t"](x) + m["s"](x)  # noqa: E731
+    truth = compute_truth(model, data, forward=forward)
+    before = state_snapshot(model)
+    stats = precisebn.estimate(model, data, forward=forward)
+    assert_unchanged(model, before)
+    for name in ("s.1", "t.1"):
+        assert max_rel_error(stats[name].var, truth[name].var) < 1e-6
+
+
+def test_statistics_in_interleaved_columns_of_one_buffer_are_not_refused() -> None:
+    """A BatchNorm and a tracked InstanceNorm whose statistics are interleaved columns of one (C, 4) buffer,
+    under compat.update_bn (every module in training mode: the InstanceNorm, not selected, updates its columns
+    and is restored after): the copy of the BatchNorm's non-contiguous buffers compared the whole stretch of
+    memory they span — the InstanceNorm's columns included — and refused it (a probe). Compared element by
+    element now."""
+    from precisebn.compat import update_bn
+
+    class Packed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.BatchNorm1d(4), nn.InstanceNorm1d(4, track_running_stats=True)
+            self.register_buffer("pack", torch.zeros(4, 4))
+            self.pack[:, 1] = 1
+            self.pack[:, 3] = 1
+            for i, bn in enumerate((self.a, self.b)):
+                bn._buffers["running_mean"] = self.pack[:, 2 * i]
+                bn._buffers["running_var"] = self.pack[:, 2 * i + 1]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    torch.manual_seed(0)
+    model = Packed()
+    data = [torch.randn(8, 4, 5) + 3 for _ in range(3)]
+    truth = compute_truth(model, data, select=lambda name, m: name == "a")["a"]
+    update_bn(data, model)
+    assert max_rel_error(model.a.running_var.double(), truth.var) < 1e-6
+    assert torch.equal(model.pack[:, 2:], torch.tensor([[0.0, 1.0]]).expand(4, 2))  # the InstanceNorm's, as it was

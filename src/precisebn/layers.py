@@ -421,12 +421,14 @@ class RecalibrationState:
     owners: list[tuple[int, str]] = field(default_factory=list)  # (layer, buffer name) of each of them
     _wrapped: list[tuple[nn.Module, object]] = field(default_factory=list)
 
-    def refuse_written_elsewhere(self) -> None:
-        """Raises :class:`~precisebn.errors.UnsupportedLayerError` if a selected layer's own
-        ``running_mean``/``running_var`` (swapped out for the passes) were written during them: by
-        code that holds them apart from the layer's buffer dict (``self.stats = [self.running_mean,
-        ...]``, a parent's ``self.rm = bn.running_mean``) and normalises with them — what precisebn
-        would measure is not what that code normalises (their values are put back on exit)."""
+    def refuse_written_elsewhere(self, counts: list[int]) -> None:
+        """Raises :class:`~precisebn.errors.UnsupportedLayerError` if a selected layer that never normalised
+        with its buffers during the passes (``counts``: values per channel seen by each layer; 0) had its own
+        ``running_mean``/``running_var`` (swapped out for the passes) written during them: by code that holds
+        them apart from the layer's buffer dict (``self.stats = [self.running_mean, ...]``, a parent's
+        ``self.rm = bn.running_mean``) and normalises with them — what precisebn would measure is not what
+        that code normalises. A layer that did normalise with its buffers is measured; whatever wrote its
+        old ones (an EMA hook holding ``model.buffers()``) is undone on exit like every other change."""
         if self.originals is None:
             return
         names = sorted(
@@ -434,18 +436,18 @@ class RecalibrationState:
                 self.layers[i].name
                 for k in self.originals.changed()
                 for i, key in [self.owners[k]]
-                if key != "num_batches_tracked"
+                if key != "num_batches_tracked" and not counts[i]
             }
         )
         if names:
             shown = ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
             raise UnsupportedLayerError(
-                f"the running statistics of layer(s) {shown} were written during the passes through references "
-                "held apart from the layer's own buffers (an attribute holding self.running_mean, a parent module "
-                "normalising with them): precisebn points a layer's running_mean/running_var at its own scratch "
-                "buffers for the passes, so it cannot see what such code normalises. Read the buffers from the "
-                "layer at each call (self.running_mean, not a reference kept in __init__), or exclude the layer "
-                "with layers=. The model was left unchanged."
+                f"layer(s) {shown} never normalised with their running buffers during the passes, but their "
+                "running statistics were written, through references held apart from the layer's own buffers (an "
+                "attribute holding self.running_mean, a parent module normalising with them): precisebn points a "
+                "layer's running_mean/running_var at its own scratch buffers for the passes, so it cannot see what "
+                "such code normalises. Read the buffers from the layer at each call (self.running_mean, not a "
+                "reference kept in __init__), or exclude the layer with layers=. The model was left unchanged."
             )
 
     def wrap_forward(

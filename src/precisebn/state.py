@@ -23,6 +23,7 @@ other's scratch tensors.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -148,11 +149,11 @@ class _Saved:
 
 
 class ValueCopies:
-    """Exact copies of a few tensors' values, to tell later whether any changed and put them back:
-    for tensors taken out of the model for the passes, which nothing of the model should write — but
-    code holding references to them (an attribute list, a parent module) still can. Contiguous tensors
-    are copied and compared by one concatenation per device and dtype (bitwise: NaN equals NaN), others
-    one by one.
+    """Exact copies of a few tensors' values and geometry, to tell later whether any changed and put them
+    back: for tensors taken out of the model for the passes, which nothing of the model should write — but
+    code holding references to them (an attribute list, a parent module) still can, in place or by
+    ``resize_``/``set_``. Contiguous tensors are copied and compared by one concatenation per device, dtype
+    and rank (bitwise: NaN equals NaN), others one by one, element by element.
 
     >>> import torch
     >>> a, b = torch.zeros(2), torch.ones(3)
@@ -165,15 +166,21 @@ class ValueCopies:
     def __init__(self, tensors: list[Tensor]) -> None:
         self._tensors = tensors
         self._groups: dict[tuple[torch.device, torch.dtype, int], list[int]] = {}  # (by dimensions: 0, 1, more)
-        self._sizes: list[int] = []
-        self._own: dict[int, Tensor | None] = {}  # copies of the other tensors' spans (None: no values)
+        self._own: dict[int, _Saved] = {}  # the other tensors: geometry, storage and a copy of their values
+        # the contiguous ones: (storage, offset, shape, address, storage size), to undo resize_/set_ first
+        self._where: dict[int, tuple[Any, int, torch.Size, int, int]] = {}
         for k, t in enumerate(tensors):
-            self._sizes.append(t.numel())
             if _plain(t):
                 self._groups.setdefault((t.device, t.dtype, min(t.dim(), 2)), []).append(k)
-            else:
-                span = _span(t)
-                self._own[k] = None if span is None else span.detach().clone()
+                storage = t.untyped_storage()
+                self._where[k] = (storage, t.storage_offset(), t.shape, t.data_ptr(), storage.nbytes())
+                continue
+            saved = _Saved("", t, version_of(t), None, geometry=_geometry(t))
+            if saved.geometry is not None:
+                saved.storage = t.untyped_storage()
+                saved.nbytes = saved.storage.nbytes()
+                saved.copy = t.detach().clone()
+            self._own[k] = saved
         with torch.no_grad():
             self._blobs = {key: self._joined(key, ids) for key, ids in self._groups.items()}
 
@@ -186,60 +193,77 @@ class ValueCopies:
         return torch.cat([t.reshape(-1) for t in tensors])
 
     def changed(self) -> list[int]:
-        """The indices of the tensors whose values (or size) changed: one comparison per device and
-        dtype when none did."""
+        """The indices of the tensors whose values, shape or memory changed: one comparison per device, dtype
+        and rank when none did."""
         out = []
         with torch.no_grad():
             for key, ids in self._groups.items():
                 try:  # (a tensor resized, of another dtype or device: another length, dtype, or no cat at all)
-                    if _bitwise_equal(self._joined(key, ids), self._blobs[key]):
+                    if all(self._tensors[k].data_ptr() == self._where[k][3] for k in ids) and _bitwise_equal(
+                        self._joined(key, ids), self._blobs[key]
+                    ):
                         continue
                 except RuntimeError:
                     pass
                 at = 0
                 for k in ids:  # (something changed: which)
-                    t, n = self._tensors[k], self._sizes[k]
-                    same = _plain(t) and t.numel() == n and (t.device, t.dtype) == key[:2]
-                    if not (same and _bitwise_equal(t.detach().reshape(-1), self._blobs[key][at : at + n])):
+                    t, size = self._tensors[k], math.prod(self._where[k][2])
+                    if self._moved(k) or not _bitwise_equal(t.detach().reshape(-1), self._blobs[key][at : at + size]):
                         out.append(k)
-                    at += n
+                    at += size
             for k, saved in self._own.items():
-                span = _span(self._tensors[k])
-                if saved is None:
-                    if span is not None:
-                        out.append(k)
-                elif (
-                    span is None
-                    or span.shape != saved.shape
-                    or span.dtype != saved.dtype
-                    or not _bitwise_equal(span, saved)
+                t = self._tensors[k]
+                if _geometry(t) != saved.geometry or (
+                    saved.copy is not None and not _bitwise_equal(t.detach(), saved.copy)
                 ):
                     out.append(k)
         return sorted(out)
 
+    def _moved(self, k: int) -> bool:
+        """Whether contiguous tensor ``k`` has another dtype, device, shape, layout or memory than it had."""
+        t, (_, _, shape, address, _) = self._tensors[k], self._where[k]
+        key = next(g for g, ids in self._groups.items() if k in ids)
+        return (t.device, t.dtype) != key[:2] or t.shape != shape or not _plain(t) or t.data_ptr() != address
+
     def restore(self) -> None:
-        """Writes the copied values back into the tensors that changed (and still hold as many)."""
+        """Puts back each changed tensor's geometry (on its own storage, see :func:`_reshape`), then its values."""
         starts = {}
         for ids in self._groups.values():
             at = 0
             for k in ids:
                 starts[k] = at
-                at += self._sizes[k]
+                at += math.prod(self._where[k][2])
         with torch.no_grad():
             for k in self.changed():
                 t = self._tensors[k]
                 if k in self._own:
-                    saved, span = self._own[k], _span(t)
-                    if saved is None or span is None or span.shape != saved.shape or span.dtype != saved.dtype:
+                    saved = self._own[k]
+                    if saved.geometry is None or (_geometry(t) != saved.geometry and not _reshape(saved)):
                         continue
-                    values, target = saved, span
+                    values = saved.copy
                 else:
                     group = next(g for g, ids in self._groups.items() if k in ids)
-                    if (t.device, t.dtype) != group[:2] or t.numel() != self._sizes[k]:
-                        continue
-                    values, target = self._blobs[group][starts[k] : starts[k] + self._sizes[k]].view(t.shape), t
+                    storage, offset, shape, _, nbytes = self._where[k]
+                    if self._moved(k):
+                        saved = _Saved("", t, version_of(t), None, storage=storage)
+                        saved.geometry = (group[1], group[0], tuple(shape), _contiguous(shape), offset, storage._cdata)
+                        saved.nbytes = nbytes
+                        if not _reshape(saved):
+                            continue
+                    values = self._blobs[group][starts[k] : starts[k] + math.prod(shape)].view(shape)
+                if values is None:
+                    continue
                 with torch.inference_mode() if version_of(t) is None else contextlib.nullcontext():
-                    target.copy_(values)
+                    t.copy_(values)
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
