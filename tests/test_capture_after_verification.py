@@ -1398,7 +1398,7 @@ def test_later_batches_far_from_zero_are_warned_of() -> None:
     batches = [batch(2, 2, 25.0)] + [batch(8, 8, 1.0, float(d)) for d in drifts]
     layer = nn.BatchNorm2d(16)
     truth = compute_truth(layer, batches)[""]
-    with pytest.warns(precisebn.errors.PreciseBNWarning, match=r"layer\(s\) '' \(\|mean\|/σ up to"):
+    with pytest.warns(precisebn.errors.PreciseBNWarning, match=r"layer\(s\) '' read their own batch figures"):
         assert precisebn.estimate(layer, batches, num_samples="all")[""].path == "fast"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -1415,3 +1415,22 @@ def test_ordinary_data_are_not_warned_of() -> None:
         warnings.simplefilter("error")
         stats = precisebn.estimate(model, batches, num_samples="all")
     assert {s.path for s in stats.values()} == {"fast"}
+
+
+def test_channels_far_from_zero_between_the_checked_ones_are_warned_of() -> None:
+    """No drift: every batch alike, the few checked channels near 0 and the others at |mean|/σ ≈ 3e4 — under
+    the rounding term's limit (5e4), so the layer stays on the fast path; the rounding of each batch's mean,
+    multiplied by the spread of the batch means, moved the variance 1.2e-4 (a probe) with no warning (the
+    first version looked at (u·r)² alone). Warned now; capture="float64" exact."""
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(16):
+        x = torch.randn(2, 16, 8, 1, generator=g)
+        x[:, [c for c in range(16) if c % 5]] += 3e4
+        batches.append(x)
+    layer = nn.BatchNorm2d(16)
+    truth = compute_truth(layer, batches)[""]
+    with pytest.warns(precisebn.errors.PreciseBNWarning, match="so far from 0"):
+        assert precisebn.estimate(layer, batches, num_samples="all")[""].path == "fast"
+    exact = precisebn.estimate(layer, batches, num_samples="all", capture="float64")[""]
+    assert max_rel_error(exact.var, truth.var) < 1e-8

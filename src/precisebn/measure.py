@@ -289,11 +289,13 @@ class Measurement:
 
 
 def _warn_far_from_zero(entries: list[tuple[NormLayer, LayerStats]]) -> None:
-    """Warns of fast-path layers whose pooled statistics put a channel so far from 0, in standard deviations
-    (``r = |mean|/σ``, σ² = var + eps), that rounding each batch's mean to the buffers' dtype (``u·|mean|``)
-    may have moved the variance by more than the tolerance, ``(u·r)²``: their verifying batch showed a smaller
-    ``r``, later batches did not (a probe: 1.8e-4 of the variance, read through the figures of batches at
-    |mean|/σ = 1e6 after a verifying batch at 4e4). One look at the end, all layers at once."""
+    """Warns of fast-path layers with a channel so far from 0, in standard deviations (``r = |mean|/σ``, σ² =
+    var + eps, of the pooled statistics), that rounding each batch's mean to the buffers' dtype (by up to
+    ``u·|mean|``, u its unit roundoff) may have moved the pooled variance by more than the tolerance: by about
+    ``u·r·(2·se + u·r)`` of it, ``se`` the mean's standard error in σ (the spread of the batch means, which
+    multiplies their rounding in the between-batch term) — about twice what probes measured (1.2e-4 at
+    r = 3e4 over 16 batches of 16 values; 1.8e-4 after a drift to r = 1e6). Their checks covered other channels,
+    or a verifying batch nearer 0. One look at the end, all layers at once."""
     fast = [
         (layer, s)
         for layer, s in entries
@@ -301,27 +303,36 @@ def _warn_far_from_zero(entries: list[tuple[NormLayer, LayerStats]]) -> None:
     ]
     if not fast:
         return
-    limits = []
+    units, limits = [], []
     for layer, _ in fast:
         dtype = layer.module._buffers["running_mean"].dtype  # type: ignore[union-attr]
-        unit = torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
-        limits.append(TOLERANCE.get(dtype, 1e-5) / (unit * unit) if unit else float("inf"))
+        units.append(torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0)
+        limits.append(TOLERANCE.get(dtype, 1e-5))
     lengths = torch.tensor([s.mean.numel() for _, s in fast])
     eps = torch.tensor([float(layer.module.eps) for layer, _ in fast], dtype=torch.float64).repeat_interleave(lengths)
+    unit = torch.tensor(units, dtype=torch.float64).repeat_interleave(lengths)
     home = None if len({s.mean.device for _, s in fast}) > 1 else fast[0][1].mean.device  # (one copy to the host)
-    mean, var = (
-        torch.cat([getattr(s, k).reshape(-1).to(home or "cpu", torch.float64) for _, s in fast]).cpu()
-        for k in ("mean", "var")
+    mean, var, se = (
+        torch.cat(
+            [
+                (getattr(s, k) if getattr(s, k) is not None else s.mean.new_zeros(()).expand_as(s.mean))
+                .reshape(-1)
+                .to(home or "cpu", torch.float64)
+                for _, s in fast
+            ]
+        ).cpu()
+        for k in ("mean", "var", "se_mean")
     )
-    worst = torch.segment_reduce(mean.square_().div_(var.add_(eps)), "max", lengths=lengths).tolist()
-    over = [(layer.name, r2**0.5) for (layer, _), r2, limit in zip(fast, worst, limits) if r2 > limit]
+    rounding = mean.abs_().div_(var.add_(eps).sqrt_()).mul_(unit)  # u·r per channel
+    moved = rounding * (2 * se.nan_to_num_(0.0, 0.0, 0.0) + rounding)
+    worst = torch.segment_reduce(moved.nan_to_num_(0.0, float("inf"), 0.0), "max", lengths=lengths).tolist()
+    over = [layer.name for (layer, _), w, limit in zip(fast, worst, limits) if w > limit]
     if over:
-        shown = ", ".join(f"{name!r} (|mean|/σ up to {r:.3g})" for name, r in over[:5])
+        shown = ", ".join(map(repr, over[:5])) + (f" and {len(over) - 5} more" if len(over) > 5 else "")
         warnings.warn(
-            f"precisebn: layer(s) {shown}{f' and {len(over) - 5} more' if len(over) > 5 else ''} read their own "
-            "batch figures, verified on a batch whose |mean|/σ was smaller: the rounding of each later batch's "
-            "mean to the buffers' dtype may have moved their variances by more than the tolerance (up to "
-            "(u·|mean|/σ)², u the dtype's unit roundoff). capture='float64' measures them exactly.",
+            f"precisebn: layer(s) {shown} read their own batch figures on channels so far from 0 (|mean| many "
+            "thousand σ) that the rounding of each batch's mean to the buffers' dtype may have moved their "
+            "variances by more than the tolerance; capture='float64' measures them exactly.",
             PreciseBNWarning,
             stacklevel=5,
         )
