@@ -399,18 +399,3 @@ def test_a_predicate_finds_a_shared_layer_by_any_of_its_names() -> None:
     assert [layer.module for layer in exact] == [shared]
     listed = precisebn.layers.find_norm_layers(model, ["blk.1", "blk.3"])
     assert [layer.module for layer in listed] == [shared, model.blk[3]]
-
-
-def test_a_predicate_is_asked_with_a_wrapper_s_names_too() -> None:
-    """``layers=["module.1"]`` selects layer 1 of a DataParallel-wrapped model; a predicate was asked only
-    ``"1"``, so ``name == "module.1"`` found nothing (a probe). It is asked with both names now."""
-    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4))
-    wrapped = nn.DataParallel(model)
-    asked: list[str] = []
-
-    def predicate(name: str, module: nn.Module) -> bool:
-        asked.append(name)
-        return name == "module.1"
-
-    stats = precisebn.estimate(wrapped, [torch.randn(8, 3) for _ in range(2)], layers=predicate)
-    assert list(stats) == ["1"] and "module.1" in asked and "1" in asked

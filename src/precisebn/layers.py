@@ -161,7 +161,7 @@ def layer_matcher(
         types = selection
         return lambda name, module: isinstance(module, types)
     if callable(selection):
-        return _by_any_name(selection, candidates, root)  # type: ignore[arg-type]
+        return _by_any_name(selection, candidates)  # type: ignore[arg-type]
     if isinstance(selection, str):
         names = [selection]
     elif isinstance(selection, Iterable) and not isinstance(selection, (bytes, Tensor, nn.Module)):
@@ -200,19 +200,17 @@ def layer_matcher(
 
 
 def _by_any_name(
-    predicate: Callable[[str, nn.Module], bool], candidates: dict[str, nn.Module], root: nn.Module | None = None
+    predicate: Callable[[str, nn.Module], bool], candidates: dict[str, nn.Module]
 ) -> Callable[[str, nn.Module], bool]:
     """``predicate``, true for a module registered under several names if it is true for any of them (the
     model's walk gives only the first: a shared layer selected by another name, or by a prefix of it, was
-    left out silently — a probe) — the names in a DDP/DataParallel/``torch.compile`` wrapper ``root``
-    (``module.1``) included, as a list of names finds it by either."""
+    left out silently — a probe), as a list of names finds it by either."""
     model = candidates.get("")
     if model is None:
         return predicate
     names: dict[int, list[str]] = {}
-    for walked in (model, root) if root is not None and root is not model else (model,):
-        for name, module in walked.named_modules(remove_duplicate=False):
-            names.setdefault(id(module), []).append(name)
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
     if all(len(every) == 1 for every in names.values()):
         return predicate
     return lambda name, module: any(predicate(n, module) for n in names.get(id(module), [name]))
