@@ -399,3 +399,18 @@ def test_a_predicate_finds_a_shared_layer_by_any_of_its_names() -> None:
     assert [layer.module for layer in exact] == [shared]
     listed = precisebn.layers.find_norm_layers(model, ["blk.1", "blk.3"])
     assert [layer.module for layer in listed] == [shared, model.blk[3]]
+
+
+def test_a_predicate_on_a_wrapped_model_is_asked_with_the_model_s_own_names() -> None:
+    """A predicate is asked with the unwrapped model's names, one naming scheme: asked with a DataParallel's
+    ``module.`` names as well, ``not name.startswith("head")`` selected the head through ``module.head.1``, and
+    a predicate parsing names raised (a probe, on a version that asked both)."""
+    model = nn.Sequential()
+    model.add_module("backbone", nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    model.add_module("head", nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    data = [torch.randn(8, 3) for _ in range(2)]
+    for wrapped in (model, nn.DataParallel(model)):
+        stats = precisebn.estimate(wrapped, data, layers=lambda name, module: not name.startswith("head"))
+        assert list(stats) == ["backbone.1"]
+        parsed = precisebn.estimate(wrapped, data, layers=lambda name, module: name.split(".")[0] == "head")
+        assert list(parsed) == ["head.1"]
