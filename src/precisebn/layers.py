@@ -421,14 +421,13 @@ class RecalibrationState:
     owners: list[tuple[int, str]] = field(default_factory=list)  # (layer, buffer name) of each of them
     _wrapped: list[tuple[nn.Module, object]] = field(default_factory=list)
 
-    def refuse_written_elsewhere(self, counts: list[int]) -> None:
-        """Raises :class:`~precisebn.errors.UnsupportedLayerError` if a selected layer that never normalised
-        with its buffers during the passes (``counts``: values per channel seen by each layer; 0) had its own
-        ``running_mean``/``running_var`` (swapped out for the passes) written during them: by code that holds
-        them apart from the layer's buffer dict (``self.stats = [self.running_mean, ...]``, a parent's
-        ``self.rm = bn.running_mean``) and normalises with them — what precisebn would measure is not what
-        that code normalises. A layer that did normalise with its buffers is measured; whatever wrote its
-        old ones (an EMA hook holding ``model.buffers()``) is undone on exit like every other change."""
+    def refuse_written_elsewhere(self) -> None:
+        """Raises :class:`~precisebn.errors.UnsupportedLayerError` if a selected layer's own ``running_mean``/
+        ``running_var`` (swapped out for the passes) were written during them: by code that holds them apart
+        from the layer's buffer dict (``self.stats = [self.running_mean, ...]``, a parent's ``self.rm =
+        bn.running_mean``) and normalises with them — in some calls or in all: what precisebn measures would
+        miss those calls — or by a hook updating them at every forward (an EMA of another model's statistics),
+        which cannot be told apart from the former. Their values are put back on exit."""
         if self.originals is None:
             return
         names = sorted(
@@ -436,18 +435,19 @@ class RecalibrationState:
                 self.layers[i].name
                 for k in self.originals.changed()
                 for i, key in [self.owners[k]]
-                if key != "num_batches_tracked" and not counts[i]
+                if key != "num_batches_tracked"
             }
         )
         if names:
             shown = ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
             raise UnsupportedLayerError(
-                f"layer(s) {shown} never normalised with their running buffers during the passes, but their "
-                "running statistics were written, through references held apart from the layer's own buffers (an "
-                "attribute holding self.running_mean, a parent module normalising with them): precisebn points a "
-                "layer's running_mean/running_var at its own scratch buffers for the passes, so it cannot see what "
-                "such code normalises. Read the buffers from the layer at each call (self.running_mean, not a "
-                "reference kept in __init__), or exclude the layer with layers=. The model was left unchanged."
+                f"the running statistics of layer(s) {shown} were written during the passes through references "
+                "held apart from the layer's own buffers: code normalising with them (an attribute holding "
+                "self.running_mean, a parent module) — precisebn points a layer's running_mean/running_var at its "
+                "own scratch buffers for the passes, so it cannot see what such code normalises — or a hook "
+                "updating them at every forward (an EMA). Read the buffers from the layer at each call "
+                "(self.running_mean, not a reference kept in __init__), remove such hooks while recalibrating, or "
+                "exclude the layer with layers=. The model was left unchanged."
             )
 
     def wrap_forward(

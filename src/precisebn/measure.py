@@ -95,7 +95,7 @@ class Pass:
         with torch.no_grad(), recalibration_state(self.model, selected, self.mode, modules) as state:
             collector = Collector(state, per_call=self.per_call)
             samples, batches = self._loop(collector, abort)
-            state.refuse_written_elsewhere(collector.counts)
+            state.refuse_written_elsewhere()
             parts = collector.finish(pool=not keep_folds, overwrite=True)
         entries: list[tuple[NormLayer, RunningMoments, int, int, str, int]] = []
         pooled = {}
