@@ -1434,3 +1434,34 @@ def test_channels_far_from_zero_between_the_checked_ones_are_warned_of() -> None
         assert precisebn.estimate(layer, batches, num_samples="all")[""].path == "fast"
     exact = precisebn.estimate(layer, batches, num_samples="all", capture="float64")[""]
     assert max_rel_error(exact.var, truth.var) < 1e-8
+
+
+def test_a_layer_called_twice_on_means_far_from_zero_is_warned_of() -> None:
+    """One BatchNorm called on two crops of every batch whose means are 6 σ apart, the channels between the
+    checked ones at |mean|/σ = 3e4: each call's mean is rounded, and the calls spread far more than the batches
+    (the standard error the first estimate used): 1.3e-4 of the variance with no warning (probe 21). A layer
+    called several times per batch is taken at a spread of σ itself."""
+    far = [c for c in range(16) if c % 5]
+    g = torch.Generator().manual_seed(0)
+
+    class TwoCrops(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm2d(16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([self.bn(x[:4]), self.bn(x[4:])])
+
+    batches = []
+    for _ in range(16):
+        x = torch.randn(8, 16, 8, 8, generator=g, dtype=torch.float64)
+        x[:, far] += 3e4
+        x[:4, far] -= 3.0
+        x[4:, far] += 3.0
+        batches.append(x.float())
+    model = TwoCrops()
+    truth = compute_truth(model, batches)["bn"]
+    with pytest.warns(precisebn.errors.PreciseBNWarning, match="'bn' read their own batch figures"):
+        assert precisebn.estimate(model, batches, num_samples="all")["bn"].path == "fast"
+    exact = precisebn.estimate(model, batches, num_samples="all", capture="float64")["bn"]
+    assert max_rel_error(exact.var, truth.var) < 1e-8

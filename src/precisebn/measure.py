@@ -292,10 +292,11 @@ def _warn_far_from_zero(entries: list[tuple[NormLayer, LayerStats]]) -> None:
     """Warns of fast-path layers with a channel so far from 0, in standard deviations (``r = |mean|/σ``, σ² =
     var + eps, of the pooled statistics), that rounding each batch's mean to the buffers' dtype (by up to
     ``u·|mean|``, u its unit roundoff) may have moved the pooled variance by more than the tolerance: by about
-    ``u·r·(2·se + u·r)`` of it, ``se`` the mean's standard error in σ (the spread of the batch means, which
-    multiplies their rounding in the between-batch term) — about twice what probes measured (1.2e-4 at
-    r = 3e4 over 16 batches of 16 values; 1.8e-4 after a drift to r = 1e6). Their checks covered other channels,
-    or a verifying batch nearer 0. One look at the end, all layers at once."""
+    ``u·r·(4·se + u·r)`` of it, ``se`` the mean's standard error in σ (the spread of the batch means, which
+    multiplies their rounding in the between-batch term; 1 for a layer called several times per batch, whose
+    calls' means spread more than its batches') — 2–4 times what probes measured (1.2e-4 at r = 3e4 over 16
+    batches of 16 values; 1.8e-4 after a drift to r = 1e6; 1.3e-4 for two crops 6 σ apart). Their checks
+    covered other channels, or a verifying batch nearer 0. One look at the end, all layers at once."""
     fast = [
         (layer, s)
         for layer, s in entries
@@ -324,7 +325,12 @@ def _warn_far_from_zero(entries: list[tuple[NormLayer, LayerStats]]) -> None:
         for k in ("mean", "var", "se_mean")
     )
     rounding = mean.abs_().div_(var.add_(eps).sqrt_()).mul_(unit)  # u·r per channel
-    moved = rounding * (2 * se.nan_to_num_(0.0, 0.0, 0.0) + rounding)
+    # the spread of the means rounded, in σ: the batches' (from se), or of the calls of a layer called several
+    # times per batch (crops, feature levels: unknown, taken as σ itself)
+    several = torch.tensor([float(s.per_forward > 1) for _, s in fast], dtype=torch.float64)
+    several = several.repeat_interleave(lengths)
+    spread = torch.maximum(se.nan_to_num_(0.0, 0.0, 0.0), several)
+    moved = rounding * (4 * spread + rounding)
     worst = torch.segment_reduce(moved.nan_to_num_(0.0, float("inf"), 0.0), "max", lengths=lengths).tolist()
     over = [layer.name for (layer, _), w, limit in zip(fast, worst, limits) if w > limit]
     if over:
