@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn import functional as F
 
 import precisebn
 from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
@@ -879,3 +880,36 @@ def test_statistics_in_interleaved_columns_of_one_buffer_are_not_refused() -> No
     update_bn(data, model)
     assert max_rel_error(model.a.running_var.double(), truth.var) < 1e-6
     assert torch.equal(model.pack[:, 2:], torch.tensor([[0.0, 1.0]]).expand(4, 2))  # the InstanceNorm's, as it was
+
+
+def test_attributes_a_forward_sets_during_the_passes_are_taken_back() -> None:
+    """A layer caching a view of its buffers on its first call (``self.cache = self.running_mean.view(1, -1)[0]``)
+    cached precisebn's scratch during the passes: after recalibrate() its eval output ignored the new statistics
+    (off by 1.44) while the report said "updated", and the cached tap broke copy.deepcopy (probe 21). The
+    modules' attributes are put back as they were: the cache is made again, from the real buffers."""
+
+    class Cached(nn.BatchNorm2d):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if "cache" not in self.__dict__:
+                self.cache = (self.running_mean.view(1, -1)[0], self.running_var.view(1, -1)[0])
+            mean, var = self.cache
+            return F.batch_norm(x, mean, var, self.weight, self.bias, self.training, self.momentum, self.eps)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), Cached(4))
+    data = [torch.randn(4, 3, 8, 8) * 2 + 1 for _ in range(3)]
+    truth = compute_truth(model, data)["1"]
+    before = state_snapshot(model)
+    precisebn.estimate(model, data)
+    assert_unchanged(model, before)
+    assert "cache" not in model[1].__dict__
+    copy.deepcopy(model)
+    precisebn.recalibrate(model, data)
+    model.eval()
+    x = torch.randn(2, 3, 8, 8)
+    reference = nn.BatchNorm2d(4).eval()
+    reference.load_state_dict(model[1].state_dict())
+    with torch.no_grad():
+        assert torch.allclose(model(x), reference(model[0](x)))
+        assert max_rel_error(model[1].running_var.double(), truth.var) < 1e-6
+    copy.deepcopy(model)

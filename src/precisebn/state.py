@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -309,6 +310,10 @@ class StateSnapshot:
         self._buffers: list[dict[str, Any] | None] = []
         self._params: list[dict[str, Any] | None] = []
         self._non_persistent: list[set[str] | None] = []
+        # each module's attributes (a shallow copy of its __dict__): a forward that caches something on the
+        # module during the passes (a view of its scratch buffers, a shape) leaves it behind otherwise (a probe:
+        # a layer caching its buffers on its first call kept precisebn's scratch, its recalibrated ones unused)
+        self._attributes: list[dict[str, Any]] = []
         self._saved: list[_Saved] = []  # tensors whose values are copied
         # parameters not copied, whose version counters tell whether they changed (parallel lists)
         self._watched_names: list[str] = []
@@ -328,6 +333,7 @@ class StateSnapshot:
                 self._buffers.append(dict(buffers) if buffers else None)
                 self._params.append(dict(params) if params else None)
                 self._non_persistent.append(set(non_persistent) if non_persistent else None)
+                self._attributes.append(dict(module.__dict__))
                 copy_params = isinstance(module, _RENORMALISED) and module.max_norm is not None
                 for tensors, copy in ((buffers, True), (params, copy_params)):
                     for key, t in tensors.items():
@@ -365,6 +371,8 @@ class StateSnapshot:
             The names of parameters that the passes changed in place and that could not
             be restored (not copied); empty when the model is bitwise as it was.
         """
+        for module, attributes in zip(self._modules, self._attributes):
+            _restore_attributes(module.__dict__, attributes)
         for module, buffers, params, non_persistent in zip(
             self._modules, self._buffers, self._params, self._non_persistent
         ):
@@ -459,6 +467,25 @@ def _reshape(s: _Saved) -> bool:
     except RuntimeError:
         return False
     return _geometry(t)[:5] == s.geometry[:5]  # type: ignore[index]
+
+
+def _restore_attributes(now: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Puts a module's ``__dict__`` back as ``saved`` was: the same names bound to the same objects (names added
+    since are removed). One pass over it, at C speed, when nothing changed."""
+    if (
+        len(now) == len(saved)
+        and all(map(operator.is_, now.values(), saved.values()))
+        and all(map(operator.eq, now, saved))
+    ):
+        return
+    for name in [name for name in now if name not in saved]:
+        del now[name]
+    for name, value in saved.items():
+        if now.get(name, _ABSENT) is not value:
+            now[name] = value
+
+
+_ABSENT = object()
 
 
 def _same_objects(now: dict[str, object], saved: dict[str, object]) -> bool:
