@@ -913,3 +913,105 @@ def test_attributes_a_forward_sets_during_the_passes_are_taken_back() -> None:
         assert torch.allclose(model(x), reference(model[0](x)))
         assert max_rel_error(model[1].running_var.double(), truth.var) < 1e-6
     copy.deepcopy(model)
+
+
+def test_a_hook_a_forward_registers_on_its_first_call_does_not_pile_up() -> None:
+    """A forward registering a hook on its first call and keeping the handle (``self.handle = ...``): with only
+    the attributes put back, the handle went and the hook stayed, and every recalibrate() added one more hook
+    (probe 22). The modules' hook dicts are put back with their attributes: one hook, however many passes."""
+    calls: list[int] = []
+
+    class Hooked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if "handle" not in self.__dict__:
+                self.handle = self.bn.register_forward_hook(lambda *_: calls.append(1))
+            return self.bn(x)
+
+    torch.manual_seed(0)
+    model = Hooked()
+    data = [torch.randn(8, 3) for _ in range(2)]
+    truth = compute_truth(model, data)["bn"]
+    before = state_snapshot(model)
+    for _ in range(3):
+        precisebn.estimate(model, data)
+    assert_unchanged(model, before)
+    assert not model.bn._forward_hooks and "handle" not in model.__dict__
+    precisebn.recalibrate(model, data)
+    assert not model.bn._forward_hooks
+    assert max_rel_error(model.bn.running_var.double(), truth.var) < 1e-6
+    calls.clear()
+    model(torch.randn(4, 3))
+    assert calls == [1]
+
+
+def test_a_submodule_a_forward_builds_on_its_first_call_is_taken_back_whole() -> None:
+    """A head built on the first call (``self.head = None`` in ``__init__``, an ``nn.Linear`` assigned in forward):
+    with only the attributes put back, ``__dict__['head']`` was None again while ``_modules['head']`` kept the
+    Linear — ``model.head`` None beside a Linear in ``state_dict()`` (probe 22). The child modules are put back
+    too: the model is as it was, the head made again on its next call."""
+
+    class LazyHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(3)
+            self.head: nn.Module | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.head is None:
+                self.head = nn.Linear(3, 2)
+            return self.head(self.bn(x))
+
+    torch.manual_seed(0)
+    model = LazyHead()
+    data = [torch.randn(8, 3) for _ in range(2)]
+    truth = compute_truth(model, data)["bn"]
+    before = state_snapshot(model)
+    precisebn.estimate(model, data)
+    assert_unchanged(model, before)
+    assert model.head is None and "head" not in model._modules
+    assert [k.split(".")[0] for k in model.state_dict()] == ["bn"] * 5
+    precisebn.recalibrate(model, data)
+    assert model.head is None and "head" not in model._modules
+    assert max_rel_error(model.bn.running_var.double(), truth.var) < 1e-6
+    model(torch.randn(4, 3))
+    assert isinstance(model.head, nn.Linear) and model._modules["head"] is model.head
+
+
+def test_a_cache_dict_a_forward_fills_is_emptied_again() -> None:
+    """The probe-21 cache kept in a dict attribute the module already had (``self.cache = {}`` in ``__init__``,
+    filled in forward with views of its buffers): the attribute is the same object, its contents were left —
+    precisebn's scratch — and the recalibrated layer normalised with them. Containers held in the attributes
+    are put back one level deep."""
+
+    class Cached(nn.BatchNorm1d):
+        def __init__(self, channels: int) -> None:
+            super().__init__(channels)
+            self.cache: dict[str, torch.Tensor] = {}
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.cache:
+                self.cache.update(mean=self.running_mean[:], var=self.running_var[:])
+            mean, var = self.cache["mean"], self.cache["var"]
+            return F.batch_norm(x, mean, var, self.weight, self.bias, self.training, self.momentum, self.eps)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), Cached(4))
+    data = [torch.randn(8, 3) * 2 + 1 for _ in range(3)]
+    truth = compute_truth(model, data)["1"]
+    before = state_snapshot(model)
+    precisebn.estimate(model, data)
+    assert_unchanged(model, before)
+    assert model[1].cache == {}
+    precisebn.recalibrate(model, data)
+    assert model[1].cache == {}
+    model.eval()
+    x = torch.randn(5, 3)
+    reference = nn.BatchNorm1d(4).eval()
+    reference.load_state_dict(model[1].state_dict())
+    with torch.no_grad():
+        assert torch.allclose(model(x), reference(model[0](x)))
+    assert max_rel_error(model[1].running_var.double(), truth.var) < 1e-6

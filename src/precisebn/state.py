@@ -23,9 +23,11 @@ other's scratch tensors.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import operator
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -305,15 +307,19 @@ class StateSnapshot:
 
     def __init__(self, modules: list[tuple[str, nn.Module]], uncopied: set[int] | None = None) -> None:
         # per module (parallel lists, not tuples: a snapshot makes few objects for the gc to track): the
-        # module, copies of its buffer and parameter dicts and its non-persistent names (None where empty)
-        self._modules: list[nn.Module] = []
-        self._buffers: list[dict[str, Any] | None] = []
-        self._params: list[dict[str, Any] | None] = []
-        self._non_persistent: list[set[str] | None] = []
-        # each module's attributes (a shallow copy of its __dict__): a forward that caches something on the
+        # module and its attributes (a shallow copy of its __dict__): a forward that caches something on the
         # module during the passes (a view of its scratch buffers, a shape) leaves it behind otherwise (a probe:
         # a layer caching its buffers on its first call kept precisebn's scratch, its recalibrated ones unused)
+        self._modules: list[nn.Module] = []
         self._attributes: list[dict[str, Any]] = []
+        # the containers those attributes hold — its buffer, parameter, child-module and hook dicts, a cache dict
+        # or list of the model's own — with a shallow copy of each one's contents (the empty ones apart): a
+        # forward registering a hook or building a head on its first call, or filling a cache it already had,
+        # changes them in place (probe 22: with only the attributes back, the hooks piled up, and
+        # ``model.head`` was None beside a Linear in ``_modules``)
+        self._empty: list[Any] = []
+        self._containers: list[Any] = []
+        self._contents: list[Any] = []
         self._saved: list[_Saved] = []  # tensors whose values are copied
         # parameters not copied, whose version counters tell whether they changed (parallel lists)
         self._watched_names: list[str] = []
@@ -322,18 +328,13 @@ class StateSnapshot:
         skip = set(uncopied or ())
         pieces: dict[torch.device, list[Tensor]] = {}
         sizes: dict[torch.device, int] = {}
+        empty, containers, contents = self._empty, self._containers, self._contents
         with torch.no_grad():
             for prefix, module in modules:
-                buffers, params, non_persistent = (
-                    module._buffers,
-                    module._parameters,
-                    module._non_persistent_buffers_set,
-                )
+                attributes = dict(module.__dict__)
                 self._modules.append(module)
-                self._buffers.append(dict(buffers) if buffers else None)
-                self._params.append(dict(params) if params else None)
-                self._non_persistent.append(set(non_persistent) if non_persistent else None)
-                self._attributes.append(dict(module.__dict__))
+                self._attributes.append(attributes)
+                buffers, params = module._buffers, module._parameters
                 copy_params = isinstance(module, _RENORMALISED) and module.max_norm is not None
                 for tensors, copy in ((buffers, True), (params, copy_params)):
                     for key, t in tensors.items():
@@ -362,6 +363,12 @@ class StateSnapshot:
                         saved.blob = (span.device, start, raw.numel())
                         sizes[span.device] = start + raw.numel()
                         pieces.setdefault(span.device, []).append(raw)
+            # (the containers among all attributes picked out at C speed)
+            values = list(itertools.chain.from_iterable(map(dict.values, self._attributes)))
+            held = list(itertools.compress(values, map(_CONTAINERS.__contains__, map(type, values))))
+            containers.extend(filter(None, held))
+            empty.extend(itertools.filterfalse(None, held))
+            contents.extend(c.copy() for c in containers)
             self._blobs = {device: torch.cat(raws) for device, raws in pieces.items()}
 
     def restore(self) -> list[str]:
@@ -373,20 +380,12 @@ class StateSnapshot:
         """
         for module, attributes in zip(self._modules, self._attributes):
             _restore_attributes(module.__dict__, attributes)
-        for module, buffers, params, non_persistent in zip(
-            self._modules, self._buffers, self._params, self._non_persistent
-        ):
-            for now, saved in ((module._buffers, buffers), (module._parameters, params)):
-                if saved is None:
-                    if now:
-                        now.clear()
-                elif not _same_objects(now, saved):
-                    now.clear()
-                    now.update(saved)
-            current = module._non_persistent_buffers_set
-            if current != (non_persistent or set()):
-                current.clear()
-                current.update(non_persistent or ())
+        if any(self._empty):
+            for container in self._empty:
+                if container:
+                    container.clear()
+        for container, contents in zip(self._containers, self._contents):
+            _restore_contents(container, contents)
         lost = [
             name
             for name, t, version in zip(self._watched_names, self._watched, self._watched_versions)
@@ -486,6 +485,21 @@ def _restore_attributes(now: dict[str, Any], saved: dict[str, Any]) -> None:
 
 
 _ABSENT = object()
+_CONTAINERS = frozenset({dict, OrderedDict, list, set})
+
+
+def _restore_contents(container: Any, contents: Any) -> None:
+    """Puts a dict, list or set back as ``contents`` (its shallow copy) was: the same items, bound to the same
+    objects, in the same order."""
+    if type(container) is set:
+        unchanged = container == contents
+    elif isinstance(container, dict):
+        unchanged = _same_objects(container, contents)
+    else:
+        unchanged = len(container) == len(contents) and all(map(operator.is_, container, contents))
+    if not unchanged:
+        container.clear()
+        (container.extend if type(container) is list else container.update)(contents)
 
 
 def _same_objects(now: dict[str, object], saved: dict[str, object]) -> bool:
