@@ -9,6 +9,7 @@ now exact against the float64 truth, or refused by name with the model unchanged
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -1382,6 +1383,13 @@ def test_a_constant_channel_does_not_vouch_for_the_others() -> None:
     assert mean_error < 2e-6, mean_error
 
 
+def _ratio_shown(caught: pytest.WarningsRecorder) -> float:
+    """The |mean|/σ the one far-from-0 warning states."""
+    (shown,) = [re.search(r"\|mean\|/σ up to ([0-9.e+]+)\)", str(w.message)) for w in caught]
+    assert shown is not None
+    return float(shown.group(1))
+
+
 def test_later_batches_far_from_zero_are_warned_of() -> None:
     """NCHW on the CPU, which torch reduces in float64: later calls read their figures at any size. Channel 1
     (not among the few checked ones) is verified at |mean|/σ = 4e4, then drifts at 1e6: each batch's float32
@@ -1398,8 +1406,10 @@ def test_later_batches_far_from_zero_are_warned_of() -> None:
     batches = [batch(2, 2, 25.0)] + [batch(8, 8, 1.0, float(d)) for d in drifts]
     layer = nn.BatchNorm2d(16)
     truth = compute_truth(layer, batches)[""]
-    with pytest.warns(precisebn.errors.PreciseBNWarning, match=r"layer\(s\) '' read their own batch figures"):
+    ratio = float((truth.mean.abs() / (truth.var + layer.eps).sqrt()).max())  # the pooled |mean|/σ: 7e5
+    with pytest.warns(precisebn.errors.PreciseBNWarning, match=r"layer\(s\) '' \(\|mean\|/σ up to") as caught:
         assert precisebn.estimate(layer, batches, num_samples="all")[""].path == "fast"
+    assert _ratio_shown(caught) == pytest.approx(ratio, rel=1e-2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         exact = precisebn.estimate(layer, batches, num_samples="all", capture="float64")[""]
@@ -1461,7 +1471,36 @@ def test_a_layer_called_twice_on_means_far_from_zero_is_warned_of() -> None:
         batches.append(x.float())
     model = TwoCrops()
     truth = compute_truth(model, batches)["bn"]
-    with pytest.warns(precisebn.errors.PreciseBNWarning, match="'bn' read their own batch figures"):
+    ratio = float((truth.mean.abs() / (truth.var + 1e-5).sqrt()).max())  # the crops' spread in σ too: 9.6e3
+    with pytest.warns(precisebn.errors.PreciseBNWarning, match=r"'bn' \(\|mean\|/σ up to") as caught:
         assert precisebn.estimate(model, batches, num_samples="all")["bn"].path == "fast"
+    assert _ratio_shown(caught) == pytest.approx(ratio, rel=1e-2)
     exact = precisebn.estimate(model, batches, num_samples="all", capture="float64")["bn"]
     assert max_rel_error(exact.var, truth.var) < 1e-8
+
+
+def test_a_layer_shared_by_two_towers_near_zero_enough_is_not_warned_of() -> None:
+    """One BatchNorm shared by two towers on like inputs, tabular data at |mean|/σ = 50: each call's float32
+    mean rounds by u·50 σ, and the calls' means spread by at most σ (their spread is part of the pooled
+    variance), so the variance can move by 2·u·50 = 6e-6 at most — within the 1e-5 tolerance. The warning
+    took that spread at 4 σ and named the layer (probe 22); it is silent now, and the figures are exact."""
+    g = torch.Generator().manual_seed(0)
+
+    class TwoTowers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(x[:, 0]) + self.bn(x[:, 1])
+
+    batches = [(torch.randn(64, 2, 6, generator=g, dtype=torch.float64) + 50.0).float() for _ in range(12)]
+    model = TwoTowers()
+    truth = compute_truth(model, batches)["bn"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats = precisebn.estimate(model, batches, num_samples="all")["bn"]
+    assert stats.path == "fast"
+    scale = (truth.var + 1e-5).sqrt()
+    assert max_rel_error(stats.mean, truth.mean, scale) < 1e-5
+    assert max_rel_error(stats.var, truth.var, scale**2) < 1e-5

@@ -1015,3 +1015,36 @@ def test_a_cache_dict_a_forward_fills_is_emptied_again() -> None:
     with torch.no_grad():
         assert torch.allclose(model(x), reference(model[0](x)))
     assert max_rel_error(model[1].running_var.double(), truth.var) < 1e-6
+
+
+def test_containers_keyed_by_tensors_are_compared_by_identity() -> None:
+    """A module holding a dict keyed by tensors (a memo keyed by its inputs) and a list of tensors: comparing
+    them with ``==`` raises ("Boolean value of Tensor with more than one value is ambiguous") — every call
+    failed in the first version of the containers' restore (on a dict it left alone). Compared by identity, the
+    entries the forward added are taken back and the old ones kept."""
+
+    class Memo(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(3)
+            self.key = torch.zeros(2)
+            self.seen: dict[torch.Tensor, int] = {self.key: 0}
+            self.inputs: list[torch.Tensor] = [torch.ones(2)]
+            self.table = {torch.ones(2): "left alone"}  # (unchanged: compared item by item)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen[x] = len(self.seen)
+            self.inputs.append(x)
+            return self.bn(x)
+
+    torch.manual_seed(0)
+    model = Memo()
+    data = [torch.randn(6, 3) + 1 for _ in range(3)]
+    truth = compute_truth(model, data)["bn"]
+    seen, inputs, table = dict(model.seen), list(model.inputs), model.table
+    precisebn.recalibrate(model, data)
+    assert list(model.seen) == list(seen) and model.seen[model.key] == 0
+    assert len(model.inputs) == 1 and model.inputs[0] is inputs[0]
+    assert model.table is table and len(table) == 1
+    assert max_rel_error(model.bn.running_mean.double(), truth.mean) < 1e-6
+    assert max_rel_error(model.bn.running_var.double(), truth.var) < 1e-6

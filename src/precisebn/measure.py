@@ -292,11 +292,14 @@ def _warn_far_from_zero(entries: list[tuple[NormLayer, LayerStats]]) -> None:
     """Warns of fast-path layers with a channel so far from 0, in standard deviations (``r = |mean|/σ``, σ² =
     var + eps, of the pooled statistics), that rounding each batch's mean to the buffers' dtype (by up to
     ``u·|mean|``, u its unit roundoff) may have moved the pooled variance by more than the tolerance: by about
-    ``u·r·(4·se + u·r)`` of it, ``se`` the mean's standard error in σ (the spread of the batch means, which
-    multiplies their rounding in the between-batch term; 1 for a layer called several times per batch, whose
-    calls' means spread more than its batches') — 2–4 times what probes measured (1.2e-4 at r = 3e4 over 16
-    batches of 16 values; 1.8e-4 after a drift to r = 1e6; 1.3e-4 for two crops 6 σ apart). Their checks
-    covered other channels, or a verifying batch nearer 0. One look at the end, all layers at once."""
+    ``u·r·(4·se + u·r)`` of it, ``se`` the mean's standard error in σ (the spread of the batch means, whose
+    roundings, of either sign, add up in the between-batch term like a random walk) — 2–4 times what probes
+    measured (1.2e-4 at r = 3e4 over 16 batches of 16 values; 1.8e-4 after a drift to r = 1e6). For a layer
+    called several times per batch, whose calls' means spread more than its batches' (two crops 6 σ apart:
+    1.3e-4), by at most ``u·r·(2 + u·r)``: the calls' means spread by at most σ, their spread being part of
+    the pooled variance (Cauchy–Schwarz) — so a layer shared by two towers on like inputs is warned of from
+    r ≈ 84 for float32 buffers (the first version took 4 there: warned from r ≈ 42, falsely at 50). Their
+    checks covered other channels, or a verifying batch nearer 0. One look at the end, all layers at once."""
     fast = [
         (layer, s)
         for layer, s in entries
@@ -324,21 +327,24 @@ def _warn_far_from_zero(entries: list[tuple[NormLayer, LayerStats]]) -> None:
         ).cpu()
         for k in ("mean", "var", "se_mean")
     )
-    rounding = mean.abs_().div_(var.add_(eps).sqrt_()).mul_(unit)  # u·r per channel
-    # the spread of the means rounded, in σ: the batches' (from se), or of the calls of a layer called several
-    # times per batch (crops, feature levels: unknown, taken as σ itself)
-    several = torch.tensor([float(s.per_forward > 1) for _, s in fast], dtype=torch.float64)
+    ratio = mean.abs_().div_(var.add_(eps).sqrt_())  # r per channel
+    rounding = ratio * unit  # u·r
+    # what multiplies u·r: 4·se for the batches' means, or 2 for the calls of a layer called several times per
+    # batch (crops, feature levels: their spread unknown, but at most σ)
+    several = torch.tensor([2.0 * (s.per_forward > 1) for _, s in fast], dtype=torch.float64)
     several = several.repeat_interleave(lengths)
-    spread = torch.maximum(se.nan_to_num_(0.0, 0.0, 0.0), several)
-    moved = rounding * (4 * spread + rounding)
+    spread = torch.maximum(se.nan_to_num_(0.0, 0.0, 0.0).mul_(4), several)
+    moved = rounding * (spread + rounding)
     worst = torch.segment_reduce(moved.nan_to_num_(0.0, float("inf"), 0.0), "max", lengths=lengths).tolist()
-    over = [layer.name for (layer, _), w, limit in zip(fast, worst, limits) if w > limit]
+    largest = torch.segment_reduce(ratio.nan_to_num_(0.0, 0.0, 0.0), "max", lengths=lengths).tolist()
+    over = [(layer.name, r) for (layer, _), w, limit, r in zip(fast, worst, limits, largest) if w > limit]
     if over:
-        shown = ", ".join(map(repr, over[:5])) + (f" and {len(over) - 5} more" if len(over) > 5 else "")
+        shown = ", ".join(f"{name!r} (|mean|/σ up to {r:.3g})" for name, r in over[:5])
+        shown += f" and {len(over) - 5} more" if len(over) > 5 else ""
         warnings.warn(
-            f"precisebn: layer(s) {shown} read their own batch figures on channels so far from 0 (|mean| many "
-            "thousand σ) that the rounding of each batch's mean to the buffers' dtype may have moved their "
-            "variances by more than the tolerance; capture='float64' measures them exactly.",
+            f"precisebn: layer(s) {shown} read their own batch figures on channels so far from 0 that the "
+            "rounding of each batch's mean to the buffers' dtype may have moved their variances by more than "
+            "the tolerance; capture='float64' measures them exactly.",
             PreciseBNWarning,
             stacklevel=5,
         )

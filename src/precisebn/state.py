@@ -306,20 +306,18 @@ class StateSnapshot:
     """
 
     def __init__(self, modules: list[tuple[str, nn.Module]], uncopied: set[int] | None = None) -> None:
-        # per module (parallel lists, not tuples: a snapshot makes few objects for the gc to track): the
-        # module and its attributes (a shallow copy of its __dict__): a forward that caches something on the
-        # module during the passes (a view of its scratch buffers, a shape) leaves it behind otherwise (a probe:
-        # a layer caching its buffers on its first call kept precisebn's scratch, its recalibrated ones unused)
+        # per module (parallel lists, not tuples: a snapshot makes few objects for the gc to track): the module;
+        # then every module's attributes (its __dict__) and the containers they hold — its buffer, parameter,
+        # child-module and hook dicts, a cache dict or list of the model's own — with a shallow copy of each (the
+        # empty ones apart). A forward that caches something on a module during the passes (a view of its
+        # scratch buffers: its recalibrated ones went unused, a probe), registers a hook or builds a head on its
+        # first call (probe 22: the hooks piled up, ``model.head`` was None beside a Linear in ``_modules``)
+        # leaves it behind otherwise
         self._modules: list[nn.Module] = []
-        self._attributes: list[dict[str, Any]] = []
-        # the containers those attributes hold — its buffer, parameter, child-module and hook dicts, a cache dict
-        # or list of the model's own — with a shallow copy of each one's contents (the empty ones apart): a
-        # forward registering a hook or building a head on its first call, or filling a cache it already had,
-        # changes them in place (probe 22: with only the attributes back, the hooks piled up, and
-        # ``model.head`` was None beside a Linear in ``_modules``)
-        self._empty: list[Any] = []
         self._containers: list[Any] = []
         self._contents: list[Any] = []
+        self._empty: list[Any] = []
+        self._dicts: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (the dicts among them, with their copies)
         self._saved: list[_Saved] = []  # tensors whose values are copied
         # parameters not copied, whose version counters tell whether they changed (parallel lists)
         self._watched_names: list[str] = []
@@ -328,12 +326,9 @@ class StateSnapshot:
         skip = set(uncopied or ())
         pieces: dict[torch.device, list[Tensor]] = {}
         sizes: dict[torch.device, int] = {}
-        empty, containers, contents = self._empty, self._containers, self._contents
         with torch.no_grad():
             for prefix, module in modules:
-                attributes = dict(module.__dict__)
                 self._modules.append(module)
-                self._attributes.append(attributes)
                 buffers, params = module._buffers, module._parameters
                 copy_params = isinstance(module, _RENORMALISED) and module.max_norm is not None
                 for tensors, copy in ((buffers, True), (params, copy_params)):
@@ -363,12 +358,14 @@ class StateSnapshot:
                         saved.blob = (span.device, start, raw.numel())
                         sizes[span.device] = start + raw.numel()
                         pieces.setdefault(span.device, []).append(raw)
-            # (the containers among all attributes picked out at C speed)
-            values = list(itertools.chain.from_iterable(map(dict.values, self._attributes)))
+            # (the containers among all attributes picked out at C speed; the module dicts first, which bind them)
+            attributes = [module.__dict__ for module in self._modules]
+            values = list(itertools.chain.from_iterable(map(dict.values, attributes)))
             held = list(itertools.compress(values, map(_CONTAINERS.__contains__, map(type, values))))
-            containers.extend(filter(None, held))
-            empty.extend(itertools.filterfalse(None, held))
-            contents.extend(c.copy() for c in containers)
+            self._containers = attributes + list(filter(None, held))
+            self._empty = list(itertools.filterfalse(None, held))
+            self._contents = [c.copy() for c in self._containers]
+            self._dicts = [(c, saved) for c, saved in zip(self._containers, self._contents) if isinstance(c, dict)]
             self._blobs = {device: torch.cat(raws) for device, raws in pieces.items()}
 
     def restore(self) -> list[str]:
@@ -378,14 +375,14 @@ class StateSnapshot:
             The names of parameters that the passes changed in place and that could not
             be restored (not copied); empty when the model is bitwise as it was.
         """
-        for module, attributes in zip(self._modules, self._attributes):
-            _restore_attributes(module.__dict__, attributes)
+        if not _unchanged(self._containers, self._contents, self._dicts):  # (then in order: a module dict
+            # binds the containers after it)
+            for container, contents in zip(self._containers, self._contents):
+                _restore_contents(container, contents)
         if any(self._empty):
             for container in self._empty:
                 if container:
                     container.clear()
-        for container, contents in zip(self._containers, self._contents):
-            _restore_contents(container, contents)
         lost = [
             name
             for name, t, version in zip(self._watched_names, self._watched, self._watched_versions)
@@ -468,43 +465,34 @@ def _reshape(s: _Saved) -> bool:
     return _geometry(t)[:5] == s.geometry[:5]  # type: ignore[index]
 
 
-def _restore_attributes(now: dict[str, Any], saved: dict[str, Any]) -> None:
-    """Puts a module's ``__dict__`` back as ``saved`` was: the same names bound to the same objects (names added
-    since are removed). One pass over it, at C speed, when nothing changed."""
-    if (
-        len(now) == len(saved)
-        and all(map(operator.is_, now.values(), saved.values()))
-        and all(map(operator.eq, now, saved))
-    ):
-        return
-    for name in [name for name in now if name not in saved]:
-        del now[name]
-    for name, value in saved.items():
-        if now.get(name, _ABSENT) is not value:
-            now[name] = value
+def _unchanged(containers: list[Any], contents: list[Any], dicts: list[tuple[dict, dict]]) -> bool:
+    """Whether dicts, lists and sets still hold what their shallow copies do, in one pass at C speed: the same
+    lengths, keys (or items) and dict values, in the same order, by identity (never ``==``: a tensor would
+    answer with a tensor). A set whose copy iterates in another order reads as changed: it is put back."""
+    chain = itertools.chain.from_iterable
+    return (
+        list(map(len, containers)) == list(map(len, contents))
+        and all(map(operator.is_, chain(containers), chain(contents)))
+        and all(map(operator.is_, chain(d.values() for d, _ in dicts), chain(c.values() for _, c in dicts)))
+    )
 
 
-_ABSENT = object()
 _CONTAINERS = frozenset({dict, OrderedDict, list, set})
 
 
 def _restore_contents(container: Any, contents: Any) -> None:
     """Puts a dict, list or set back as ``contents`` (its shallow copy) was: the same items, bound to the same
-    objects, in the same order."""
-    if type(container) is set:
-        unchanged = container == contents
-    elif isinstance(container, dict):
-        unchanged = _same_objects(container, contents)
+    objects, in the same order (compared by identity, never by ``==``: a tensor key or item would answer with a
+    tensor)."""
+    if isinstance(container, dict):
+        unchanged = len(container) == len(contents) and all(
+            k is j and a is b for (k, a), (j, b) in zip(container.items(), contents.items())
+        )
     else:
         unchanged = len(container) == len(contents) and all(map(operator.is_, container, contents))
     if not unchanged:
         container.clear()
         (container.extend if type(container) is list else container.update)(contents)
-
-
-def _same_objects(now: dict[str, object], saved: dict[str, object]) -> bool:
-    """Whether two dicts hold the same keys, in the same order, bound to the same objects."""
-    return len(now) == len(saved) and all(a is b and k == j for (k, a), (j, b) in zip(now.items(), saved.items()))
 
 
 def refuse_uninitialized(modules: list[tuple[str, nn.Module]]) -> None:
