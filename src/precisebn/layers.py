@@ -590,11 +590,15 @@ def recalibration_state(
     with contextlib.ExitStack() as stack:
         # parallel lists rather than (module, value) pairs: a pass makes few objects for the gc to track
         mods = [m for _, m in modules]
-        stack.callback(to_the_end, _restore_flags, mods, [m.training for m in mods])  # (Ctrl-C: finished first)
         norms = [layer.module for layer in layers]
-        stack.callback(to_the_end, _restore_momenta, norms, [m.momentum for m in norms])
+        # the snapshot puts everything back, flags and momenta too, and runs last; what precisebn itself set is
+        # put back before it, so that in the common case it finds every module as it was (a look at C speed,
+        # not a module-by-module restore: 3 ms on efficientnet_b0)
         snapshot = StateSnapshot(modules, uncopied={id(t) for t in originals})
         stack.callback(to_the_end, _restore_snapshot, snapshot)
+        stack.callback(to_the_end, _restore_flags, mods, [m.training for m in mods])
+        stack.callback(to_the_end, _restore_momenta, norms, [m.momentum for m in norms])
+        stack.callback(to_the_end, _swap_back, [layers[i].module._buffers for i, _ in owners], owners, originals)
         # their values too: nothing should write them while they are out, but code holding them (a list
         # attribute, a parent module) still can (a probe: estimate() left the last batch's figures there)
         kept = ValueCopies(originals)
@@ -689,6 +693,12 @@ def _restore_flags(modules: list[nn.Module], flags: list[bool]) -> None:
 def _restore_momenta(modules: list[nn.Module], momenta: list[float | None]) -> None:
     for m, momentum in zip(modules, momenta):
         _set_attribute(m, "momentum", momentum)
+
+
+def _swap_back(buffers: list[dict[str, Any]], owners: list[tuple[int, str]], originals: list[Tensor]) -> None:
+    """Puts the swapped-out running buffers back in their layers' buffer dicts (the snapshot checks after)."""
+    for held, (_, key), t in zip(buffers, owners, originals):
+        held[key] = t
 
 
 def _restore_snapshot(snapshot: StateSnapshot) -> None:

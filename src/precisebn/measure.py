@@ -307,37 +307,32 @@ def _warn_far_from_zero(entries: list[tuple[NormLayer, LayerStats]]) -> None:
     ]
     if not fast:
         return
-    units, limits = [], []
-    for layer, _ in fast:
+    # per layer, spread over its channels in one go: eps, the buffers' unit roundoff, what multiplies u·r for
+    # the calls of a layer called several times per batch (crops, feature levels: their means spread by at most
+    # σ, being part of its variance: 2; else 0), and the tolerance
+    per_layer = []
+    for layer, s in fast:
         dtype = layer.module._buffers["running_mean"].dtype  # type: ignore[union-attr]
-        units.append(torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0)
-        limits.append(TOLERANCE.get(dtype, 1e-5))
+        unit = torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
+        per_layer.append((float(layer.module.eps), unit, 2.0 * (s.per_forward > 1), TOLERANCE.get(dtype, 1e-5)))
     lengths = torch.tensor([s.mean.numel() for _, s in fast])
-    eps = torch.tensor([float(layer.module.eps) for layer, _ in fast], dtype=torch.float64).repeat_interleave(lengths)
-    unit = torch.tensor(units, dtype=torch.float64).repeat_interleave(lengths)
-    home = None if len({s.mean.device for _, s in fast}) > 1 else fast[0][1].mean.device  # (one copy to the host)
-    mean, var, se = (
-        torch.cat(
-            [
-                (getattr(s, k) if getattr(s, k) is not None else s.mean.new_zeros(()).expand_as(s.mean))
-                .reshape(-1)
-                .to(home or "cpu", torch.float64)
-                for _, s in fast
-            ]
-        ).cpu()
-        for k in ("mean", "var", "se_mean")
-    )
+    eps, unit, several, limit = torch.tensor(per_layer, dtype=torch.float64).repeat_interleave(lengths, 0).T
+    one_device = len({s.mean.device for _, s in fast}) == 1
+
+    def joined(key: str) -> Tensor:  # (one cat and one copy to the host where all are on one device)
+        parts = [t if (t := getattr(s, key)) is not None else s.mean.new_zeros(s.mean.shape) for _, s in fast]
+        if not one_device:
+            parts = [t.cpu() for t in parts]
+        return torch.cat(parts).to("cpu", torch.float64, copy=True)  # (each (channels,): see LayerStats)
+
+    mean, var, se = joined("mean"), joined("var"), joined("se_mean")
     ratio = mean.abs_().div_(var.add_(eps).sqrt_())  # r per channel
-    rounding = ratio * unit  # u·r
-    # what multiplies u·r: 4·se for the batches' means, or 2 for the calls of a layer called several times per
-    # batch (crops, feature levels: their spread unknown, but at most σ)
-    several = torch.tensor([2.0 * (s.per_forward > 1) for _, s in fast], dtype=torch.float64)
-    several = several.repeat_interleave(lengths)
+    rounding = ratio * unit  # u·r, times 4·se (the batches' means) or 2 (the calls')
     spread = torch.maximum(se.nan_to_num_(0.0, 0.0, 0.0).mul_(4), several)
-    moved = rounding * (spread + rounding)
-    worst = torch.segment_reduce(moved.nan_to_num_(0.0, float("inf"), 0.0), "max", lengths=lengths).tolist()
-    largest = torch.segment_reduce(ratio.nan_to_num_(0.0, 0.0, 0.0), "max", lengths=lengths).tolist()
-    over = [(layer.name, r) for (layer, _), w, limit, r in zip(fast, worst, limits, largest) if w > limit]
+    excess = rounding.mul_(spread.add_(rounding)).div_(limit)  # (the variance moved, in tolerances)
+    both = torch.stack([excess.nan_to_num_(0.0, float("inf"), 0.0), ratio.nan_to_num_(0.0, 0.0, 0.0)], 1)
+    worst = torch.segment_reduce(both, "max", lengths=lengths, axis=0).tolist()
+    over = [(layer.name, r) for (layer, _), (w, r) in zip(fast, worst) if w > 1]
     if over:
         shown = ", ".join(f"{name!r} (|mean|/σ up to {r:.3g})" for name, r in over[:5])
         shown += f" and {len(over) - 5} more" if len(over) > 5 else ""

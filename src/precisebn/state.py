@@ -22,12 +22,12 @@ other's scratch tensors.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import math
 import operator
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -314,6 +314,7 @@ class StateSnapshot:
         # first call (probe 22: the hooks piled up, ``model.head`` was None beside a Linear in ``_modules``)
         # leaves it behind otherwise
         self._modules: list[nn.Module] = []
+        self._classes: list[type] = []
         self._containers: list[Any] = []
         self._contents: list[Any] = []
         self._empty: list[Any] = []
@@ -358,13 +359,22 @@ class StateSnapshot:
                         saved.blob = (span.device, start, raw.numel())
                         sizes[span.device] = start + raw.numel()
                         pieces.setdefault(span.device, []).append(raw)
-            # (the containers among all attributes picked out at C speed; the module dicts first, which bind them)
-            attributes = [module.__dict__ for module in self._modules]
+            # (the containers among all attributes picked out at C speed — subclasses too: a defaultdict cache
+            # kept precisebn's scratch, probe 23 — the module dicts first, which bind them; and each module's
+            # class, which torch's parametrize swaps, probe 23: restored without it, a model that registered one
+            # in its forward kept ParametrizedConv2d without its parametrizations, and raised on its next call)
+            self._classes = list(map(type, self._modules))
+            attributes = list(map(_DICT_OF, self._modules))
             values = list(itertools.chain.from_iterable(map(dict.values, attributes)))
-            held = list(itertools.compress(values, map(_CONTAINERS.__contains__, map(type, values))))
+            types = list(map(type, values))
+            container = {t: issubclass(t, _CONTAINERS) for t in set(types)}  # (asked once per type)
+            held = list(itertools.compress(values, map(container.__getitem__, types)))
             self._containers = attributes + list(filter(None, held))
             self._empty = list(itertools.filterfalse(None, held))
-            self._contents = [c.copy() for c in self._containers]
+            # (copies of the base type, never by a subclass's own copy(), which may copy deeper: put back, its
+            # copies would replace the model's objects)
+            copies = map(_COPIES.get, map(type, self._containers), itertools.repeat(_base_copy))
+            self._contents = list(map(_call, copies, self._containers))
             self._dicts = [(c, saved) for c, saved in zip(self._containers, self._contents) if isinstance(c, dict)]
             self._blobs = {device: torch.cat(raws) for device, raws in pieces.items()}
 
@@ -375,8 +385,17 @@ class StateSnapshot:
             The names of parameters that the passes changed in place and that could not
             be restored (not copied); empty when the model is bitwise as it was.
         """
-        if not _unchanged(self._containers, self._contents, self._dicts):  # (then in order: a module dict
-            # binds the containers after it)
+        modules, attributes = self._modules, self._containers[: len(self._modules)]
+        if not (
+            all(map(operator.is_, map(type, modules), self._classes))
+            and all(map(operator.is_, map(_DICT_OF, modules), attributes))
+            and _unchanged(self._containers, self._contents, self._dicts)
+        ):  # (then in order: a module's class and dict, which bind the containers after them)
+            for module, cls, held in zip(modules, self._classes, attributes):
+                if type(module) is not cls:
+                    module.__class__ = cls
+                if module.__dict__ is not held:  # (a forward replacing its __dict__ whole)
+                    object.__setattr__(module, "__dict__", held)
             for container, contents in zip(self._containers, self._contents):
                 _restore_contents(container, contents)
         if any(self._empty):
@@ -477,7 +496,18 @@ def _unchanged(containers: list[Any], contents: list[Any], dicts: list[tuple[dic
     )
 
 
-_CONTAINERS = frozenset({dict, OrderedDict, list, set})
+_CONTAINERS = (dict, list, set, collections.deque)
+_DICT_OF = operator.attrgetter("__dict__")
+_COPIES: dict[type, Callable[[Any], Any]] = {dict: dict.copy, collections.OrderedDict: dict.copy, list: list.copy}
+
+
+def _base_copy(container: Any) -> Any:
+    """A shallow copy of a dict (as a dict) or of another container's items (as a list), in order."""
+    return dict.copy(container) if isinstance(container, dict) else list(container)
+
+
+def _call(fn: Callable[[Any], Any], arg: Any) -> Any:  # (operator.call, Python >= 3.11)
+    return fn(arg)
 
 
 def _restore_contents(container: Any, contents: Any) -> None:
@@ -492,7 +522,7 @@ def _restore_contents(container: Any, contents: Any) -> None:
         unchanged = len(container) == len(contents) and all(map(operator.is_, container, contents))
     if not unchanged:
         container.clear()
-        (container.extend if type(container) is list else container.update)(contents)
+        (container.extend if isinstance(container, (list, collections.deque)) else container.update)(contents)
 
 
 def refuse_uninitialized(modules: list[tuple[str, nn.Module]]) -> None:
