@@ -318,7 +318,7 @@ class StateSnapshot:
         self._containers: list[Any] = []
         self._contents: list[Any] = []
         self._empty: list[Any] = []
-        self._dicts: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (the dicts among them, with their copies)
+        self._dict_flags: list[bool] = []  # (which of them are dicts, whose values are compared too)
         self._saved: list[_Saved] = []  # tensors whose values are copied
         # parameters not copied, whose version counters tell whether they changed (parallel lists)
         self._watched_names: list[str] = []
@@ -375,7 +375,7 @@ class StateSnapshot:
             # copies would replace the model's objects)
             copies = map(_COPIES.get, map(type, self._containers), itertools.repeat(_base_copy))
             self._contents = list(map(_call, copies, self._containers))
-            self._dicts = [(c, saved) for c, saved in zip(self._containers, self._contents) if isinstance(c, dict)]
+            self._dict_flags = list(map(isinstance, self._containers, itertools.repeat(dict)))
             self._blobs = {device: torch.cat(raws) for device, raws in pieces.items()}
 
     def restore(self) -> list[str]:
@@ -389,7 +389,7 @@ class StateSnapshot:
         if not (
             all(map(operator.is_, map(type, modules), self._classes))
             and all(map(operator.is_, map(_DICT_OF, modules), attributes))
-            and _unchanged(self._containers, self._contents, self._dicts)
+            and _unchanged(self._containers, self._contents, self._dict_flags)
         ):  # (then in order: a module's class and dict, which bind the containers after them)
             for module, cls, held in zip(modules, self._classes, attributes):
                 if type(module) is not cls:
@@ -484,15 +484,21 @@ def _reshape(s: _Saved) -> bool:
     return _geometry(t)[:5] == s.geometry[:5]  # type: ignore[index]
 
 
-def _unchanged(containers: list[Any], contents: list[Any], dicts: list[tuple[dict, dict]]) -> bool:
+def _unchanged(containers: list[Any], contents: list[Any], dict_flags: list[bool]) -> bool:
     """Whether dicts, lists and sets still hold what their shallow copies do, in one pass at C speed: the same
     lengths, keys (or items) and dict values, in the same order, by identity (never ``==``: a tensor would
     answer with a tensor). A set whose copy iterates in another order reads as changed: it is put back."""
-    chain = itertools.chain.from_iterable
+    chain, values = itertools.chain.from_iterable, operator.methodcaller("values")
     return (
         list(map(len, containers)) == list(map(len, contents))
         and all(map(operator.is_, chain(containers), chain(contents)))
-        and all(map(operator.is_, chain(d.values() for d, _ in dicts), chain(c.values() for _, c in dicts)))
+        and all(
+            map(
+                operator.is_,
+                chain(map(values, itertools.compress(containers, dict_flags))),
+                chain(map(values, itertools.compress(contents, dict_flags))),
+            )
+        )
     )
 
 
