@@ -1170,3 +1170,33 @@ def test_a_forward_replacing_its_dict_whole_gets_the_old_one_back() -> None:
     precisebn.recalibrate(layer, data, num_samples="all")
     assert layer.__dict__ is attributes and "cache" not in attributes
     assert max_rel_error(layer.running_var.double(), truth.var) < 1e-6
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    sizes=st.lists(st.integers(0, 5), min_size=1, max_size=8),
+    touched=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 4)), max_size=6),
+)
+def test_the_snapshot_writes_back_exactly_the_buffers_that_changed(
+    sizes: list[int], touched: list[tuple[int, int]]
+) -> None:
+    """Buffers of several sizes and dtypes (empty ones too) in one blob; some elements changed in place: those
+    buffers, and only those, are written back (the others keep their version counters) — the changed bytes are
+    located in one pass, not buffer by buffer."""
+    module = nn.Module()
+    dtypes = (torch.float32, torch.float64, torch.int64, torch.float16)
+    for i, n in enumerate(sizes):
+        module.register_buffer(f"b{i}", (torch.arange(n) + 10 * i).to(dtypes[i % 4]))
+    buffers = [module._buffers[f"b{i}"] for i in range(len(sizes))]
+    values = [b.clone() for b in buffers]
+    snapshot = precisebn.state.StateSnapshot([("", module)])
+    changed = set()
+    for i, j in touched:
+        if i < len(sizes) and j < sizes[i]:
+            buffers[i][j] += 1
+            changed.add(i)
+    versions = [b._version for b in buffers]
+    assert snapshot.restore() == []
+    for i, (b, v) in enumerate(zip(buffers, values)):
+        assert module._buffers[f"b{i}"] is b and torch.equal(b, v)
+        assert (b._version != versions[i]) == (i in changed), i

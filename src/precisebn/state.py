@@ -411,41 +411,51 @@ class StateSnapshot:
             for s in self._saved:  # first the shapes (a forward may resize a buffer in place), then the values
                 if s.geometry is not None and _geometry(s.tensor) != s.geometry and not _reshape(s):
                     lost.append(s.name)
-            changed_blobs = self._changed_blobs()
+            for s, span in self._changed_in_blobs():
+                device, start, length = s.blob  # type: ignore[misc]
+                # (a copy of the bytes: viewed as the dtype, a slice of the blob may start misaligned)
+                self._write(s, span, self._blobs[device][start : start + length].clone().view(span.dtype))
             for s in self._saved:
                 if s.blob is not None:
-                    device, start, length = s.blob
-                    if device not in changed_blobs:
-                        continue
-                    span = _span(s.tensor)
-                    raw = _bytes(span) if span is not None else None
-                    if raw is None or raw.numel() != length:  # (its shape could not be put back)
-                        continue
-                    old = self._blobs[device][start : start + length]
-                    if torch.equal(raw, old):
-                        continue
-                    # (a copy of the bytes: viewed as the dtype, a slice of the blob may start misaligned)
-                    self._write(s, span, old.clone().view(span.dtype))  # type: ignore[union-attr]
-                elif s.copy is not None and (span := _span(s.tensor)) is not None:  # a dtype without a byte view
+                    continue
+                if s.copy is not None and (span := _span(s.tensor)) is not None:  # a dtype without a byte view
                     if not torch.equal(span, s.copy):
                         self._write(s, span, s.copy)
                 elif s.version is not None and version_of(s.tensor) != s.version and s.tensor.numel():
                     lost.append(s.name)  # a copied tensor with no span (an empty one, its shape back, holds nothing)
         return lost
 
-    def _changed_blobs(self) -> set[torch.device]:
-        """Devices whose copied buffers changed at all (one comparison per device)."""
-        now: dict[torch.device, list[Tensor]] = {}
-        odd: set[torch.device] = set()  # devices with a tensor whose bytes no longer line up with the copy's
+    def _changed_in_blobs(self) -> list[tuple[_Saved, Tensor]]:
+        """The copied tensors whose bytes changed, with their spans: one comparison per device when none did,
+        and then the changed bytes located at once (torch.ao's observers change ~400 of a QAT model's ~1,400
+        buffers in every call: one comparison each took 30-80 ms). A tensor whose bytes no longer line up with
+        its copy (its shape could not be put back) is left out."""
+        now: dict[torch.device, list[tuple[_Saved, Tensor, Tensor]]] = {}
+        odd: set[torch.device] = set()  # devices with such a tensor: compared tensor by tensor
         for s in self._saved:
             if s.blob is not None:
                 span = _span(s.tensor)
                 raw = _bytes(span) if span is not None else None
-                if raw is None or raw.numel() != s.blob[2]:
+                if span is None or raw is None or raw.numel() != s.blob[2]:
                     odd.add(s.blob[0])
                 else:
-                    now.setdefault(s.blob[0], []).append(raw)
-        return odd | {d for d, raws in now.items() if not torch.equal(torch.cat(raws), self._blobs[d])}
+                    now.setdefault(s.blob[0], []).append((s, span, raw))
+        out: list[tuple[_Saved, Tensor]] = []
+        for device, held in now.items():
+            blob = self._blobs[device]
+            if device in odd:  # (the others compared one by one)
+                for s, span, raw in held:
+                    start = s.blob[1]  # type: ignore[index]
+                    if not torch.equal(raw, blob[start : start + raw.numel()]):
+                        out.append((s, span))
+                continue
+            joined = torch.cat([raw for _, _, raw in held])
+            if torch.equal(joined, blob):
+                continue
+            starts = torch.tensor([s.blob[1] for s, _, _ in held], device=blob.device)  # type: ignore[index]
+            where = torch.searchsorted(starts, joined.ne(blob).nonzero().flatten(), right=True).sub_(1)
+            out += [held[i][:2] for i in where.unique().tolist()]
+        return out
 
     @staticmethod
     def _write(s: _Saved, span: Tensor, values: Tensor) -> None:
