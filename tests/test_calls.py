@@ -24,6 +24,10 @@ from precisebn.errors import (
     UnsupportedLayerError,
 )
 
+# (the models here feed their head's third call data at |mean|/σ ≈ 320, where the rounding of float32 batch means
+# could move a variance beyond the tolerance: the far-from-0 warning says so; these tests are about calls)
+pytestmark = pytest.mark.filterwarnings("ignore:precisebn. layer.s. .*so far from 0:precisebn.errors.PreciseBNWarning")
+
 LEVELS = 3
 TOL = 1e-5  # the contract for float32 layers
 
