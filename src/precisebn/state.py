@@ -1,8 +1,10 @@
 """A model's state around a statistics pass: snapshots that put back objects as well
 as values, and the guard that lets one pass at a time work on a model.
 
-:class:`StateSnapshot` records, for every module, which tensor objects its
-``_buffers`` and ``_parameters`` hold, and copies of what the passes can change: every
+:class:`StateSnapshot` records, for every module, its class, its attributes (a shallow
+copy of its ``__dict__``) and the contents of the dicts, lists, sets and deques they hold —
+which tensor objects its ``_buffers`` and ``_parameters`` hold, its submodules, its hooks,
+caches of the model's own — and copies of what the passes can change: every
 buffer's values (the whole stretch of storage it can reach, so views, expanded and
 non-contiguous buffers restore exactly) and the weights that torch's own modules
 renormalise in place (``Embedding``/``EmbeddingBag`` with ``max_norm``). On restore the
@@ -292,7 +294,8 @@ def _bitwise_equal(a: Tensor, b: Tensor) -> bool:
 
 
 class StateSnapshot:
-    """Objects and values of a model's buffers and parameters, to be put back later.
+    """Objects and values of a model's modules — their classes, attributes, the containers those hold, their
+    buffers' values — to be put back later: by identity (never ``==``), one shallow level deep.
 
     Args:
         modules: The model's ``named_modules()``.
