@@ -1200,3 +1200,38 @@ def test_the_snapshot_writes_back_exactly_the_buffers_that_changed(
     for i, (b, v) in enumerate(zip(buffers, values)):
         assert module._buffers[f"b{i}"] is b and torch.equal(b, v)
         assert (b._version != versions[i]) == (i in changed), i
+
+
+def test_a_buffer_whose_storage_a_forward_frees_gets_it_back() -> None:
+    """Probe 26: a forward freeing a buffer's storage (``untyped_storage().resize_(0)``, as FSDP does to its
+    parameters) under the same shape: restore raised ("out of bounds for storage of size 0") and stopped there —
+    another buffer the same forward changed kept its new values. A forward growing a storage and then
+    shrinking the tensor back left the storage 200 times its size (``torch.save`` writes all of it). The
+    storage's size is part of what is compared and put back now."""
+
+    class Freeing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(4)
+            self.register_buffer("freed", torch.arange(5.0))
+            self.register_buffer("grown", torch.arange(5.0) + 10)
+            self.register_buffer("other", torch.zeros(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.other.add_(1)
+            self.freed.untyped_storage().resize_(0)
+            self.grown.resize_(1000).resize_(5).fill_(9)
+            return self.bn(x)
+
+    torch.manual_seed(0)
+    model = Freeing()
+    data = [torch.randn(8, 4) for _ in range(2)]
+    truth = compute_truth(copy.deepcopy(model), data)["bn"]
+    before = state_snapshot(model)
+    precisebn.estimate(model, data)
+    assert_unchanged(model, before)
+    assert [model.freed.untyped_storage().nbytes(), model.grown.untyped_storage().nbytes()] == [20, 20]
+    precisebn.recalibrate(model, data)
+    assert model.freed.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and model.other.tolist() == [0.0] * 3
+    assert model.grown.untyped_storage().nbytes() == 20
+    assert max_rel_error(model.bn.running_var.double(), truth.var) < 1e-6

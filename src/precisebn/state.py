@@ -80,10 +80,14 @@ def _extent_of(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
 
 
 def _span(t: Tensor) -> Tensor | None:
-    """A flat view of every storage element ``t`` can reach (``None`` if it holds none)."""
+    """A flat view of every storage element ``t`` can reach (``None`` if it holds none, or if its storage is
+    too small for its shape: freed by ``untyped_storage().resize_(0)`` and not put back)."""
     if t.layout != torch.strided or t.is_meta or t.numel() == 0:
         return None
-    return t.as_strided((_extent(t),), (1,), t.storage_offset())
+    try:
+        return t.as_strided((_extent(t),), (1,), t.storage_offset())
+    except RuntimeError:
+        return None
 
 
 def overlapping(tensors: list[Tensor]) -> list[tuple[int, int]]:
@@ -467,18 +471,21 @@ class StateSnapshot:
 
 
 def _geometry(t: Tensor) -> tuple[Any, ...] | None:
-    """``t``'s dtype, device, shape, strides, storage offset and storage (its address: ``resize_`` may move
-    the memory of the same storage) — ``None`` unless strided and in memory."""
+    """``t``'s dtype, device, shape, strides, storage offset, storage (its address: ``resize_`` may move
+    the memory of the same storage) and that storage's size (``untyped_storage().resize_(0)`` frees it under
+    the same shape, as FSDP does: its values could no longer be read, probe 26) — ``None`` unless strided and
+    in memory."""
     if t.layout != torch.strided or t.is_meta:
         return None
-    return (t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage()._cdata)
+    storage = t.untyped_storage()
+    return (t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset(), storage._cdata, storage.nbytes())
 
 
 def _reshape(s: _Saved) -> bool:
     """Puts back the geometry of a tensor that a forward resized in place or pointed at other memory (its
     values follow): on its own storage (kept by the snapshot) where that still holds it — ``resize_`` keeps
     the bytes it had, ``set_`` leaves them — else on fresh memory. Whether that worked."""
-    dtype, device, shape, stride, offset, _ = s.geometry  # type: ignore[misc]
+    dtype, device, shape, stride, offset, *_ = s.geometry  # type: ignore[misc]
     t, storage = s.tensor, s.storage
     extent = _extent_of(shape, stride)
     needed = (offset + extent) * dtype.itemsize
@@ -486,11 +493,11 @@ def _reshape(s: _Saved) -> bool:
         with torch.inference_mode() if s.version is None else contextlib.nullcontext():
             if t.dtype != dtype or t.device != device:  # (.data = a tensor of another dtype or device)
                 t.data = torch.empty(0, dtype=dtype, device=device)
-            if storage.nbytes() < needed:  # (its own storage shrunk: the values come from the copy)
-                storage = torch.empty(offset + extent, dtype=dtype, device=device).untyped_storage()
-            elif storage.nbytes() != s.nbytes and s.nbytes >= needed:  # (grown by resize_: its size back too)
-                with contextlib.suppress(RuntimeError):
+            if storage.nbytes() != s.nbytes and s.nbytes >= needed:  # (grown or shrunk, freed: its size back, on
+                with contextlib.suppress(RuntimeError):  # the same storage; the values come from the copy)
                     storage.resize_(s.nbytes)
+            if storage.nbytes() < needed:  # (still too small — not resizable: fresh memory)
+                storage = torch.empty(offset + extent, dtype=dtype, device=device).untyped_storage()
             t.set_(storage, offset, shape, stride)
     except RuntimeError:
         return False
