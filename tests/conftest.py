@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -150,6 +151,14 @@ def assert_frozen_run(
     bn = model.get_submodule(trained)
     assert max_rel_error(bn.running_mean, result.mean, result.var.sqrt()) < 1e-5
     assert max_rel_error(bn.running_var, result.var) < 1e-5
+
+
+def assert_warned_ratio(caught: pytest.WarningsRecorder, truth: Any, eps: float) -> None:
+    """The one far-from-0 ``PreciseBNWarning`` in ``caught`` states the largest |mean|/σ (σ² = var + eps) of the
+    float64 truth, within 1 % (the fast figures it read carry the rounding it warns of)."""
+    ratio = float((truth.mean.abs() / (truth.var + eps).sqrt()).max())
+    (shown,) = [re.search(r"\|mean\|/σ up to ([0-9.e+]+)\)", str(w.message)) for w in caught]
+    assert shown is not None and float(shown.group(1)) == pytest.approx(ratio, rel=1e-2)
 
 
 def max_rel_error(estimate: Tensor, truth: Tensor, scale: Tensor | None = None) -> float:

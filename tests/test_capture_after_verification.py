@@ -9,7 +9,6 @@ now exact against the float64 truth, or refused by name with the model unchanged
 from __future__ import annotations
 
 import copy
-import re
 import warnings
 
 import pytest
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import precisebn
-from conftest import compute_truth, max_rel_error
+from conftest import assert_warned_ratio, compute_truth, max_rel_error
 from precisebn.errors import UnsupportedLayerError
 
 TOL = 1e-5
@@ -1157,8 +1156,9 @@ def test_half_precision_inputs_of_a_float32_layer_are_checked_as_they_grow() -> 
     truth = compute_truth(model, batches, forward=forward)["1"]
     # (the bias's last channels sit at |mean|/σ ≈ 120, where the rounding of float32 means may move a variance
     # by more than the tolerance: warned of, though here it did not)
-    with pytest.warns(precisebn.errors.PreciseBNWarning, match=r"'1' \(\|mean\|/σ up to"):
+    with pytest.warns(precisebn.errors.PreciseBNWarning, match=r"'1' \(\|mean\|/σ up to") as caught:
         stats = precisebn.estimate(model, batches, forward=forward, num_samples="all")["1"]
+    assert_warned_ratio(caught, truth, model[1].eps)
     assert stats.count == truth.count
     assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) <= 1e-5
     assert max_rel_error(stats.var, truth.var) <= 1e-5
@@ -1388,13 +1388,6 @@ def test_a_constant_channel_does_not_vouch_for_the_others() -> None:
     assert mean_error < 2e-6, mean_error
 
 
-def _ratio_shown(caught: pytest.WarningsRecorder) -> float:
-    """The |mean|/σ the one far-from-0 warning states."""
-    (shown,) = [re.search(r"\|mean\|/σ up to ([0-9.e+]+)\)", str(w.message)) for w in caught]
-    assert shown is not None
-    return float(shown.group(1))
-
-
 def test_later_batches_far_from_zero_are_warned_of() -> None:
     """NCHW on the CPU, which torch reduces in float64: later calls read their figures at any size. Channel 1
     (not among the few checked ones) is verified at |mean|/σ = 4e4, then drifts at 1e6: each batch's float32
@@ -1411,10 +1404,9 @@ def test_later_batches_far_from_zero_are_warned_of() -> None:
     batches = [batch(2, 2, 25.0)] + [batch(8, 8, 1.0, float(d)) for d in drifts]
     layer = nn.BatchNorm2d(16)
     truth = compute_truth(layer, batches)[""]
-    ratio = float((truth.mean.abs() / (truth.var + layer.eps).sqrt()).max())  # the pooled |mean|/σ: 7e5
     with pytest.warns(precisebn.errors.PreciseBNWarning, match=r"layer\(s\) '' \(\|mean\|/σ up to") as caught:
         assert precisebn.estimate(layer, batches, num_samples="all")[""].path == "fast"
-    assert _ratio_shown(caught) == pytest.approx(ratio, rel=1e-2)
+    assert_warned_ratio(caught, truth, layer.eps)  # (the pooled |mean|/σ: 7e5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         exact = precisebn.estimate(layer, batches, num_samples="all", capture="float64")[""]
@@ -1476,10 +1468,9 @@ def test_a_layer_called_twice_on_means_far_from_zero_is_warned_of() -> None:
         batches.append(x.float())
     model = TwoCrops()
     truth = compute_truth(model, batches)["bn"]
-    ratio = float((truth.mean.abs() / (truth.var + 1e-5).sqrt()).max())  # the crops' spread in σ too: 9.6e3
     with pytest.warns(precisebn.errors.PreciseBNWarning, match=r"'bn' \(\|mean\|/σ up to") as caught:
         assert precisebn.estimate(model, batches, num_samples="all")["bn"].path == "fast"
-    assert _ratio_shown(caught) == pytest.approx(ratio, rel=1e-2)
+    assert_warned_ratio(caught, truth, 1e-5)  # (the crops' spread in σ too: 9.6e3)
     exact = precisebn.estimate(model, batches, num_samples="all", capture="float64")["bn"]
     assert max_rel_error(exact.var, truth.var) < 1e-8
 
@@ -1529,8 +1520,7 @@ def test_batches_that_recur_far_from_zero_are_warned_of() -> None:
     with pytest.warns(precisebn.errors.PreciseBNWarning, match=r"layer\(s\) '' \(\|mean\|/σ up to") as caught:
         fast = precisebn.estimate(layer, batches, num_samples="all")[""]
     assert fast.path == "fast"
-    ratio = float((truth.mean.abs() / (truth.var + layer.eps).sqrt()).max())
-    assert _ratio_shown(caught) == pytest.approx(ratio, rel=1e-2)
+    assert_warned_ratio(caught, truth, layer.eps)
     # (what it warned of: the fast figures' variance beyond the tolerance, the float64 path's exact)
     assert max_rel_error(fast.var, truth.var, truth.var + layer.eps) > 1e-5
     exact = precisebn.estimate(layer, batches, num_samples="all", capture="float64")[""]

@@ -380,8 +380,7 @@ class StateSnapshot:
             self._empty = list(itertools.filterfalse(None, held))
             # (copies of the base type, never by a subclass's own copy(), which may copy deeper: put back, its
             # copies would replace the model's objects)
-            copies = map(_COPIES.get, map(type, self._containers), itertools.repeat(_base_copy))
-            self._contents = list(map(_call, copies, self._containers))
+            self._contents = list(map(_base_copy, self._containers))
             self._dict_flags = list(map(isinstance, self._containers, itertools.repeat(dict)))
             self._blobs = {device: torch.cat(raws) for device, raws in pieces.items()}
 
@@ -438,7 +437,7 @@ class StateSnapshot:
         buffers in every call: one comparison each took 30-80 ms). A tensor whose bytes no longer line up with
         its copy (its shape could not be put back) is left out."""
         now: dict[torch.device, list[tuple[_Saved, Tensor, Tensor]]] = {}
-        odd: set[torch.device] = set()  # devices with such a tensor: compared tensor by tensor
+        odd: set[torch.device] = set()  # devices with such a tensor
         for s in self._saved:
             if s.blob is not None:
                 span = _span(s.tensor)
@@ -450,18 +449,15 @@ class StateSnapshot:
         out: list[tuple[_Saved, Tensor]] = []
         for device, held in now.items():
             blob = self._blobs[device]
-            if device in odd:  # (the others compared one by one)
-                for s, span, raw in held:
-                    start = s.blob[1]  # type: ignore[index]
-                    if not torch.equal(raw, blob[start : start + raw.numel()]):
-                        out.append((s, span))
-                continue
             joined = torch.cat([raw for _, _, raw in held])
-            if torch.equal(joined, blob):
+            copies = blob
+            if device in odd:  # (a tensor left out: the others' copies, side by side)
+                copies = torch.cat([blob[start : start + n] for _, start, n in (s.blob for s, _, _ in held)])  # type: ignore[misc]
+            if torch.equal(joined, copies):
                 continue
-            starts = torch.tensor([s.blob[1] for s, _, _ in held], device=blob.device)  # type: ignore[index]
-            where = torch.searchsorted(starts, joined.ne(blob).nonzero().flatten(), right=True).sub_(1)
-            out += [held[i][:2] for i in where.unique().tolist()]
+            starts = torch.tensor(list(itertools.accumulate((raw.numel() for *_, raw in held), initial=0))[:-1])
+            where = torch.searchsorted(starts.to(blob.device), joined.ne(copies).nonzero().flatten(), right=True)
+            out += [held[i][:2] for i in where.sub_(1).unique().tolist()]
         return out
 
     @staticmethod
@@ -524,7 +520,6 @@ def _unchanged(containers: list[Any], contents: list[Any], dict_flags: list[bool
 
 _CONTAINERS = (dict, list, set, collections.deque)
 _DICT_OF = operator.attrgetter("__dict__")
-_COPIES: dict[type, Callable[[Any], Any]] = {dict: dict.copy, collections.OrderedDict: dict.copy, list: list.copy}
 
 
 def _base_copy(container: Any) -> Any:
@@ -532,21 +527,11 @@ def _base_copy(container: Any) -> Any:
     return dict.copy(container) if isinstance(container, dict) else list(container)
 
 
-def _call(fn: Callable[[Any], Any], arg: Any) -> Any:  # (operator.call, Python >= 3.11)
-    return fn(arg)
-
-
 def _restore_contents(container: Any, contents: Any) -> None:
     """Puts a dict, list or set back as ``contents`` (its shallow copy) was: the same items, bound to the same
     objects, in the same order (compared by identity, never by ``==``: a tensor key or item would answer with a
     tensor)."""
-    if isinstance(container, dict):
-        unchanged = len(container) == len(contents) and all(
-            k is j and a is b for (k, a), (j, b) in zip(container.items(), contents.items())
-        )
-    else:
-        unchanged = len(container) == len(contents) and all(map(operator.is_, container, contents))
-    if not unchanged:
+    if not _unchanged([container], [contents], [isinstance(container, dict)]):
         container.clear()
         (container.extend if isinstance(container, (list, collections.deque)) else container.update)(contents)
 
