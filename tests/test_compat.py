@@ -13,7 +13,7 @@ from torch.optim import swa_utils
 
 from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
 from precisebn import compat
-from precisebn.errors import ShortDataWarning
+from precisebn.errors import InvalidArgumentError, ShortDataWarning
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -274,3 +274,45 @@ def test_a_wrapped_model_gets_batches_moved_to_its_device_as_its_wrapper_would()
     seen.clear()
     update_bn_stats(Listed().train(), batches, num_iters=2)
     assert all(a is b for a, b in zip(seen, batches))
+
+
+@pytest.mark.parametrize("num_iters", [0, -3, None, 2.0, True, "5"])
+def test_update_bn_stats_refuses_a_num_iters_that_is_not_a_positive_integer_before_any_pass(num_iters) -> None:
+    """Found by a probe: 0 was refused in the words of another function ("num_batches must be a positive
+    integer or None", an argument the caller never passed), and None ran every pass, then raised a bare
+    TypeError comparing the batches with it (fvcore set every buffer to 0 for 0)."""
+    model = net().train()
+    calls = []
+    model.register_forward_pre_hook(lambda m, args: calls.append(1))
+    before = state_snapshot(model)
+    with pytest.raises(InvalidArgumentError, match=r"update_bn_stats: num_iters must be a positive integer"):
+        compat.update_bn_stats(model, data(), num_iters)
+    assert calls == []
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("drop_in", ["update_bn", "update_bn_stats"])
+def test_a_tensor_given_as_the_loader_is_iterated_as_the_originals_do(drop_in: str) -> None:
+    """Found by a probe: torch's update_bn (and fvcore's loop) iterate a tensor given as the loader over its
+    first dimension, one batch per slice; the drop-ins refused it ("data must be an iterable of batches")."""
+    g = torch.Generator().manual_seed(3)
+    loader = torch.randn(5, 7, 4, generator=g) * 2 + 1  # 5 batches of 7 samples
+    model = net().train()
+    truth = compute_truth(model, list(loader), mode="keep" if drop_in == "update_bn_stats" else "train", seed=11)
+    torch.manual_seed(11)  # (dropout is on: the truth's masks)
+    if drop_in == "update_bn":
+        compat.update_bn(loader, model)
+    else:
+        compat.update_bn_stats(model, loader, num_iters=5)
+    for name in ("1", "5"):
+        t = truth[name]
+        assert max_rel_error(model.get_submodule(name).running_var, t.var) <= 1e-5
+        assert max_rel_error(model.get_submodule(name).running_mean, t.mean, t.var.sqrt()) <= 1e-5
+
+
+def test_a_zero_dimensional_tensor_as_the_loader_is_refused_with_the_model_unchanged() -> None:
+    model = net()
+    before = state_snapshot(model)
+    with pytest.raises(InvalidArgumentError, match="0-dimensional tensor"):
+        compat.update_bn(torch.tensor(1.0), model)
+    assert_unchanged(model, before)

@@ -14,6 +14,7 @@ Both keep statistics local to the process (as the originals do); use
 from __future__ import annotations
 
 import contextlib
+import operator
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -66,12 +67,14 @@ def update_bn_stats(
     """
     if progress not in (None, "tqdm"):
         raise InvalidArgumentError(f"progress must be None or 'tqdm', got {progress!r}")
+    num_iters = _positive(num_iters)
 
     def selected(name: str, module: nn.Module) -> bool:
         return module.training and isinstance(module, _BatchNorm)
 
     if not find_norm_layers(model, selected, require=False):
         return
+    data_loader = _batches_of(data_loader, "update_bn_stats")
     walk: list[tuple[str, nn.Module]] = []
     with contextlib.ExitStack() as guard:  # one hold on the model from the passes to the writes
         try:
@@ -123,12 +126,14 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
     def selected(name: str, module: nn.Module) -> bool:
         return isinstance(module, _BatchNorm)
 
+
     def forward(m: nn.Module, batch: Any) -> Any:  # torch's: the first element of a tuple/list, else the batch
         x = batch[0] if isinstance(batch, (list, tuple)) else batch
         return m(x.to(device) if device is not None and hasattr(x, "to") else x)
 
     if not find_norm_layers(model, selected, require=False):
         return
+    loader = _batches_of(loader, "update_bn")
     walk: list[tuple[str, nn.Module]] = []
     with contextlib.ExitStack() as guard:  # one hold on the model from the passes to the writes
         try:
@@ -154,6 +159,36 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
             )
             return
         plan_writes(unwrap(model), stats, modules=walk, shared_checked=True).commit()
+
+
+def _positive(num_iters: Any) -> int:
+    """``num_iters`` as an int, refused (before any pass) unless it is a positive integer: fvcore's function
+    set every running buffer to 0 for 0, and raised a bare ``TypeError`` after the passes for ``None``."""
+    try:
+        if isinstance(num_iters, bool):
+            raise TypeError
+        value = operator.index(num_iters)
+    except TypeError:
+        value = None
+    if value is None or value < 1:
+        raise InvalidArgumentError(
+            f"update_bn_stats: num_iters must be a positive integer (the number of batches to use), got "
+            f"{num_iters!r}. The model was left unchanged."
+        )
+    return value
+
+
+def _batches_of(loader: Any, caller: str) -> Any:
+    """A tensor given as the loader, as the originals iterate it: its slices along dimension 0."""
+    if not isinstance(loader, torch.Tensor):
+        return loader
+    if loader.dim() == 0:
+        raise InvalidArgumentError(
+            f"{caller}: the loader is a 0-dimensional tensor, which holds no batches; pass an iterable of batches "
+            "(a DataLoader, a list of tensors, or a tensor whose first dimension indexes the batches). The model "
+            "was left unchanged."
+        )
+    return list(loader.unbind(0))  # (what iterating it gives: views of the tensor)
 
 
 def _measure(guard: contextlib.ExitStack, walk: list[tuple[str, nn.Module]], *args: Any, **options: Any) -> Any:
