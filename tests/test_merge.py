@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import itertools
 import os
+import re
 from typing import Any
 
 import pytest
@@ -194,3 +195,67 @@ def test_cli_merge(tmp_path, monkeypatch, capsys) -> None:
     assert "layer '0' has 4 vs 5 channels" in capsys.readouterr().err
     after = {p.name: _sha(p) for p in tmp_path.iterdir() if p.name in before}
     assert after == before and not (tmp_path / "x.safetensors").exists()
+
+
+class Branchy(nn.Module):
+    """A BatchNorm called ``k`` times per forward on some batches (a list of ``k`` inputs), never on others
+    (``None``), beside one called once on every batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3, dtype=F64)
+        self.other = nn.BatchNorm1d(3, dtype=F64)
+
+    def forward(self, batch: tuple[torch.Tensor, list[torch.Tensor] | None]) -> list[torch.Tensor]:
+        x, calls = batch
+        return [self.other(x)] + [self.bn(c) for c in calls or []]
+
+
+def branchy_data(k: int | None, n: int, seed: int) -> list[tuple[torch.Tensor, list[torch.Tensor] | None]]:
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(shift: float) -> torch.Tensor:
+        return torch.randn(4, 3, generator=g, dtype=F64) * 2 + shift
+
+    return [(draw(1.0), None if k is None else [draw(5.0 * j) for j in range(k)]) for _ in range(n)]
+
+
+def per_call_truth(data: list[Any]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Float64 mean and population variance of each call index's inputs of ``bn``, and of ``other``'s."""
+    groups: dict[str, list[torch.Tensor]] = {"other": [x for x, _ in data]}
+    for _, calls in data:
+        for j, c in enumerate(calls or []):
+            groups.setdefault(f"bn.calls.{j}", []).append(c)
+    return {k: (torch.cat(v).mean(0), torch.cat(v).var(0, unbiased=False)) for k, v in groups.items()}
+
+
+def test_a_part_that_never_reached_a_per_call_layer_merges_with_the_parts_that_did() -> None:
+    """Found by a probe: a part in which a per-call layer was never called holds it under its plain name (count
+    0, no data), and merge refused it as "pooled over its calls in some inputs and kept per call in others"."""
+    model = Branchy()
+    reached, unreached = branchy_data(2, 3, seed=1), branchy_data(None, 2, seed=2)
+    parts = [precisebn.estimate(model, d, forward=lambda m, b: m(b), per_call=True) for d in (reached, unreached)]
+    assert "bn" in parts[1] and parts[1]["bn"].count == 0
+    for merged in (parts[0].merge(parts[1]), parts[1].merge(parts[0])):
+        assert sorted(merged) == ["bn.calls.0", "bn.calls.1", "other"]
+        for name, (mean, var) in per_call_truth(reached + unreached).items():
+            assert_close_stats(merged[name], dataclasses.replace(merged[name], mean=mean, var=var))
+
+
+@pytest.mark.parametrize("model_is_the_layer", [False, True])
+def test_per_call_parts_with_different_calls_per_forward_are_refused(model_is_the_layer: bool) -> None:
+    """Found by a probe: parts whose layer was called twice per forward in one and 3 times in the other merged
+    into calls.0 and calls.1 of both and a calls.2 of one part alone, data that estimate() refuses as one."""
+    model: nn.Module = Branchy()
+    forward: Any = lambda m, b: m(b)  # noqa: E731
+    if model_is_the_layer:  # (its per-call statistics are named "calls.<i>")
+        model, forward = model.bn, lambda m, b: [m(c) for c in b[1]]
+    two = precisebn.estimate(model, branchy_data(2, 3, seed=1), forward=forward, per_call=True)
+    three = precisebn.estimate(model, branchy_data(3, 3, seed=2), forward=forward, per_call=True)
+    both = branchy_data(2, 3, seed=1) + branchy_data(3, 3, seed=2)
+    with pytest.raises(InvalidArgumentError):
+        precisebn.estimate(model, both, forward=forward, per_call=True)
+    name = "'(model)'" if model_is_the_layer else "'bn'"
+    said = f"layer {name} was called twice per forward in input 0 but 3 times"
+    with pytest.raises(StatsMismatchError, match=re.escape(said)):
+        two.merge(three)

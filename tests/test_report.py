@@ -144,3 +144,25 @@ def test_reports_and_statistics_compare_by_value() -> None:
     r2 = precisebn.recalibrate(copy.deepcopy(model), data, forward=forward)
     assert r1 == r2 and r1["1"] == r2["1"] and dict(r1) == dict(r2)
     assert r1 != precisebn.recalibrate(copy.deepcopy(model), data[:2], forward=forward)
+
+
+@pytest.mark.parametrize("adapt", ["var", "mean", "both"])
+def test_the_footer_states_only_the_standard_errors_that_are_known(adapt: str) -> None:
+    """Found by a probe: with adapt="var" (the means not written: their error unknown, NaN) the footer read
+    "the means ±nanσ at worst" — or not, as max() over a NaN depends on the layers' order."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3))
+    r = precisebn.recalibrate(model, [torch.randn(8, 3) + 2 for _ in range(4)], adapt=adapt)
+    footer = str(r).splitlines()[-1]
+    assert "nan" not in footer.lower()
+    means = max(row.se_mean_median for row in r.layers) if adapt != "var" else None
+    if adapt == "mean":
+        said = f"median standard error of the new means (jackknife over batches): the means ±{means:.2g}σ at worst"
+        assert footer == said
+        return
+    worst = max(r.layers, key=lambda row: row.se_var_median)
+    assert footer.startswith(
+        "±var: median standard error of the new variance (jackknife over batches); "
+        f"worst layer {worst.name!r} ±{100 * worst.se_var_median:.2g}%"
+    )
+    assert footer.endswith(f", the means ±{means:.2g}σ at worst" if means is not None else "%")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["format_table"]
+__all__ = ["format_table", "times"]
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int] | None = None) -> str:
@@ -25,3 +25,8 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: se
         return "  ".join(cells).rstrip()
 
     return "\n".join([fmt(header), "  ".join("-" * w for w in widths), *(fmt(row) for row in rows)])
+
+
+def times(k: int) -> str:
+    """``once``, ``twice``, ``3 times``..."""
+    return {1: "once", 2: "twice"}.get(k, f"{k} times")

@@ -73,6 +73,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._table import times
 from .errors import InvalidArgumentError, UnsupportedLayerError
 from .layercall import LayerCall, layout_of, reach, verified_size
 from .layers import RecalibrationState, ScratchGroup
@@ -84,7 +85,7 @@ from .watch import TOLERANCE, discrepancies, moments_of
 
 logger = logging.getLogger("precisebn")
 
-__all__ = ["Collector", "times"]
+__all__ = ["Collector"]
 
 _COUNT_CACHE = 16  # distinct per-layer count combinations kept on the device
 
@@ -893,11 +894,6 @@ def _kernels_bump_versions(device: torch.device) -> bool:
             torch.nn.functional.batch_norm(x, flat[0], flat[1], training=True, momentum=1.0)
             _BUMPS[device.type] = flat._version != before
     return _BUMPS[device.type]
-
-
-def times(k: int) -> str:
-    """``once``, ``twice``, ``3 times``..."""
-    return {1: "once", 2: "twice"}.get(k, f"{k} times")
 
 
 class _Group:

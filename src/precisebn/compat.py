@@ -126,7 +126,6 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
     def selected(name: str, module: nn.Module) -> bool:
         return isinstance(module, _BatchNorm)
 
-
     def forward(m: nn.Module, batch: Any) -> Any:  # torch's: the first element of a tuple/list, else the batch
         x = batch[0] if isinstance(batch, (list, tuple)) else batch
         return m(x.to(device) if device is not None and hasattr(x, "to") else x)

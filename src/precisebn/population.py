@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ._equality import equal_fields, hash_fields
 from ._optional import require
+from ._table import times
 from ._version import __version__
 from .errors import InvalidArgumentError, MissingFileError, StatsMismatchError
 from .files import atomic_path
@@ -204,7 +205,27 @@ class PopulationStats(Mapping[str, LayerStats]):
         for stats in inputs:
             for name, layer in stats.items():
                 layers.setdefault(name, []).append(layer)
-        both = sorted({n.rpartition(".calls.")[0] for n in layers if ".calls." in n} & set(layers))
+        calls_of: dict[str, dict[int, set[int]]] = {}  # per layer kept per call: per input, its call indices
+        for k, stats in enumerate(inputs):
+            for name in stats:
+                head, _, index = name.rpartition(".")
+                if index.isdigit() and (head == "calls" or head.endswith(".calls")):  # "<layer>.calls.<i>"
+                    calls_of.setdefault(head[:-6].removesuffix("."), {}).setdefault(k, set()).add(int(index))
+        for base in calls_of.keys() & layers.keys():  # an input that never reached it holds no data of it
+            if all(part.count == 0 for part in layers[base]):
+                del layers[base]
+        for base, per_input in sorted(calls_of.items()):
+            (first, calls), *rest = per_input.items()
+            other = next(((k, c) for k, c in rest if c != calls), None)
+            if other is not None:
+                raise StatsMismatchError(
+                    f"PopulationStats.merge: layer {base or '(model)'!r} was called {times(len(calls))} per forward "
+                    f"in input {first} but {times(len(other[1]))} in input {other[0]} (per-call statistics "
+                    f"'{base + '.' if base else ''}calls.<i>': statistics i are those of call i). estimate() refuses "
+                    "such data as one; "
+                    "estimate every part with the same calls per forward, or without per_call to pool them all."
+                )
+        both = sorted(calls_of.keys() & layers.keys())
         if both:
             raise StatsMismatchError(
                 f"PopulationStats.merge: layer {both[0]!r} is pooled over its calls in some inputs and kept per "

@@ -474,7 +474,7 @@ def apply(model: nn.Module, stats: PopulationStats, *, prior: float | None = Non
     if others:  # (statistics of another model, or of some layers: said, as the report lists only those written)
         shown = ", ".join(map(repr, others[:5])) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
         logger.warning(
-            "precisebn: %d of the model's normalization layers have no statistics in the file and keep theirs: %s",
+            "precisebn: %d of the model's normalization layers have no statistics in those applied and keep theirs: %s",
             len(others),
             shown,
         )

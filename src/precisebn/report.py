@@ -315,14 +315,19 @@ class Report(Mapping[str, LayerReport]):
             f"{self.batches} batches, {self.seconds:.2f} s, mode={self.mode!r}"
             + (f", {self.world_size} ranks" if self.world_size > 1 else "")
         )
-        worst = [(r.se_var_median, r.se_mean_median, r.name) for r in self.layers if math.isfinite(r.se_var_median)]
-        if worst:
-            se_var, _, name = max(worst)
-            se_mean = max(w[1] for w in worst)
+        # (each error where it is known: adapt="var" writes no mean, whose error is then unknown — NaN, which
+        # max() would show or hide by the layers' order — and adapt="mean" no variance)
+        se_vars = [(r.se_var_median, r.name) for r in self.layers if math.isfinite(r.se_var_median)]
+        se_means = [r.se_mean_median for r in self.layers if math.isfinite(r.se_mean_median)]
+        means = f"the means ±{max(se_means):.2g}σ at worst" if se_means else ""
+        if se_vars:
+            se_var, name = max(se_vars)
             lines.append(
                 f"±var: median standard error of the new variance (jackknife over batches); worst layer "
-                f"{name or '(model)'!r} ±{100 * se_var:.2g}%, the means ±{se_mean:.2g}σ at worst"
+                f"{name or '(model)'!r} ±{100 * se_var:.2g}%" + (f", {means}" if means else "")
             )
+        elif means:
+            lines.append(f"median standard error of the new means (jackknife over batches): {means}")
         pooled = self.pooled_calls
         if pooled:
             shown = ", ".join(repr(n or "(model)") for n in pooled[:3]) + (

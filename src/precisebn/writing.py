@@ -17,8 +17,8 @@ import zlib
 import torch
 from torch import nn
 
+from ._table import times as _times
 from .adapt import WRITTEN, Adapt, with_prior
-from .capture import times as _times
 from .errors import StatsMismatchError
 from .layers import has_running_stats, refuse_shared_buffers
 from .population import PopulationStats
