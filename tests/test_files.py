@@ -279,3 +279,30 @@ def test_the_temporary_file_stays_writable_until_it_is_committed(tmp_path, umask
     finally:
         os.umask(old)
     assert target.read_text() == "new" and stat.S_IMODE(target.stat().st_mode) == 0o444
+
+
+@pytest.mark.parametrize("length", [243, 255])
+def test_the_longest_file_names_are_written_and_their_stale_temporaries_removed(tmp_path, length: int) -> None:
+    """Found by a probe: a legal 243-byte name was accepted up front, then failed at the write ("File name too
+    long"), after all the work, as its temporary added about 30 bytes: the temporaries now take a shortened name."""
+    name = "é" * ((length - 3) // 2) + "a" * ((length - 3) % 2) + ".pt"  # (2-byte characters: cut by bytes)
+    assert len(os.fsencode(name)) == length
+    target = tmp_path / name
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with atomic_path(target) as tmp:
+        assert len(os.fsencode(tmp.name)) + len(".old") <= 255
+        stale = tmp.with_name(tmp.name.replace(f"-{os.getpid()}-", f"-{dead.pid}-"))
+        tmp.write_text("first")
+    stale.write_text("left by a SIGKILL")
+    with atomic_path(target) as tmp:  # (replacing the first: with a backup, .old.tmp)
+        tmp.write_text("second")
+    assert _names(tmp_path) == [name]
+    assert target.read_text() == "second"
+
+
+def test_a_file_name_longer_than_a_file_name_can_be_is_refused_up_front(tmp_path) -> None:
+    plan = OutputPlan()
+    with pytest.raises(InvalidArgumentError, match=r"--out '.*': its file name is 256 bytes long, more than the 255"):
+        plan.add("--out", tmp_path / ("a" * 253 + ".pt"))
+    assert _names(tmp_path) == []

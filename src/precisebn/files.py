@@ -42,6 +42,17 @@ __all__ = ["OutputPlan", "atomic_path", "real_path"]
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 _MARK = ".precisebn-"
+_NAME_MAX = 255  # bytes in a file name: the limit of ext4, xfs, btrfs, tmpfs, APFS and NTFS (UTF-16 units there)
+_OWN = 7 + 1 + 8 + len(".old.tmp")  # what a temporary adds after its prefix: a process id, a token, the suffix
+
+
+def _prefix(target: Path) -> str:
+    """``.NAME.precisebn-``, the start of ``target``'s temporaries, ``NAME`` cut short where a temporary would be
+    longer than a file name can be (a legal 243-byte name failed at the write, after all the work)."""
+    name = target.name
+    while name and len(os.fsencode(f".{name}{_MARK}")) + _OWN > _NAME_MAX:
+        name = name[:-1]
+    return f".{name}{_MARK}"
 
 
 def real_path(path: str | os.PathLike[str]) -> Path:
@@ -105,7 +116,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _remove_stale_temporaries(target: Path) -> None:
     """Removes ``.NAME.precisebn-PID-*.tmp`` (and ``*.old.tmp`` backups) left by a killed run whose process is gone."""
-    pattern = re.compile(re.escape(f".{target.name}{_MARK}") + r"(\d+)-[0-9a-f]+(?:\.old)?\.tmp")  # (and backups)
+    pattern = re.compile(re.escape(_prefix(target)) + r"(\d+)-[0-9a-f]+(?:\.old)?\.tmp")  # (and backups)
     with contextlib.suppress(OSError), os.scandir(target.parent) as entries:
         for entry in entries:
             found = pattern.fullmatch(entry.name)
@@ -176,6 +187,11 @@ class OutputPlan:
             break
         if text.endswith((os.sep, "/")) or (os.altsep and text.endswith(os.altsep)):
             raise InvalidArgumentError(f"{label} {text!r} names a folder (it ends with a slash); give a file path.")
+        if len(os.fsencode(real.name)) > _NAME_MAX:
+            raise InvalidArgumentError(
+                f"{label} {text!r}: its file name is {len(os.fsencode(real.name))} bytes long, more than the "
+                f"{_NAME_MAX} a file name can have; give a shorter one."
+            )
         for other, (other_text, other_real) in self.inputs.items():
             if other != replaces and _same(real, other_real):
                 in_place = other in self._replaces.values()
@@ -255,7 +271,7 @@ class OutputPlan:
     def _renamed(self, exc: OSError) -> OSError:
         name = Path(os.fspath(exc.filename)).name if exc.filename else ""
         for text, target in self.outputs.values():
-            if name.startswith(f".{target.name}{_MARK}"):
+            if name.startswith(_prefix(target)):
                 return OSError(exc.errno, exc.strerror, text)
         return exc
 
@@ -329,7 +345,7 @@ def _make_parents(folder: Path) -> list[Path]:
 
 def _mkstemp(target: Path) -> tuple[int, str]:
     for _ in range(100):
-        name = target.with_name(f".{target.name}{_MARK}{os.getpid()}-{secrets.token_hex(4)}.tmp")
+        name = target.with_name(f"{_prefix(target)}{os.getpid()}-{secrets.token_hex(4)}.tmp")
         try:
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
