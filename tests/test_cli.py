@@ -500,6 +500,20 @@ class WithExtraState(nn.Module):
 
     def set_extra_state(self, state):
         self.scale = state["scale"]
+
+
+class Unsaved(nn.BatchNorm2d):
+    # running statistics kept out of the state_dict (as some export code does)
+    def __init__(self, c):
+        super().__init__(c)
+        mean, var = self._buffers.pop("running_mean"), self._buffers.pop("running_var")
+        self.register_buffer("running_mean", mean, persistent=False)
+        self.register_buffer("running_var", var, persistent=False)
+
+
+def with_unsaved():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), Unsaved(4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
 '''
 
 
@@ -1320,3 +1334,33 @@ def test_layers_named_as_the_model_names_them_whatever_the_checkpoints_prefix(ti
         written = torch.load(f"out_{ckpt}", weights_only=True)
         changed = {k for k in written if not torch.equal(written[k], sd[k[len(prefix) :]])}
         assert changed == {f"{prefix}model.bn.running_mean", f"{prefix}model.bn.running_var"}, ckpt
+
+
+def test_layers_whose_statistics_are_not_saved_are_left_out_up_front(tiny, work, capsys):
+    """Found by a probe: a layer whose running buffers are registered persistent=False was recalibrated with
+    the rest, then the write failed ("unexpected KeyError: '1.running_mean'") after all the passes. It is left
+    out, with a warning, and the others are written; named in --layers, it is refused before any pass."""
+    import cli_tiny
+
+    model = cli_tiny.with_unsaved()
+    source, out = work["dir"] / "unsaved.pt", work["dir"] / "unsaved_out.pt"
+    torch.save(model.state_dict(), source)
+    args = ["recalibrate", str(source), "--model", "cli_tiny:with_unsaved", "--data", "cli_tiny:batches",
+            "--out", str(out), "--num-samples", "all", "--no-progress", "--device", "cpu"]  # fmt: skip
+    assert main(args) == 0
+    assert "layer(s) '1' keep their running statistics out of the model's state_dict" in capsys.readouterr().err
+    written = torch.load(out, weights_only=True)
+    truth = compute_truth(model, cli_tiny.batches(), select=lambda name, m: name == "3")["3"]  # ('1' in eval mode)
+    assert max_rel_error(written["3.running_mean"], truth.mean, truth.var.sqrt()) < 1e-5
+    assert max_rel_error(written["3.running_var"], truth.var) < 1e-5
+    assert sorted(written) == sorted(model.state_dict())
+    out.unlink()
+    calls = []
+    cli_tiny_batches = cli_tiny.batches
+    try:
+        cli_tiny.batches = lambda: calls.append(1) or cli_tiny_batches()
+        assert main([*args, "--layers", "1,3"]) != 0
+    finally:
+        cli_tiny.batches = cli_tiny_batches
+    assert "--layers '1': these layers keep their running statistics out" in capsys.readouterr().err
+    assert calls == [] and not out.exists()

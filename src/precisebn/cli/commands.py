@@ -251,6 +251,48 @@ def _layer_selection(patterns: list[str] | None, prefix: str = "", names: set[st
     return _Patterns(patterns)
 
 
+class _Saved:
+    """A ``--layers`` selection without the layers whose running statistics the checkpoint cannot hold."""
+
+    def __init__(self, selection: Any, unsaved: set[str]) -> None:
+        self.selection, self.unsaved = selection, unsaved
+
+    def __call__(self, name: str, module: Any) -> bool:
+        return name not in self.unsaved and (self.selection is None or self.selection(name, module))
+
+    def __repr__(self) -> str:
+        return repr(self.selection) if self.selection is not None else "every layer saved in checkpoints"
+
+
+def _saved_layers(model: Any, selection: Any) -> Any:
+    """``selection`` less the normalization layers whose running buffers are not in ``model.state_dict()``
+    (registered ``persistent=False``): their new statistics could not be written, and a probe's run failed with
+    a KeyError after all the passes. Named in ``--layers``: refused up front; otherwise left out, with a warning."""
+    from ..layers import has_running_stats
+
+    saved = set(model.state_dict())
+    unsaved = {
+        name
+        for name, m in model.named_modules()
+        if has_running_stats(m)
+        and not all((f"{name}.{b}" if name else b) in saved for b in ("running_mean", "running_var"))
+    }
+    if not unsaved:
+        return selection
+    shown = ", ".join(map(repr, sorted(unsaved)[:5])) + (f" and {len(unsaved) - 5} more" if len(unsaved) > 5 else "")
+    why = "keep their running statistics out of the model's state_dict (buffers registered persistent=False)"
+    if isinstance(selection, list):
+        named = sorted(set(selection) & unsaved)
+        if named:
+            raise InvalidArgumentError(
+                f"--layers {', '.join(map(repr, named))}: these layers {why}, so a checkpoint cannot hold their new "
+                "statistics. Leave them out of --layers, or recalibrate them with the library (precisebn.recalibrate)."
+            )
+        return selection
+    print(f"precisebn: warning: layer(s) {shown} {why}; a checkpoint cannot hold them: left out.", file=sys.stderr)
+    return _Saved(selection, unsaved)
+
+
 def _say_others(ckpt: Any) -> None:
     """Names the checkpoint's other state_dicts (e.g. timm's EMA weights), which are left as they are."""
     if ckpt.others:
@@ -282,6 +324,7 @@ def run_recalibrate(args: argparse.Namespace) -> int:
     _say_others(ckpt)
     model = resolve_model(args.model, args.model_kwargs_parsed)
     prefix = load_into(model, ckpt)
+    layers = _saved_layers(model, _layer_selection(args.layers, prefix, {name for name, _ in model.named_modules()}))
     model.to(device)
 
     preprocessing = None
@@ -332,7 +375,7 @@ def run_recalibrate(args: argparse.Namespace) -> int:
             capture=args.capture,
             prior=args.prior,
             adapt=args.adapt,
-            layers=_layer_selection(args.layers, prefix, {name for name, _ in model.named_modules()}),
+            layers=layers,
             device=device,
             progress=progress,
             forward=_forward,
