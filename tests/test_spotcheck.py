@@ -477,3 +477,41 @@ def _check_the_probes_channels_last_case() -> None:
     stats = precisebn.estimate(model, batches, num_samples="all")["0"]
     assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) <= TOLERANCE[torch.float32]
     assert max_rel_error(stats.var, truth.var) <= TOLERANCE[torch.float32]
+
+
+class GradInForward(nn.Module):
+    """Linear-BatchNorm blocks whose forward runs with autograd on (test-time adaptation computes gradients in
+    the forward: TENT), or under forward-mode AD (a dual input, its primal returned)."""
+
+    def __init__(self, how: str, blocks: int = 12) -> None:
+        super().__init__()
+        self.how = how
+        self.net = nn.Sequential(
+            *[m for _ in range(blocks) for m in (nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU())]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "forward AD":
+            import torch.autograd.forward_ad as fwAD
+
+            with fwAD.dual_level():
+                return fwAD.unpack_dual(self.net(fwAD.make_dual(x, torch.ones_like(x)))).primal
+        with torch.enable_grad():
+            return self.net(x.requires_grad_(self.how == "input requires grad"))
+
+
+@pytest.mark.parametrize("how", ["enable_grad", "input requires grad", "forward AD"])
+def test_checks_made_inside_a_forward_with_autograd_on_stay_out_of_its_graph(how: str) -> None:
+    """Found by a probe: with autograd on in the model's forward, the checks made while it ran (the workspace
+    filling mid-forward: 12 layers of 512 values) copied what a layer normalised into the workspace with its
+    graph, and raised "sum(): functions with out=... arguments don't support automatic differentiation" (under
+    forward-mode AD a NotImplementedError): a raw error where plain torch runs."""
+    torch.manual_seed(0)
+    model = GradInForward(how)
+    data = [torch.randn(512, 64) for _ in range(2)]
+    truth = compute_truth(model, [x.clone() for x in data])
+    stats = precisebn.estimate(model, data)
+    assert {s.path for s in stats.values()} == {"fast"}
+    for name, t in truth.items():
+        assert max_rel_error(stats[name].mean, t.mean, t.var.sqrt()) <= 1e-5, name
+        assert max_rel_error(stats[name].var, t.var) <= 1e-5, name

@@ -236,6 +236,7 @@ def _copy_checked(t: Tensor, step: int, k: int, into: Tensor) -> None:
     """Copies the ``k`` checked channels of ``t`` (channels in dimension 1, every ``step``-th
     from the first), channel after channel, into the float64 vector ``into``: one kernel,
     whatever ``t``'s strides and storage offset."""
+    t = t.detach()  # (a forward under enable_grad or forward-mode AD: the copy must not join its graph)
     shape = (k, t.shape[0], *t.shape[2:])  # channels first: one segment per channel
     strides = t.stride()
     source = t.as_strided(shape, (strides[1] * step, strides[0], *strides[2:]), t.storage_offset())
