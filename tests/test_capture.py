@@ -421,3 +421,42 @@ def test_qat_conv_bn_is_measured_with_its_own_statistics_folded_in() -> None:
     batches = [torch.randn(4, 3, 10, 10) for _ in range(4)]
     truth = frozen_truth(model, batches)
     check_against_truth(precisebn.estimate(model, batches), truth)
+
+
+class InferenceInForward(nn.Module):
+    """A forward that runs its layers under ``torch.inference_mode()``."""
+
+    def __init__(self, spatial: bool) -> None:
+        super().__init__()
+        self.layer = nn.Conv2d(3, 8, 3, padding=1) if spatial else nn.Linear(4, 8)
+        self.bn = nn.BatchNorm2d(8) if spatial else nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.bn(self.layer(x))
+
+
+def test_layers_run_in_inference_mode_by_the_forward_are_exact_and_leave_nothing_behind() -> None:
+    """Found by a probe: what precisebn kept of a layer's call made in inference mode (its float64 moments, the
+    checks' workspace) were inference tensors, written later outside it: a raw "Inplace update to inference
+    tensor outside InferenceMode" (an (N, C) layer whose second batch was larger than the first), and the
+    workspace kept for the next pass made every later estimate() in the process fail, on any model."""
+    from precisebn import spotcheck
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    cases = [
+        (InferenceInForward(False), [torch.randn(8, 4, generator=g) + 3, torch.randn(512, 4, generator=g) * 3 + 5]),
+        (InferenceInForward(True), [torch.randn(4, 3, 10, 10, generator=g) * 2 + 1 for _ in range(3)]),
+    ]
+    for model, data in cases:
+        truth = compute_truth(model, data)["bn"]
+        stats = precisebn.estimate(model, data)["bn"]
+        assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) <= 1e-5
+        assert max_rel_error(stats.var, truth.var) <= 1e-5
+        assert not any(w.is_inference() for w in spotcheck._spare)
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))  # a later pass on another model
+    data = cases[1][1]
+    truth = compute_truth(plain, data)["1"]
+    stats = precisebn.estimate(plain, data)["1"]
+    assert max_rel_error(stats.var, truth.var) <= 1e-5

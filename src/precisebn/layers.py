@@ -465,7 +465,14 @@ class RecalibrationState:
         previous = module.__dict__.get("forward", _NO_FORWARD)
         forward = module.forward
 
+        def inferring(*args: Any, **kwargs: Any) -> Any:
+            with torch.inference_mode():
+                return forward(*args, **kwargs)
+
         def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if torch.is_inference_mode_enabled():  # the model's forward runs the layer in inference mode: so
+                with torch.inference_mode(False):  # does the layer, but what `call` keeps (figures, moments, the
+                    return call(inferring, args, kwargs)  # workspace) must stay writable outside it
             return call(forward, args, kwargs)
 
         self._wrapped.append((module, previous))

@@ -92,11 +92,12 @@ def _take_workspace(size: int) -> Tensor:
     with _spare_lock:
         if _spare and _spare[0].numel() == size:
             return _spare.pop()
-    return torch.empty(size, dtype=torch.float64)
+    with torch.inference_mode(False):
+        return torch.empty(size, dtype=torch.float64)
 
 
 def _give_back(workspace: Tensor) -> None:
-    if workspace.numel() == CAPACITY:
+    if workspace.numel() == CAPACITY and not workspace.is_inference():  # (one would fail every later pass)
         with _spare_lock:
             if not _spare or _spare[0].numel() != CAPACITY:  # (one of an earlier CAPACITY is dropped)
                 _spare[:] = [workspace]
