@@ -460,3 +460,28 @@ def test_layers_run_in_inference_mode_by_the_forward_are_exact_and_leave_nothing
     truth = compute_truth(plain, data)["1"]
     stats = precisebn.estimate(plain, data)["1"]
     assert max_rel_error(stats.var, truth.var) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["pass-through TorchDispatchMode", "FlopCounterMode"])
+def test_estimate_inside_a_torch_dispatch_mode_is_exact(mode: str) -> None:
+    """Found by a probe: inside a TorchDispatchMode (torch's FlopCounterMode, a profiling tool's mode) the reset of
+    the layers' counters after each batch bumps no version counter; counted as one, every layer was refused as
+    "called 3 times, but its forward computed batch statistics 0 times"."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8))
+    g = torch.Generator().manual_seed(2)
+    data = [torch.randn(4, 3, 10, 10, generator=g) * 2 + 1 for _ in range(3)]
+    truth = compute_truth(model, data)
+    with PassThrough() if mode.startswith("pass") else FlopCounterMode(display=False):
+        stats = precisebn.estimate(model, data)
+    for name in ("1", "4"):
+        assert stats[name].path == "fast"
+        assert max_rel_error(stats[name].mean, truth[name].mean, truth[name].var.sqrt()) <= 1e-5
+        assert max_rel_error(stats[name].var, truth[name].var) <= 1e-5

@@ -527,8 +527,12 @@ class Collector:
         for scratch in self._scratch:  # what the next batch reads before a layer's first call
             scratch.reset()
         if self._counter_list:  # each batch shows a layer the counts the verified one did (a forward may use them)
+            first = self._counter_list[0]
+            before = first._version
             torch._foreach_zero_(self._counter_list)
-            self._resets += 1
+            # (what a reset adds to each counter's version: 1, but 0 under a TorchDispatchMode, where the foreach
+            # kernel bumps none — counted as 1, every layer was refused as never computing batch statistics)
+            self._resets += first._version - before
             for buffers, counter in self._counter_homes:  # (host only) also to one that replaces its counter
                 if buffers.get("num_batches_tracked") is not counter:
                     buffers["num_batches_tracked"] = counter
