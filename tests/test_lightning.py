@@ -748,3 +748,28 @@ def test_true_precision_batches_are_converted_as_training_batches(tmp_path: Path
     truth = compute_truth(model, [x.to(dtype)])[BN]
     tolerance = 1e-9 if dtype == torch.float64 else 1e-2
     assert max_rel_error(model.net[1].running_var, truth.var) < tolerance
+
+
+def test_batches_are_transferred_in_the_training_stage_whatever_triggers_the_computation(
+    tmp_path: Path, float64_truth: Any
+) -> None:
+    """Found by a probe: augmentation in on_after_batch_transfer under `if self.trainer.training` (Lightning's
+    documented place for it) applied to a computation triggered by a checkpoint, not to one triggered before
+    validation (the trainer validating then): the statistics validation ran with were those of un-augmented
+    batches, 0.68 σ off here; a checkpoint at the same step held the others."""
+    x, y = make_data()
+    stages: list[tuple[bool, bool]] = []
+
+    class Augmented(TinyNet):
+        def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+            stages.append((self.trainer.training, self.trainer.validating))
+            if self.trainer.training:
+                return batch[0] * 2 + 1, batch[1]
+            return batch
+
+    precise = PreciseBN(num_samples="all")
+    model = Augmented()
+    make_trainer(tmp_path, max_epochs=1, callbacks=[precise]).fit(model, loader(x, y), loader(x, y))
+    assert precise.computations == 1
+    assert_precise(float64_truth, model.validated[0][1], 2 * x + 1)
+    assert (False, True) in stages  # (validation batches themselves: not augmented, not changed by precisebn)

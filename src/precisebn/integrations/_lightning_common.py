@@ -178,11 +178,20 @@ class _Recalibrator:
         convert = getattr(trainer.precision_plugin, "convert_input", None)
 
         def move(batch: Any) -> Any:
-            if convert is not None:
-                batch = convert(batch)
-            if before is not None:
-                batch = before(batch, dataloader_idx=0)
-            return trainer.strategy.batch_to_device(batch)
+            # in the training stage, whatever triggered the computation: the transfer hooks see
+            # trainer.training (Lightning's documented place for GPU augmentation is on_after_batch_transfer under
+            # `if self.trainer.training`: a computation before validation measured un-augmented batches, one before
+            # a checkpoint augmented ones)
+            stage = trainer.state.stage
+            trainer.training = True
+            try:
+                if convert is not None:
+                    batch = convert(batch)
+                if before is not None:
+                    batch = before(batch, dataloader_idx=0)
+                return trainer.strategy.batch_to_device(batch)
+            finally:
+                trainer.state.stage = stage
 
         return MappedBatches(fresh_batches(source), move)
 
