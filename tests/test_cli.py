@@ -1364,3 +1364,23 @@ def test_layers_whose_statistics_are_not_saved_are_left_out_up_front(tiny, work,
         cli_tiny.batches = cli_tiny_batches
     assert "--layers '1': these layers keep their running statistics out" in capsys.readouterr().err
     assert calls == [] and not out.exists()
+
+
+def test_a_checkpoint_in_another_dtype_than_the_model_built_is_said(tiny, work, capsys):
+    """Found by a probe: a float64 checkpoint loaded into the float32 modules --model builds was converted, the
+    passes measured that float32 copy, and its statistics (2.6e-7 from the float64 model's) went into the
+    float64 buffers without a word."""
+    import cli_tiny
+
+    model = cli_tiny.WithExtraState()
+    out = work["dir"] / "dtype_out.pt"
+    for dtype, said in ((torch.float64, True), (torch.float32, False)):
+        source = work["dir"] / f"{dtype}.pt"
+        torch.save(model.to(dtype).state_dict(), source)
+        args = ["recalibrate", str(source), "--model", "cli_tiny:WithExtraState", "--data", "cli_tiny:batches",
+                "--out", str(out), "--num-samples", "all", "--no-progress", "--device", "cpu"]  # fmt: skip
+        assert main(args) == 0
+        err = capsys.readouterr().err
+        assert ("6 tensors of the checkpoint (e.g. 'conv.weight') are float64, but the model --model builds holds "
+                "them as float32") in err if said else "converted on loading" not in err  # fmt: skip
+        assert torch.load(out, weights_only=True)["bn.running_var"].dtype == dtype

@@ -293,6 +293,31 @@ def _saved_layers(model: Any, selection: Any) -> Any:
     return _Saved(selection, unsaved)
 
 
+def _say_dtypes(model: Any, ckpt: Any, prefix: str) -> None:
+    """Warns where the checkpoint's floating-point tensors have another dtype than the modules ``--model``
+    built: loading converted them, and the passes run the model as built (a probe: a float64 checkpoint got the
+    statistics of its float32 copy, 2.6e-7 from its own, written into its float64 buffers without a word)."""
+    import torch
+
+    differ: dict[tuple[Any, Any], list[str]] = {}
+    for name, t in model.state_dict().items():
+        held = ckpt.state_dict.get(prefix + name)
+        floating = isinstance(t, torch.Tensor) and isinstance(held, torch.Tensor) and t.is_floating_point()
+        if floating and held.is_floating_point() and held.dtype != t.dtype:
+            differ.setdefault((held.dtype, t.dtype), []).append(prefix + name)
+    for (saved, built), names in differ.items():
+        saved_name, built_name = (str(d).removeprefix("torch.") for d in (saved, built))
+        are = "is" if len(names) == 1 else "are"
+        print(
+            f"precisebn: warning: {_plural(len(names), 'tensor')} of the checkpoint (e.g. {names[0]!r}) {are} "
+            f"{saved_name}, but the model --model builds holds {'it' if len(names) == 1 else 'them'} as "
+            f"{built_name}: converted on loading, so the passes measure the {built_name} model (its statistics, "
+            f"written back as {saved_name}). For the {saved_name} model's, build it in {saved_name} (e.g. a "
+            f"factory ending in .to(torch.{saved_name}), its forward converting the inputs).",
+            file=sys.stderr,
+        )
+
+
 def _say_others(ckpt: Any) -> None:
     """Names the checkpoint's other state_dicts (e.g. timm's EMA weights), which are left as they are."""
     if ckpt.others:
@@ -324,6 +349,7 @@ def run_recalibrate(args: argparse.Namespace) -> int:
     _say_others(ckpt)
     model = resolve_model(args.model, args.model_kwargs_parsed)
     prefix = load_into(model, ckpt)
+    _say_dtypes(model, ckpt, prefix)
     layers = _saved_layers(model, _layer_selection(args.layers, prefix, {name for name, _ in model.named_modules()}))
     model.to(device)
 
