@@ -1384,3 +1384,27 @@ def test_a_checkpoint_in_another_dtype_than_the_model_built_is_said(tiny, work, 
         assert ("6 tensors of the checkpoint (e.g. 'conv.weight') are float64, but the model --model builds holds "
                 "them as float32") in err if said else "converted on loading" not in err  # fmt: skip
         assert torch.load(out, weights_only=True)["bn.running_var"].dtype == dtype
+
+
+def test_no_output_goes_where_a_symlinked_folder_of_the_data_leads(tiny, work, capsys):
+    """Found by a probe: with a class folder of --data a symlink to a folder elsewhere, --report there was
+    accepted, and the next run of the same command read its PNG as a training image (6 samples became 7)."""
+    data, outside = work["dir"] / "imgs", work["dir"] / "outside"
+    data.mkdir()
+    outside.mkdir()
+    for image in sorted(tiny["images"].glob("*.png"))[:6]:
+        (outside / image.name).write_bytes(image.read_bytes())
+    (data / "cls").symlink_to(outside, target_is_directory=True)
+    out = work["dir"] / "out.pt"
+
+    def args(report: Path) -> list[str]:
+        given = _tiny_args(tiny, work["ckpt"], out, "--report", str(report))
+        return [str(data) if a == str(tiny["images"]) else a for a in given]
+
+    for report in (outside / "rep.json", data / "cls" / "rep.json"):
+        assert main(args(report)) == 2
+        err = capsys.readouterr().err
+        assert f"is inside the input folder --data (through {str(data / 'cls')!r})" in err
+        assert not out.exists() and sorted(p.name for p in outside.iterdir()) == [f"{i}.png" for i in range(6)]
+    assert main(args(work["dir"] / "rep.json")) == 0
+    assert "6 samples" in capsys.readouterr().out  # (the linked folder's images are read)

@@ -37,6 +37,7 @@ __all__ = [
     "Preprocessing",
     "batch_indices",
     "image_batches",
+    "linked_folders",
     "resolve_preprocessing",
 ]
 
@@ -287,6 +288,12 @@ def _walk(root: Path) -> Iterator[Path]:
     """Every non-hidden entry under ``root``, through symlinked folders (as torchvision's
     ``ImageFolder`` does), each real folder once, reached by its first path in sorted order; a
     link to a folder that holds ``root`` is not followed (it would bring in what is beside it)."""
+    for here, _, names in _folders(root):
+        yield from (Path(here) / name for name in names if not name.startswith("."))
+
+
+def _folders(root: str | os.PathLike[str]) -> Iterator[tuple[str, str, list[str]]]:
+    """The folders :func:`_walk` reads: ``(path as reached, real path, entries)``."""
     seen: set[str] = set()
     top = os.path.realpath(root)
     for here, folders, names in os.walk(root, followlinks=True):
@@ -296,7 +303,14 @@ def _walk(root: Path) -> Iterator[Path]:
             continue
         seen.add(real)
         folders[:] = sorted(f for f in folders if not f.startswith("."))  # (the first way to a linked folder: fixed)
-        yield from (Path(here) / name for name in names if not name.startswith("."))
+        yield here, real, names
+
+
+def linked_folders(root: str | os.PathLike[str]) -> dict[str, str]:
+    """The folders outside ``root`` that reading it as an image folder reads, through symlinked folders:
+    ``{path as reached: real path}`` (an output there would be read as data by the next run)."""
+    top = Path(os.path.realpath(root))
+    return {here: real for here, real, _ in _folders(root) if not Path(real).is_relative_to(top)}
 
 
 def _load_rgb(path: str) -> Any:

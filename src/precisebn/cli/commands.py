@@ -157,6 +157,10 @@ def check_recalibrate(args: argparse.Namespace) -> Any:
     from ..specs import parse_kwargs
 
     folders = {"--data": Path(args.data)} if Path(args.data).is_dir() else {}
+    if folders:  # (and the folders its symlinked folders lead to: a probe's --report went into one, read next time)
+        from ..images import linked_folders
+
+        folders.update({f"--data (through {here!r})": Path(real) for here, real in linked_folders(args.data).items()})
     plan = _plan_checkpoint_output(args, {"CHECKPOINT": args.checkpoint, **_sources(args)}, folders)
     if args.report is not None:
         if args.report.suffix.lower() == ".png":
