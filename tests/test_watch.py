@@ -592,3 +592,42 @@ def test_buffers_kept_from_the_first_call_are_followed_in_later_watched_calls(ke
     assert stats.count == truth.count
     assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
     assert max_rel_error(stats.var, truth.var) < 1e-6
+
+
+class HidesItsCall(nn.BatchNorm2d):
+    """torch's BatchNorm forward run with torch functions disabled for tensor subclasses (as code wrapped for
+    tracing does): it normalises with its running buffers, out of sight of precisebn's watch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch._C.DisableTorchFunctionSubclass():
+            return super().forward(x)
+
+
+class HidesItsChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3), BatchNormAct2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.bn(self.conv(x))
+
+
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+@pytest.mark.parametrize("where", ["its own forward", "its parent's"])
+def test_a_layer_whose_normalization_is_hidden_from_the_watch_is_refused(where: str, capture: str) -> None:
+    """Found by a probe: under torch._C.DisableTorchFunctionSubclass() the watch sees no normalization, and a
+    layer that normalised with its running buffers was reported "buffers never used (kept)", its statistics
+    (5.0 and 9.0 where the data gave -0.27 and 1.29) kept. Its num_batches_tracked, which torch's forward
+    increments when it normalises with batch statistics, moved: it is refused by name."""
+    from conftest import assert_unchanged, state_snapshot
+    from precisebn.errors import UnsupportedLayerError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), HidesItsCall(8)) if where == "its own forward" else HidesItsChild()
+    name = "1" if where == "its own forward" else "bn"
+    data = [torch.randn(4, 3, 10, 10) * 2 + 1 for _ in range(3)]
+    before = state_snapshot(model)
+    with pytest.raises(UnsupportedLayerError, match=rf"layer '{name}' \(\w+\) counted a call in its num_batches"):
+        precisebn.recalibrate(model, data, capture=capture)
+    assert_unchanged(model, before)

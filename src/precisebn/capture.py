@@ -242,6 +242,20 @@ class Collector:
             "The model was left unchanged."
         )
 
+    def _unseen(self, i: int) -> UnsupportedLayerError:
+        """Layer ``i`` counted a call in its ``num_batches_tracked`` (which torch's BatchNorm forward does when it
+        computes batch statistics), but precisebn saw it normalise nothing with its running buffers."""
+        layer = self.layers[i]
+        return UnsupportedLayerError(
+            f"layer {layer.name!r} ({layer.type_name}) counted a call in its num_batches_tracked, as torch's "
+            "BatchNorm forward does when it normalises with batch statistics, but precisebn saw no normalization "
+            "with its running buffers: its forward (or the code calling it) hides the call from precisebn's watch "
+            "— torch._C.DisableTorchFunctionSubclass() or DisableTorchFunction(), or a copy of running_mean "
+            "stripped of its class (as_subclass, _make_subclass) — so precisebn cannot tell what it normalised, "
+            "on either path. Call the layer without disabling torch functions, or exclude it with layers=. The "
+            "model was left unchanged."
+        )
+
     def _momentum_changed(self, i: int) -> UnsupportedLayerError:
         return self._refusal(
             i,

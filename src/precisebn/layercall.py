@@ -116,6 +116,19 @@ class LayerCall:
             )
         return out, watch.seen, not watch.frozen
 
+    def _counted_unseen(self, counter: Tensor | None, before: int) -> bool:
+        """After a watched call that normalised nothing precisebn saw: whether it still had its running buffers
+        and moved its ``num_batches_tracked`` (host integers), as torch's forward does when it normalises with
+        batch statistics — with those buffers, unless something took them away for the call (then it
+        normalised without them)."""
+        buffers = self.module._buffers
+        return (
+            counter is not None
+            and counter._version != before
+            and buffers.get("running_mean") is self.mean_view
+            and buffers.get("running_var") is self.var_view
+        )
+
     def stash(self, x: Tensor, j: int, inside: bool = False) -> int | None:
         """Before a call on the fast path (or verifying it) that is not the layer's usual first call
         of a batch: refuses too few values, and keeps the previous call's figures if the layer was
@@ -350,6 +363,8 @@ class LayerCall:
                     c.calls[i] += 1
                 else:
                     out, seen, _ = self.watched(forward, x, args, kwargs)
+                    if not seen and self._counted_unseen(counter, before):
+                        raise c._unseen(i)
                     if seen:  # (what can fail comes first: a call that raises leaves nothing counted)
                         n = sum(t.numel() // self.channels for t in seen)
                         c._keep((i, j if c.per_call else 0), moments_of(seen), n)  # type: ignore[arg-type]
@@ -399,6 +414,8 @@ class LayerCall:
         except BaseException:
             self.unstash(stashed)
             raise
+        if not seen and self._counted_unseen(counter, before):
+            raise c._unseen(i)
         trial = c._trials.get(i) or c._trials.setdefault(i, Trial(c.counts[i]))
         n = self.count(x, j)
         if c._guard and c._changed():  # its forward changed its buffers in place after normalising: not its figures
