@@ -329,3 +329,20 @@ def test_a_resumed_run_keeps_its_last_step() -> None:
     trigger.load_state_dict({"last_step": 7, "stale": False, "computations": 1})  # a checkpoint's, for a resume
     trigger.bind(model, [torch.randn(8, 4)])
     assert trigger.last_step == 7 and trigger.compute(7) is None
+
+
+def test_a_one_shot_iterator_without_data_is_refused_when_the_run_starts() -> None:
+    """Found by a probe: the refusal of an engine on a one-shot iterator came at the first computation, after a
+    whole epoch (50 iterations) had trained; it now comes when the run starts."""
+    model = make_model()
+    x, y = make_data(16)
+    trainer, _, losses, _ = engines(model)
+    PreciseBN(model).attach(trainer, Events.EPOCH_COMPLETED)
+
+    def stream() -> Any:
+        while True:
+            yield x, y
+
+    with pytest.raises(InvalidArgumentError, match=r"one-shot iterator \(generator\).*pass data="):
+        trainer.run(stream(), max_epochs=2, epoch_length=50)
+    assert trainer.state.iteration == 0 and losses == []

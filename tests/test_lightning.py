@@ -773,3 +773,19 @@ def test_batches_are_transferred_in_the_training_stage_whatever_triggers_the_com
     assert precise.computations == 1
     assert_precise(float64_truth, model.validated[0][1], 2 * x + 1)
     assert (False, True) in stages  # (validation batches themselves: not augmented, not changed by precisebn)
+
+
+@pytest.mark.parametrize("callback", ["PreciseBN", "PreciseWeightAveraging"])
+def test_several_training_loaders_without_data_are_refused_before_training(tmp_path: Path, callback: str) -> None:
+    """Found by a probe: with a dict of training dataloaders and no data=, the refusal came at the first
+    validation, after a whole epoch of training, and ended fit."""
+    from precisebn.errors import InvalidArgumentError
+    from precisebn.integrations.lightning import PreciseWeightAveraging
+
+    x, y = make_data()
+    model = TinyNet()
+    precise = PreciseBN(num_samples="all") if callback == "PreciseBN" else PreciseWeightAveraging()
+    trainer = make_trainer(tmp_path, max_epochs=1, callbacks=[precise])
+    with pytest.raises(InvalidArgumentError, match="several training dataloaders"):
+        trainer.fit(model, {"a": loader(x, y), "b": loader(x, y)}, loader(x, y))
+    assert model.losses == []

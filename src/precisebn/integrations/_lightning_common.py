@@ -156,6 +156,11 @@ class _Recalibrator:
         self.progress = progress
         self.log = log
 
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_start(trainer, pl_module)  # type: ignore[misc]
+        if self.data is None:  # none or several training dataloaders: said before training, not after an epoch
+            _training_loader(trainer)
+
     @property
     def _scheduler(self) -> PreciseBNScheduler | None:
         return self._trigger.scheduler

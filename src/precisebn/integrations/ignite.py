@@ -189,7 +189,15 @@ class PreciseBN(TriggerState):
         return engine.add_event_handler(event, self, steps)
 
     def _started(self, engine: Any) -> None:
-        """A run of the step engine starts: from iteration 0 (a new run), the last step means nothing."""
+        """A run of the step engine starts: from iteration 0 (a new run), the last step means nothing. Without
+        ``data``, an engine on a one-shot iterator is refused now, not at the first computation (a probe: after
+        the whole first epoch had trained)."""
+        if self._trigger.data is None:
+            self._data_engine = engine
+            try:
+                self._engine_data()
+            finally:
+                self._data_engine = None
         if int(engine.state.iteration) == 0:
             self._trigger.new_run()
 
