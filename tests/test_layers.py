@@ -414,3 +414,31 @@ def test_a_predicate_on_a_wrapped_model_is_asked_with_the_model_s_own_names() ->
         assert list(stats) == ["backbone.1"]
         parsed = precisebn.estimate(wrapped, data, layers=lambda name, module: name.split(".")[0] == "head")
         assert list(parsed) == ["head.1"]
+
+
+def test_a_parametrized_running_buffer_is_refused_with_a_remedy_that_works() -> None:
+    """Found by a probe: for a running_var under a parametrization the refusal said `del layer.running_var`,
+    which raises (a parametrized attribute is a property, with no deleter); it now names
+    remove_parametrizations, and that remedy is checked to work."""
+    from torch.nn.utils import parametrize
+
+    from precisebn.errors import UnsupportedLayerError
+
+    class Square(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * x
+
+        def right_inverse(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sqrt()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    parametrize.register_parametrization(model[1], "running_var", Square())
+    batches = [torch.randn(8, 3) * 2 + 1 for _ in range(3)]
+    with pytest.raises(UnsupportedLayerError, match=r"remove_parametrizations\(layer, 'running_var'\)") as caught:
+        precisebn.recalibrate(model, batches)
+    assert "del layer" not in str(caught.value)
+    parametrize.remove_parametrizations(model[1], "running_var")  # (the remedy, as said)
+    truth = compute_truth(model, batches)["1"]
+    precisebn.recalibrate(model, batches)
+    assert max_rel_error(model[1].running_var, truth.var) <= 1e-5

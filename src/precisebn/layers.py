@@ -310,12 +310,18 @@ def refuse_parameter_statistics(layers: Sequence[NormLayer]) -> None:
         missing = [k for k in ("running_mean", "running_var") if not isinstance(buffers.get(k), Tensor)]
         if missing:
             kind = type(getattr(layer.module, missing[0], None)).__name__
+            parametrized = [k for k in missing if k in getattr(layer.module, "parametrizations", {})]
+            remedy = (  # (a parametrized attribute is a property: `del` has nothing to delete)
+                f"torch.nn.utils.parametrize.remove_parametrizations(layer, {parametrized[0]!r})"
+                if parametrized
+                else f"data = layer.{missing[0]}.data; del layer.{missing[0]}; "
+                f"layer.register_buffer({missing[0]!r}, data)"
+            )
             raise UnsupportedLayerError(
-                f"layer {layer.name!r} ({layer.type_name}) keeps its {' and '.join(missing)} as {kind}, not as "
-                "buffers; precisebn measures a layer by standing scratch buffers in for its running buffers. Make "
-                f"them buffers (e.g. data = layer.{missing[0]}.data; del layer.{missing[0]}; "
-                f"layer.register_buffer({missing[0]!r}, data)), or exclude the layer with layers=. "
-                "The model was left unchanged."
+                f"layer {layer.name!r} ({layer.type_name}) keeps its {' and '.join(missing)} as "
+                f"{'a parametrization' if parametrized else kind}, not as buffers; precisebn measures a layer by "
+                f"standing scratch buffers in for its running buffers. Make them buffers (e.g. {remedy}), or exclude "
+                "the layer with layers=. The model was left unchanged."
             )
 
 
