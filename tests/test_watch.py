@@ -631,3 +631,44 @@ def test_a_layer_whose_normalization_is_hidden_from_the_watch_is_refused(where: 
     with pytest.raises(UnsupportedLayerError, match=rf"layer '{name}' \(\w+\) counted a call in its num_batches"):
         precisebn.recalibrate(model, data, capture=capture)
     assert_unchanged(model, before)
+
+
+class CallsItself(nn.BatchNorm2d):
+    """Folds a clip's frames into the batch and calls itself on them (a video model's 2D BatchNorm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 5:
+            n, t = x.shape[:2]
+            return self(x.flatten(0, 1)).unflatten(0, (n, t))
+        return super().forward(x)
+
+
+class CountsWithoutBuffers(nn.BatchNorm2d):
+    """Counts its calls, but normalises with batch statistics alone (its running buffers neither used nor
+    written): as torch's own forward with its buffers taken away."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.num_batches_tracked += 1
+        return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.1, self.eps)
+
+
+def test_what_the_hidden_call_refusal_leaves_alone() -> None:
+    """Found by a probe of the refusal above: a layer calling itself (its inner call normalises, seen; the outer
+    call saw nothing, and the inner call's increment moved the counter) was refused where it had been measured
+    exactly; a layer counting calls while normalising without its buffers was refused where it had been
+    reported unused. Now: a call with calls inside it, or one that wrote none of its buffers, is not refused;
+    and an input whose channels are not the layer's gets torch's own error, not 'one value per channel'."""
+    torch.manual_seed(0)
+    clips = [torch.randn(2, 3, 4, 5, 5) * 2 + 1 for _ in range(3)]  # (N, T, C, H, W)
+    model = CallsItself(4)
+    truth = compute_truth(model, clips, forward=lambda m, b: m(b.flatten(0, 1)))[""]
+    for capture in ("auto", "float64"):
+        stats = precisebn.estimate(model, clips, capture=capture)[""]
+        assert stats.count == truth.count
+        assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) <= 1e-5
+        assert max_rel_error(stats.var, truth.var) <= 1e-5
+    unused = nn.Sequential(nn.Conv2d(3, 4, 1), CountsWithoutBuffers(4))
+    report = precisebn.recalibrate(unused, [torch.randn(4, 3, 5, 5) for _ in range(2)])
+    assert report["1"].path == "none" and not report["1"].updated
+    with pytest.raises(RuntimeError, match="running_mean should contain 3 elements not 10"):
+        precisebn.estimate(nn.BatchNorm2d(10), [torch.randn(2, 3, 1, 1)])

@@ -243,17 +243,18 @@ class Collector:
         )
 
     def _unseen(self, i: int) -> UnsupportedLayerError:
-        """Layer ``i`` counted a call in its ``num_batches_tracked`` (which torch's BatchNorm forward does when it
-        computes batch statistics), but precisebn saw it normalise nothing with its running buffers."""
+        """Layer ``i`` normalised with its running buffers out of precisebn's sight (see
+        :meth:`~precisebn.layercall.LayerCall._unseen`)."""
         layer = self.layers[i]
         return UnsupportedLayerError(
-            f"layer {layer.name!r} ({layer.type_name}) counted a call in its num_batches_tracked, as torch's "
-            "BatchNorm forward does when it normalises with batch statistics, but precisebn saw no normalization "
-            "with its running buffers: its forward (or the code calling it) hides the call from precisebn's watch "
-            "— torch._C.DisableTorchFunctionSubclass() or DisableTorchFunction(), or a copy of running_mean "
-            "stripped of its class (as_subclass, _make_subclass) — so precisebn cannot tell what it normalised, "
-            "on either path. Call the layer without disabling torch functions, or exclude it with layers=. The "
-            "model was left unchanged."
+            f"layer {layer.name!r} ({layer.type_name}) counted a call in its num_batches_tracked and wrote its running "
+            "buffers, as torch's BatchNorm forward does when it normalises with batch statistics, but precisebn saw "
+            "no normalization with them, so it cannot tell what the layer normalised (on either path): its forward "
+            "computes the statistics itself (a BatchNorm written from scratch), normalises with a copy or a part "
+            "of its buffers or through TorchScript, or its call is hidden from precisebn's watch "
+            "(torch._C.DisableTorchFunctionSubclass(), DisableTorchFunction(), a running_mean stripped of its class). "
+            "Exclude the layer with layers=, or have it call F.batch_norm with its own running buffers, outside such "
+            "modes. The model was left unchanged."
         )
 
     def _momentum_changed(self, i: int) -> UnsupportedLayerError:

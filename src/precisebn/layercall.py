@@ -44,6 +44,7 @@ class LayerCall:
         "i",
         "init_mean",
         "init_var",
+        "inner",
         "itself",
         "mean_view",
         "module",
@@ -67,6 +68,7 @@ class LayerCall:
         self.module = collector.layers[i].module
         self.own_forward = normalises_its_input(self.module)  # torch's own forward: what it normalises is its input
         self.active = 0  # calls of the layer running now (more than one: a call inside its own call)
+        self.inner = 0  # calls made inside the layer's own call, ever (a call that saw some ran none: see _unseen)
         self.nested = False  # verifying batch: a call ran inside the outermost call running now
         # by layout (see _layout), the most values per channel a later call may have to be read through its
         # figures (see verified_size; 0: no call in that layout was checked): a call with more is measured in
@@ -116,17 +118,23 @@ class LayerCall:
             )
         return out, watch.seen, not watch.frozen
 
-    def _counted_unseen(self, counter: Tensor | None, before: int) -> bool:
-        """After a watched call that normalised nothing precisebn saw: whether it still had its running buffers
-        and moved its ``num_batches_tracked`` (host integers), as torch's forward does when it normalises with
-        batch statistics — with those buffers, unless something took them away for the call (then it
-        normalised without them)."""
+    def _unseen(self, counter: Tensor | None, before: int, inner: int, held: Tensor) -> bool:
+        """After a watched call that normalised nothing precisebn saw: whether it normalised with its running
+        buffers all the same, out of the watch's sight — it moved its ``num_batches_tracked``, as torch's forward
+        does when it normalises with batch statistics, and its running buffers (the scratch views still) no
+        longer hold what they held before the call (``held``; the model's statistics in the verifying batch).
+        Not when calls ran inside it (``inner``: the count before it): theirs are the normalization, the
+        increment and the writes. A call that took its buffers away, or normalised a copy of them, wrote none of
+        them: it normalised without them. The comparison reads the device only in such a call (none of torch's
+        own or of a layer the watch sees)."""
         buffers = self.module._buffers
         return (
             counter is not None
             and counter._version != before
+            and self.inner == inner
             and buffers.get("running_mean") is self.mean_view
             and buffers.get("running_var") is self.var_view
+            and not torch.equal(self.pair, held)
         )
 
     def stash(self, x: Tensor, j: int, inside: bool = False) -> int | None:
@@ -136,7 +144,7 @@ class LayerCall:
         inside the layer's own call (``inside``): the enclosing call kept them already, and the
         scratch holds nothing of a call's since. Returns where they are kept, for :meth:`unstash`."""
         c, i = self.c, self.i
-        if self.own_forward and x.numel() // self.channels == 1:  # (a forward of its own may handle it)
+        if self.own_forward and x.numel() == self.channels:  # (a forward of its own may handle it)
             raise c._too_few(i, x)
         if not c._row[i] or inside:
             return None
@@ -268,6 +276,7 @@ class LayerCall:
         self.active = inside + 1
         if inside:
             self.nested = True  # (read by the enclosing call in the verifying batch; it cleared it)
+            self.inner += 1
         pushed = False  # (a Ctrl-C before the push must not pop another call's entry)
         counter = c._counters[i]
         before = counter._version if counter is not None else 0  # (what a call that raises did to it: not counted)
@@ -356,14 +365,15 @@ class LayerCall:
                 out = self.verify(forward, args, kwargs, j, inside > 0)
             else:
                 x = c._check(i, args, kwargs)
-                if self.own_forward and x.numel() // self.channels == 1:  # (torch would say so without the name)
+                if self.own_forward and x.numel() == self.channels:  # (torch would say so without the name)
                     raise c._too_few(i, x)
                 if path == "none":  # verified never to normalise with its running buffers: nothing to watch
                     out = forward(*args, **kwargs)
                     c.calls[i] += 1
                 else:
+                    inner, held = self.inner, self.pair.clone()  # (the float64 path: slow anyway)
                     out, seen, _ = self.watched(forward, x, args, kwargs)
-                    if not seen and self._counted_unseen(counter, before):
+                    if not seen and not inside and self._unseen(counter, before, inner, held):
                         raise c._unseen(i)
                     if seen:  # (what can fail comes first: a call that raises leaves nothing counted)
                         n = sum(t.numel() // self.channels for t in seen)
@@ -409,12 +419,13 @@ class LayerCall:
         if not inside:
             self.nested = False  # (a call inside this one sets it)
         stashed = self.stash(x, j, inside)
+        inner = self.inner
         try:
             out, seen, figures = self.watched(forward, x, args, kwargs)
         except BaseException:
             self.unstash(stashed)
             raise
-        if not seen and self._counted_unseen(counter, before):
+        if not seen and not inside and self._unseen(counter, before, inner, c._initial_pair(i)):
             raise c._unseen(i)
         trial = c._trials.get(i) or c._trials.setdefault(i, Trial(c.counts[i]))
         n = self.count(x, j)
