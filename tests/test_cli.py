@@ -514,6 +514,17 @@ class Unsaved(nn.BatchNorm2d):
 def with_unsaved():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 4, 3), Unsaved(4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+
+
+class UnsavedAlias(nn.Module):
+    # the layer of unsaved statistics under a second name
+    def __init__(self):
+        super().__init__()
+        self.body = with_unsaved()
+        self.alias = self.body[1]
+
+    def forward(self, x):
+        return self.body(x)
 '''
 
 
@@ -1362,8 +1373,18 @@ def test_layers_whose_statistics_are_not_saved_are_left_out_up_front(tiny, work,
         assert main([*args, "--layers", "1,3"]) != 0
     finally:
         cli_tiny.batches = cli_tiny_batches
-    assert "--layers '1': these layers keep their running statistics out" in capsys.readouterr().err
+    assert "--layers '1', '3': layer(s) '1' keep their running statistics out" in capsys.readouterr().err
     assert calls == [] and not out.exists()
+    model = cli_tiny.UnsavedAlias()  # (probe 28: its second name got it past the check, to a KeyError at the end)
+    torch.save(model.state_dict(), source)
+    args = [a.replace("cli_tiny:with_unsaved", "cli_tiny:UnsavedAlias") for a in args]
+    assert main(args) == 0
+    assert "layer(s) 'body.1' keep their running statistics out" in capsys.readouterr().err
+    written = torch.load(out, weights_only=True)
+    assert not torch.equal(written["body.3.running_var"], model.state_dict()["body.3.running_var"])
+    for layers, said in (("alias", "--layers 'alias': layer(s) 'body.1'"), ("body.1*", "no other layer is selected")):
+        assert main([*args, "--layers", layers]) != 0
+        assert said in capsys.readouterr().err
 
 
 def test_a_checkpoint_in_another_dtype_than_the_model_built_is_said(tiny, work, capsys):

@@ -256,13 +256,16 @@ def _layer_selection(patterns: list[str] | None, prefix: str = "", names: set[st
 
 
 class _Saved:
-    """A ``--layers`` selection without the layers whose running statistics the checkpoint cannot hold."""
+    """A ``--layers`` selection without the layers whose running statistics the checkpoint cannot hold (by
+    identity: a layer has as many names as parents)."""
 
-    def __init__(self, selection: Any, unsaved: set[str]) -> None:
+    def __init__(self, selection: Any, unsaved: set[int]) -> None:
         self.selection, self.unsaved = selection, unsaved
 
     def __call__(self, name: str, module: Any) -> bool:
-        return name not in self.unsaved and (self.selection is None or self.selection(name, module))
+        if id(module) in self.unsaved:
+            return False
+        return self.selection is None or self.selection(name, module)
 
     def __repr__(self) -> str:
         return repr(self.selection) if self.selection is not None else "every layer saved in checkpoints"
@@ -271,28 +274,32 @@ class _Saved:
 def _saved_layers(model: Any, selection: Any) -> Any:
     """``selection`` less the normalization layers whose running buffers are not in ``model.state_dict()``
     (registered ``persistent=False``): their new statistics could not be written, and a probe's run failed with
-    a KeyError after all the passes. Named in ``--layers``: refused up front; otherwise left out, with a warning."""
-    from ..layers import has_running_stats
+    a KeyError after all the passes. Named in ``--layers`` (by any of its names), or all that is selected:
+    refused up front; otherwise left out, with a warning."""
+    from ..layers import find_norm_layers, has_running_stats
 
     saved = set(model.state_dict())
     unsaved = {
-        name
+        id(m)
         for name, m in model.named_modules()
         if has_running_stats(m)
         and not all((f"{name}.{b}" if name else b) in saved for b in ("running_mean", "running_var"))
     }
     if not unsaved:
         return selection
-    shown = ", ".join(map(repr, sorted(unsaved)[:5])) + (f" and {len(unsaved) - 5} more" if len(unsaved) > 5 else "")
-    why = "keep their running statistics out of the model's state_dict (buffers registered persistent=False)"
-    if isinstance(selection, list):
-        named = sorted(set(selection) & unsaved)
-        if named:
-            raise InvalidArgumentError(
-                f"--layers {', '.join(map(repr, named))}: these layers {why}, so a checkpoint cannot hold their new "
-                "statistics. Leave them out of --layers, or recalibrate them with the library (precisebn.recalibrate)."
-            )
+    chosen = find_norm_layers(model, selection, require=False)
+    left_out = [layer.name for layer in chosen if id(layer.module) in unsaved]
+    if not left_out:
         return selection
+    shown = ", ".join(map(repr, left_out[:5])) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
+    why = "keep their running statistics out of the model's state_dict (buffers registered persistent=False)"
+    if isinstance(selection, list) or len(left_out) == len(chosen):
+        asked = f"--layers {', '.join(map(repr, selection))}" if isinstance(selection, list) else "the layers selected"
+        raise InvalidArgumentError(
+            f"{asked}: layer(s) {shown} {why}, so a checkpoint cannot hold their new statistics"
+            + ("" if isinstance(selection, list) else ", and no other layer is selected")
+            + ". Leave them out of --layers, or recalibrate them with the library (precisebn.recalibrate)."
+        )
     print(f"precisebn: warning: layer(s) {shown} {why}; a checkpoint cannot hold them: left out.", file=sys.stderr)
     return _Saved(selection, unsaved)
 
