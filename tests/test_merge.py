@@ -148,7 +148,7 @@ def test_mismatches_are_refused() -> None:
     pooled = precisebn.estimate(model, data[:2], forward=twice, capture="float64")
     per_call = precisebn.estimate(model, data[2:], forward=twice, capture="float64", per_call=True)
     assert {"5", "5.calls.0", "5.calls.1"} <= set(pooled) | set(per_call)  # (was merged into both, fitting no model)
-    with pytest.raises(StatsMismatchError, match=r"layer '1' is pooled over its calls in some"):
+    with pytest.raises(StatsMismatchError, match=r"layer '1' is pooled over its calls \(or was called once per"):
         pooled.merge(per_call)
 
 
@@ -259,3 +259,9 @@ def test_per_call_parts_with_different_calls_per_forward_are_refused(model_is_th
     said = f"layer {name} was called twice per forward in input 0 but 3 times"
     with pytest.raises(StatsMismatchError, match=re.escape(said)):
         two.merge(three)
+    once = precisebn.estimate(model, branchy_data(1, 3, seed=3), forward=forward, per_call=True)
+    calls = "'calls.<i>'" if model_is_the_layer else "'bn.calls.<i>'"
+    said = f"layer {name} is pooled over its calls (or was called once per forward) in some inputs and kept per "
+    said += f"call ({calls})"
+    with pytest.raises(StatsMismatchError, match=re.escape(said)):  # (probe 28: "per_call=True for all", as they were)
+        once.merge(two)

@@ -222,15 +222,18 @@ class PopulationStats(Mapping[str, LayerStats]):
                     f"PopulationStats.merge: layer {base or '(model)'!r} was called {times(len(calls))} per forward "
                     f"in input {first} but {times(len(other[1]))} in input {other[0]} (per-call statistics "
                     f"'{base + '.' if base else ''}calls.<i>': statistics i are those of call i). estimate() refuses "
-                    "such data as one; "
-                    "estimate every part with the same calls per forward, or without per_call to pool them all."
+                    "such data as one; estimate every part with the same calls per forward, or without per_call to "
+                    f"pool them all. (If '{base + '.' if base else ''}calls' is a list of layers named so, not "
+                    "per-call statistics, merge inputs that hold the same ones of them.)"
                 )
         both = sorted(calls_of.keys() & layers.keys())
         if both:
+            name = both[0]
             raise StatsMismatchError(
-                f"PopulationStats.merge: layer {both[0]!r} is pooled over its calls in some inputs and kept per "
-                f"call ('{both[0]}.calls.<i>') in others; the result would hold both, and fit no model. Estimate "
-                "every part the same way (per_call=True for all, or for none)."
+                f"PopulationStats.merge: layer {name or '(model)'!r} is pooled over its calls (or was called once "
+                f"per forward) in some inputs and kept per call ('{name + '.' if name else ''}calls.<i>') in others; "
+                "the result would hold both, and fit no model. Estimate every part the same way (per_call=True for "
+                "all, or for none), on data that calls the layer as often per forward."
             )
         merged = {name: _merge_layer(name, parts) for name, parts in layers.items()}
         versions = inputs[0].versions if all(s.versions == inputs[0].versions for s in inputs) else None
