@@ -306,3 +306,18 @@ def test_a_file_name_longer_than_a_file_name_can_be_is_refused_up_front(tmp_path
     with pytest.raises(InvalidArgumentError, match=r"--out '.*': its file name is 256 bytes long, more than the 255"):
         plan.add("--out", tmp_path / ("a" * 253 + ".pt"))
     assert _names(tmp_path) == []
+
+
+def test_an_error_on_a_temporary_names_its_own_output_when_long_names_share_a_prefix(tmp_path) -> None:
+    """Found by a probe: two long output names whose shortened temporaries share a prefix — an error writing the
+    second's temporary was reported under the first's name."""
+    import errno
+
+    base = "r" * 235
+    plan = OutputPlan()
+    plan.add("--out", tmp_path / f"{base}_A.pt")
+    plan.add("--report", tmp_path / f"{base}_B.json")
+    with pytest.raises(OSError, match="No space left") as caught, plan.staged() as temps:
+        raise OSError(errno.ENOSPC, "No space left on device", str(temps["--report"]))
+    assert caught.value.filename == str(tmp_path / f"{base}_B.json")
+    assert _names(tmp_path) == []

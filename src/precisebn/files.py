@@ -253,7 +253,7 @@ class OutputPlan:
                 try:
                     yield temps
                 except OSError as exc:  # name the output, not its hidden temporary file
-                    renamed = self._renamed(exc)
+                    renamed = self._renamed(exc, temps)
                     if renamed is exc:
                         raise
                     raise renamed from exc
@@ -268,11 +268,13 @@ class OutputPlan:
                         with contextlib.suppress(OSError):
                             folder.rmdir()
 
-    def _renamed(self, exc: OSError) -> OSError:
+    def _renamed(self, exc: OSError, temps: dict[str, Path]) -> OSError:
+        """``exc`` naming the output whose temporary file it names (by the temporary's own name: two long names
+        may share a shortened prefix), else ``exc`` itself."""
         name = Path(os.fspath(exc.filename)).name if exc.filename else ""
-        for text, target in self.outputs.values():
-            if name.startswith(_prefix(target)):
-                return OSError(exc.errno, exc.strerror, text)
+        for label, tmp in temps.items():
+            if name in (tmp.name, tmp.name[:-4] + ".old.tmp"):
+                return OSError(exc.errno, exc.strerror, self.outputs[label][0])
         return exc
 
     def _commit(self, temps: dict[str, Path]) -> None:
