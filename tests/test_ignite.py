@@ -346,3 +346,14 @@ def test_a_one_shot_iterator_without_data_is_refused_when_the_run_starts() -> No
     with pytest.raises(InvalidArgumentError, match=r"one-shot iterator \(generator\).*pass data="):
         trainer.run(stream(), max_epochs=2, epoch_length=50)
     assert trainer.state.iteration == 0 and losses == []
+
+
+def test_a_run_without_data_is_refused_in_words_that_fit_it() -> None:
+    """Found by a probe: an engine run without data (``run(None, epoch_length=...)``), refused when it starts,
+    was said to be "not running"."""
+    model = make_model()
+    trainer = Engine(lambda engine, batch: None)
+    PreciseBN(model).attach(trainer, Events.EPOCH_COMPLETED)
+    with pytest.raises(InvalidArgumentError, match=r"no data to measure on \(it runs without a dataloader"):
+        trainer.run(None, max_epochs=1, epoch_length=4)
+    assert trainer.state.iteration == 0

@@ -396,7 +396,7 @@ def test_options_are_checked_early(tmp_path: Path) -> None:
 
     x, y = make_data(16)
     trainer = make_trainer(tmp_path, max_epochs=1, callbacks=[PreciseBN(num_samples="all")], limit_val_batches=1)
-    with pytest.raises(InvalidArgumentError, match="several training dataloaders"):
+    with pytest.raises(InvalidArgumentError, match=r"training data is a \w+ of 2 dataloader\(s\), not one"):
         trainer.fit(TwoLoaders(), {"a": loader(x, y), "b": loader(x, y)}, loader(x, y))
 
     weights_only = ModelCheckpoint(dirpath=tmp_path, save_weights_only=True)
@@ -786,6 +786,6 @@ def test_several_training_loaders_without_data_are_refused_before_training(tmp_p
     model = TinyNet()
     precise = PreciseBN(num_samples="all") if callback == "PreciseBN" else PreciseWeightAveraging()
     trainer = make_trainer(tmp_path, max_epochs=1, callbacks=[precise])
-    with pytest.raises(InvalidArgumentError, match="several training dataloaders"):
+    with pytest.raises(InvalidArgumentError, match=r"training data is a \w+ of 2 dataloader\(s\), not one"):
         trainer.fit(model, {"a": loader(x, y), "b": loader(x, y)}, loader(x, y))
     assert model.losses == []

@@ -87,8 +87,9 @@ def _training_loader(trainer: Any) -> Iterable[Any]:
         )
     if isinstance(loader, (Mapping, list, tuple)):
         raise InvalidArgumentError(
-            f"the Trainer has several training dataloaders ({type(loader).__name__} of {len(loader)}); pass "
-            "data= (the batches to measure on) and, if the module cannot take them as they are, forward="
+            f"the Trainer's training data is a {type(loader).__name__} of {len(loader)} dataloader(s), not one "
+            "dataloader; pass data= (the batches to measure on) and, if the module cannot take them as they are, "
+            "forward="
         )
     return loader
 

@@ -153,8 +153,8 @@ class PreciseBN(TriggerState):
         loader = None if engine is None else getattr(engine.state, "dataloader", None)
         if loader is None:
             raise InvalidArgumentError(
-                "PreciseBN: the engine has no data to measure on (it is not running); pass data= (an iterable of "
-                "batches, or a zero-argument callable returning one)."
+                "PreciseBN: the engine has no data to measure on (it runs without a dataloader, or is not running); "
+                "pass data= (an iterable of batches, or a zero-argument callable returning one)."
             )
         if isinstance(loader, Iterator):
             raise InvalidArgumentError(
