@@ -789,3 +789,24 @@ def test_several_training_loaders_without_data_are_refused_before_training(tmp_p
     with pytest.raises(InvalidArgumentError, match=r"training data is a \w+ of 2 dataloader\(s\), not one"):
         trainer.fit(model, {"a": loader(x, y), "b": loader(x, y)}, loader(x, y))
     assert model.losses == []
+
+
+@pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
+def test_precise_weight_averaging_under_true_precision(tmp_path: Path, float64_truth: Any, precision: str) -> None:
+    """Found by a probe: Lightning builds the averaged copy before a "64-true"/"bf16-true" precision plugin
+    converts the module, so the copy stays float32 while batches are cast to the module's dtype: the first
+    validation after an average died with a raw "mat1 and mat2 must have the same dtype". The copy is measured
+    with the batches in its own dtype."""
+    x, y = make_data()
+    callback = PreciseWeightAveraging(num_samples="all")  # (Lightning's EMA update itself fails across dtypes)
+    model = TinyNet()
+    trainer = make_trainer(tmp_path, max_epochs=2, callbacks=[callback], precision=precision)
+    trainer.fit(model, loader(x, y), loader(x[:16], y[:16]))
+    assert callback.computations >= 1
+    averaged = callback.averaged_model.module
+    assert next(averaged.parameters()).dtype == torch.float32
+    if precision == "64-true":
+        assert_precise(float64_truth, averaged.state_dict(), x)
+    else:  # (batches rounded to bfloat16 by the training loop, computed under its forward context)
+        errors = precision_errors(float64_truth, averaged.state_dict(), x.to(torch.bfloat16).float())
+        assert max(errors) < 2e-2, errors  # bfloat16's own rounding (2⁻⁸ ≈ 4e-3 per value)

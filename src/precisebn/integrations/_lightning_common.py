@@ -195,11 +195,15 @@ class _Recalibrator:
                     batch = convert(batch)
                 if before is not None:
                     batch = before(batch, dataloader_idx=0)
-                return trainer.strategy.batch_to_device(batch)
+                return self._in_dtype(trainer.strategy.batch_to_device(batch))
             finally:
                 trainer.state.stage = stage
 
         return MappedBatches(fresh_batches(source), move)
+
+    def _in_dtype(self, batch: Any) -> Any:
+        """A batch as the model measured takes it (here: as the training loop gives it)."""
+        return batch
 
     def _compute(self, trainer: Any, step: int) -> Report | None:
         """Recalibrates unless current for ``step``; logs the figures of a computation."""
@@ -433,6 +437,19 @@ class AveragingMixin(_Recalibrator):
 
     _log_prefix = "precisebn_averaged"
     _without_layers = "weight averaging goes on as in Lightning's WeightAveraging"
+
+    def _in_dtype(self, batch: Any) -> Any:
+        """The batch's floating-point tensors in the averaged copy's dtype where the module's differs: Lightning
+        builds the copy before a "64-true"/"bf16-true" precision plugin converts the module, so it stays float32
+        while the training loop casts batches to the module's dtype (a probe: a raw "mat1 and mat2 must have the
+        same dtype" at the first validation after an average)."""
+        copy = self._average_model.module  # type: ignore[attr-defined]
+        dtype = next((p.dtype for p in copy.parameters() if p.is_floating_point()), None)
+        if dtype is None:
+            return batch
+        from lightning_utilities.core.apply_func import apply_to_collection
+
+        return apply_to_collection(batch, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def __init__(
         self,
