@@ -243,9 +243,13 @@ def test_a_part_that_never_reached_a_per_call_layer_merges_with_the_parts_that_d
 
 
 @pytest.mark.parametrize("model_is_the_layer", [False, True])
-def test_per_call_parts_with_different_calls_per_forward_are_refused(model_is_the_layer: bool) -> None:
+def test_per_call_parts_with_different_calls_per_forward_are_warned_of(model_is_the_layer: bool) -> None:
     """Found by a probe: parts whose layer was called twice per forward in one and 3 times in the other merged
-    into calls.0 and calls.1 of both and a calls.2 of one part alone, data that estimate() refuses as one."""
+    into calls.0 and calls.1 of both and a calls.2 of one part alone, data that estimate() refuses as one, without
+    a word. A warning now says so (a first version refused them, and with them layers of a container named
+    `calls` estimated with different selections: probe 29)."""
+    from precisebn.errors import PreciseBNWarning
+
     model: nn.Module = Branchy()
     forward: Any = lambda m, b: m(b)  # noqa: E731
     if model_is_the_layer:  # (its per-call statistics are named "calls.<i>")
@@ -256,8 +260,8 @@ def test_per_call_parts_with_different_calls_per_forward_are_refused(model_is_th
     with pytest.raises(InvalidArgumentError):
         precisebn.estimate(model, both, forward=forward, per_call=True)
     name = "'(model)'" if model_is_the_layer else "'bn'"
-    said = f"layer {name} was called twice per forward in input 0 but 3 times"
-    with pytest.raises(StatsMismatchError, match=re.escape(said)):
+    said = f"calls.<i>' are twice in input 0 but 3 times in input 1. If they are per-call statistics of layer {name}"
+    with pytest.warns(PreciseBNWarning, match=re.escape(said)):
         two.merge(three)
     once = precisebn.estimate(model, branchy_data(1, 3, seed=3), forward=forward, per_call=True)
     calls = "'calls.<i>'" if model_is_the_layer else "'bn.calls.<i>'"
@@ -265,3 +269,26 @@ def test_per_call_parts_with_different_calls_per_forward_are_refused(model_is_th
     said += f"call ({calls})"
     with pytest.raises(StatsMismatchError, match=re.escape(said)):  # (probe 28: "per_call=True for all", as they were)
         once.merge(two)
+
+
+def test_layers_in_a_container_named_calls_merge_whatever_each_input_holds() -> None:
+    """Found by a probe: layers of a ModuleList named `calls`, estimated with different selections, were refused
+    as per-call statistics of different call counts; they merge exactly (with the warning that names can give)."""
+    from precisebn.errors import PreciseBNWarning
+
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.calls = nn.ModuleList([nn.BatchNorm1d(2, dtype=F64), nn.BatchNorm1d(2, dtype=F64)])
+    forward = lambda m, x: [bn(x) for bn in m.calls]  # noqa: E731
+    g = torch.Generator().manual_seed(4)
+    a_data = [torch.randn(4, 2, generator=g, dtype=F64) + 1 for _ in range(2)]
+    b_data = [torch.randn(4, 2, generator=g, dtype=F64) * 3 for _ in range(2)]
+    a = precisebn.estimate(model, a_data, forward=forward, layers=["calls.0", "calls.1"])
+    b = precisebn.estimate(model, b_data, forward=forward, layers=["calls.0"])
+    with pytest.warns(PreciseBNWarning, match="Layers in a container named 'calls' are merged as usual"):
+        merged = a.merge(b)
+    assert merged["calls.0"].count == 16 and merged["calls.1"].count == 8
+    for name, data in (("calls.0", a_data + b_data), ("calls.1", a_data)):
+        x = torch.cat(data)
+        want = dataclasses.replace(merged[name], mean=x.mean(0), var=x.var(0, unbiased=False))
+        assert_close_stats(merged[name], want)

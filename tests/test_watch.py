@@ -3,6 +3,8 @@ normalises with its running buffers, against float64 truths computed here."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import timm
 import torch
@@ -670,5 +672,9 @@ def test_what_the_hidden_call_refusal_leaves_alone() -> None:
     unused = nn.Sequential(nn.Conv2d(3, 4, 1), CountsWithoutBuffers(4))
     report = precisebn.recalibrate(unused, [torch.randn(4, 3, 5, 5) for _ in range(2)])
     assert report["1"].path == "none" and not report["1"].updated
-    with pytest.raises(RuntimeError, match="running_mean should contain 3 elements not 10"):
-        precisebn.estimate(nn.BatchNorm2d(10), [torch.randn(2, 3, 1, 1)])
+    cases = [(nn.BatchNorm2d(10), (2, 3, 1, 1), RuntimeError, "running_mean should contain 3 elements not 10")]
+    cases += [(nn.BatchNorm1d(3), (3, 1), RuntimeError, "running_mean should contain 1 elements not 3")]  # (probe 29)
+    cases += [(nn.BatchNorm1d(3), (3,), ValueError, "expected 2D or 3D input")]
+    for layer, shape, error, said in cases:  # (torch's own error, which a model may catch)
+        with pytest.raises(error, match=re.escape(said)):
+            precisebn.estimate(layer, [torch.randn(*shape)])

@@ -144,7 +144,7 @@ class LayerCall:
         inside the layer's own call (``inside``): the enclosing call kept them already, and the
         scratch holds nothing of a call's since. Returns where they are kept, for :meth:`unstash`."""
         c, i = self.c, self.i
-        if self.own_forward and x.numel() == self.channels:  # (a forward of its own may handle it)
+        if self.own_forward and _one_per_channel(x, self.channels):  # (a forward of its own may handle it)
             raise c._too_few(i, x)
         if not c._row[i] or inside:
             return None
@@ -365,7 +365,7 @@ class LayerCall:
                 out = self.verify(forward, args, kwargs, j, inside > 0)
             else:
                 x = c._check(i, args, kwargs)
-                if self.own_forward and x.numel() == self.channels:  # (torch would say so without the name)
+                if self.own_forward and _one_per_channel(x, self.channels):  # (torch would say so without the name)
                     raise c._too_few(i, x)
                 if path == "none":  # verified never to normalise with its running buffers: nothing to watch
                     out = forward(*args, **kwargs)
@@ -453,6 +453,14 @@ class LayerCall:
             trial.add(seen, x, self.channels, n, figures)
         trial.counted &= counter is not None and counter._version == before + 1
         return out
+
+
+def _one_per_channel(x: Tensor, channels: int) -> bool:
+    """Whether ``x`` holds one value for each of the layer's ``channels`` (dimension 1). An input with other
+    channels is left to torch's own error — a RuntimeError that a model may catch (a probe's model skipped a
+    malformed feature level so), which a message of precisebn's would replace (and misread as one value per
+    channel: a probe)."""
+    return x.dim() >= 2 and x.shape[1] == channels and x.numel() == channels
 
 
 def verified_size(n: int, layout: int, device: torch.device) -> int:

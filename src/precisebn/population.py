@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,7 @@ from ._equality import equal_fields, hash_fields
 from ._optional import require
 from ._table import times
 from ._version import __version__
-from .errors import InvalidArgumentError, MissingFileError, StatsMismatchError
+from .errors import InvalidArgumentError, MissingFileError, PreciseBNWarning, StatsMismatchError
 from .files import atomic_path
 from .stats import RunningMoments
 
@@ -217,14 +218,18 @@ class PopulationStats(Mapping[str, LayerStats]):
         for base, per_input in sorted(calls_of.items()):
             (first, calls), *rest = per_input.items()
             other = next(((k, c) for k, c in rest if c != calls), None)
-            if other is not None:
-                raise StatsMismatchError(
-                    f"PopulationStats.merge: layer {base or '(model)'!r} was called {times(len(calls))} per forward "
-                    f"in input {first} but {times(len(other[1]))} in input {other[0]} (per-call statistics "
-                    f"'{base + '.' if base else ''}calls.<i>': statistics i are those of call i). estimate() refuses "
-                    "such data as one; estimate every part with the same calls per forward, or without per_call to "
-                    f"pool them all. (If '{base + '.' if base else ''}calls' is a list of layers named so, not "
-                    "per-call statistics, merge inputs that hold the same ones of them.)"
+            if other is not None:  # (a warning, not a refusal: the names alone cannot tell per-call statistics
+                # from layers in a container named `calls`, whose inputs may hold different ones of them)
+                here = f"'{base + '.' if base else ''}calls"
+                warnings.warn(
+                    f"PopulationStats.merge: {here}.<i>' are {times(len(calls))} in input {first} but "
+                    f"{times(len(other[1]))} in input {other[0]}. If they are per-call statistics of layer "
+                    f"{base or '(model)'!r} (statistics i are those of call i), the parts called it a different "
+                    "number of times per forward, which estimate() refuses as one data set: the merged calls each "
+                    "hold only the parts that made them. Estimate every part with the same calls per forward, or "
+                    f"without per_call. (Layers in a container named {here}' are merged as usual.)",
+                    PreciseBNWarning,
+                    stacklevel=2,
                 )
         both = sorted(calls_of.keys() & layers.keys())
         if both:
