@@ -442,3 +442,17 @@ def test_a_parametrized_running_buffer_is_refused_with_a_remedy_that_works() -> 
     truth = compute_truth(model, batches)["1"]
     precisebn.recalibrate(model, batches)
     assert max_rel_error(model[1].running_var, truth.var) <= 1e-5
+
+
+def test_an_exported_graph_is_refused_with_the_reason() -> None:
+    """Found by a probe: a torch.export'd model (its BatchNorm layers turned into graph operations, their
+    buffers kept) was refused with a bare "no normalization layer ... was selected"."""
+    from precisebn.errors import LayerNotFoundError
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    graph = torch.export.export(model, (torch.randn(2, 3, 8, 8),)).module()
+    with pytest.raises(LayerNotFoundError, match=r"Its buffers '1\.running_mean' are running statistics that no"):
+        precisebn.estimate(graph, [torch.randn(2, 3, 8, 8)])
+    with pytest.raises(LayerNotFoundError) as plain:  # (a model without such buffers: no word of graphs)
+        precisebn.estimate(nn.Sequential(nn.Conv2d(3, 4, 3)), [torch.randn(2, 3, 8, 8)])
+    assert "exported" not in str(plain.value)

@@ -288,12 +288,23 @@ def find_norm_layers(
     )
     if require and not found:
         chosen = repr(layers)  # (the command line's selection shows itself as its option: "--layers ...")
+        # running statistics held by no normalization layer: a graph (torch.export, torch.fx) with the layers
+        # turned into operations (a probe: refused without a word of why)
+        orphans = [n for n, _ in model.named_buffers() if n.rpartition(".")[2] == "running_mean"]
+        graph = (
+            f" Its buffers {orphans[0]!r}{' and others' if len(orphans) > 1 else ''} are running statistics that no "
+            "such layer holds: in an exported or traced graph (torch.export, torch.fx) the layers are operations, "
+            "which precisebn cannot watch; recalibrate the nn.Module before exporting or tracing it."
+            if orphans and layers is None
+            else ""
+        )
         raise LayerNotFoundError(
             "no normalization layer with running statistics was selected "
             f"(model {type(model).__name__}, {chosen if chosen.startswith('--') else f'layers={chosen}'}); "
             "precisebn recalibrates "
             "BatchNorm*/SyncBatchNorm/InstanceNorm* layers with track_running_stats=True."
             + (f" The {script}" if scripted else "")
+            + graph
         )
     if scripted and layers is None:
         kept = "Its statistics are" if len(scripted) == 1 else "Their statistics are"
