@@ -453,6 +453,9 @@ def test_an_exported_graph_is_refused_with_the_reason() -> None:
     graph = torch.export.export(model, (torch.randn(2, 3, 8, 8),)).module()
     with pytest.raises(LayerNotFoundError, match=r"Its buffers '1\.running_mean' are running statistics that no"):
         precisebn.estimate(graph, [torch.randn(2, 3, 8, 8)])
-    with pytest.raises(LayerNotFoundError) as plain:  # (a model without such buffers: no word of graphs)
-        precisebn.estimate(nn.Sequential(nn.Conv2d(3, 4, 3)), [torch.randn(2, 3, 8, 8)])
-    assert "exported" not in str(plain.value)
+    from torchvision.ops import FrozenBatchNorm2d
+
+    for other in (nn.Sequential(nn.Conv2d(3, 4, 3)), nn.Sequential(nn.Conv2d(3, 4, 3), FrozenBatchNorm2d(4))):
+        with pytest.raises(LayerNotFoundError) as plain:  # (no word of graphs)
+            precisebn.estimate(other, [torch.randn(2, 3, 8, 8)])
+        assert "exported" not in str(plain.value)

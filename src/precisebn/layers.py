@@ -290,7 +290,12 @@ def find_norm_layers(
         chosen = repr(layers)  # (the command line's selection shows itself as its option: "--layers ...")
         # running statistics held by no normalization layer: a graph (torch.export, torch.fx) with the layers
         # turned into operations (a probe: refused without a word of why)
-        orphans = [n for n, _ in model.named_buffers() if n.rpartition(".")[2] == "running_mean"]
+        graph_module = type(model).__name__ == "GraphModule"
+        orphans = [  # (in plain Module containers, as exported graphs keep them: not a FrozenBatchNorm's)
+            f"{name}.running_mean" if name else "running_mean"
+            for name, m in model.named_modules()
+            if "running_mean" in m._buffers and (graph_module or type(m) is nn.Module)
+        ]
         graph = (
             f" Its buffers {orphans[0]!r}{' and others' if len(orphans) > 1 else ''} are running statistics that no "
             "such layer holds: in an exported or traced graph (torch.export, torch.fx) the layers are operations, "
