@@ -324,14 +324,25 @@ def untie_calls(model: nn.Module, calls: Mapping[str, int] | PopulationStats) ->
     return model
 
 
+def call_indices(names: Any) -> dict[str, set[int]]:
+    """Layer name -> the call indices among ``names`` named as per-call statistics (``call_name``).
+
+    Example:
+        >>> call_indices(["bn.calls.0", "bn.calls.1", "calls.0", "conv"])
+        {'bn': {0, 1}, '': {0}}
+    """
+    found: dict[str, set[int]] = {}
+    for name in names:
+        match = _CALL.match(name)
+        if match:
+            found.setdefault(match.group(1) or "", set()).add(int(match.group(2)))
+    return found
+
+
 def _calls_per_layer(calls: Any) -> dict[str, int]:
     """Layer name -> number of calls, from a mapping or from per-call statistics."""
     if isinstance(calls, PopulationStats):
-        found: dict[str, set[int]] = {}
-        for name in calls:
-            match = _CALL.match(name)
-            if match:
-                found.setdefault(match.group(1) or "", set()).add(int(match.group(2)))
+        found = call_indices(calls)
         out = {}
         for name, indices in found.items():
             k = max(indices) + 1

@@ -256,9 +256,7 @@ class Measurement:
             layers[layer.name] = LayerStats(
                 mean, var, count, calls, layer.type_name, path if count > 0 else "none", se_mean, se_var, most
             )
-        _warn_far_from_zero(
-            [(layer, layers[layer.name]) for layer, path, count in zip(self.layers, self.paths, self.counts)]
-        )
+        _warn_far_from_zero([(layer, layers[layer.name]) for layer in self.layers])
         return PopulationStats(layers, self.samples, self.batches, self.mode, self.seconds, self.world_size)
 
     @functools.cached_property

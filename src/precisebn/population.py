@@ -206,12 +206,12 @@ class PopulationStats(Mapping[str, LayerStats]):
         for stats in inputs:
             for name, layer in stats.items():
                 layers.setdefault(name, []).append(layer)
+        from .calls import call_indices  # (calls.py imports this module)
+
         calls_of: dict[str, dict[int, set[int]]] = {}  # per layer kept per call: per input, its call indices
         for k, stats in enumerate(inputs):
-            for name in stats:
-                head, _, index = name.rpartition(".")
-                if index.isdigit() and (head == "calls" or head.endswith(".calls")):  # "<layer>.calls.<i>"
-                    calls_of.setdefault(head[:-6].removesuffix("."), {}).setdefault(k, set()).add(int(index))
+            for base, indices in call_indices(stats).items():
+                calls_of.setdefault(base, {})[k] = indices
         for base in calls_of.keys() & layers.keys():  # an input that never reached it holds no data of it
             if all(part.count == 0 for part in layers[base]):
                 del layers[base]

@@ -19,6 +19,7 @@ from torch import nn
 
 from ._table import times as _times
 from .adapt import WRITTEN, Adapt, with_prior
+from .calls import call_indices
 from .errors import StatsMismatchError
 from .layers import has_running_stats, refuse_shared_buffers
 from .population import PopulationStats
@@ -204,8 +205,7 @@ def _submodule(model: nn.Module, name: str) -> nn.Module | None:
 
 def _is_call(name: str) -> bool:
     """Whether ``name`` is that of one call's statistics (``estimate(..., per_call=True)``)."""
-    head, _, index = name.rpartition(".")
-    return index.isdigit() and (head == "calls" or head.endswith(".calls"))
+    return bool(call_indices([name]))
 
 
 def _refuse(what: str, problems: list[str], hint: str | None = None) -> None:
