@@ -427,8 +427,8 @@ def test_many_layers_fill_the_workspace_several_times(monkeypatch) -> None:
 
 def test_every_channel_is_checked_when_asked() -> None:
     """A figure off on a channel between the spread ones: missed by the spread check, found when every
-    channel is checked (a waiting call), or, for a call checked at once, when it is among those whose
-    figures give the largest mean² / (var + eps) (where a float32 reduction rounds most)."""
+    channel is checked, whether the call waits or is checked at once — on a channel with the largest
+    mean² / (var + eps) (where a float32 reduction rounds most) or on any other."""
     g = torch.Generator().manual_seed(6)
     x = torch.randn(64, 9, generator=g) * 2 + 1
     x[:, 3] += 20  # channel 3: |mean|/σ ~ 10, the largest; not among the spread channels 0, 2, 4, 6
@@ -442,19 +442,56 @@ def test_every_channel_is_checked_when_asked() -> None:
         assert SpotChecks(F32, UNIT32).check_now(x, figures, 1e-5, every) is verdict
     assert SpotChecks(F32, UNIT32).check_now(x, own_figures(x), 1e-5, True)
     quiet = own_figures(x)
-    quiet[1, 5] *= 1.001  # off on a channel neither spread nor among the largest |mean|/σ: a waiting call only
+    quiet[1, 5] *= 1.001  # off on a channel neither spread nor among the largest |mean|/σ
     checks = SpotChecks(F32, UNIT32)
     checks.add("x", 0, x, quiet, 1e-5, nbytes(x), True)
     assert checks.run() == [("x", False)]
+    assert SpotChecks(F32, UNIT32).check_now(x, quiet, 1e-5, True) is False
+    assert SpotChecks(F32, UNIT32).check_now(x, quiet, 1e-5, False) is True  # (the spread channels alone)
+
+
+@pytest.mark.parametrize("layout", ["(N, C)", "channels_last"])
+@pytest.mark.parametrize("kind", ["dead ReLU", "two sources"])
+def test_a_large_channels_adjacent_input_is_checked_on_every_channel_in_the_verifying_batch(kind, layout) -> None:
+    """torch's float32 reduction of channels adjacent in memory errs systematically on repeated values, whatever
+    |mean|/σ: mostly dead ReLU channels (97 % exact zeros, |mean|/σ ≈ 0.13), or a channel of +1 in one half of
+    the batch and -1 + δ in the other beside channels of {0, 2}. A large such input was checked at once on 8
+    channels, which passed within a quarter of the tolerance, and the rest were trusted "alike": the
+    verifying batch itself read 2e-5 (dead ReLU) and 1.9e-4 (two sources) of the variance off, on the fast
+    path (probe 32a). Every channel is checked now; these channels' figures fail, and the layer is measured
+    in float64. (One thread: torch's reduction, and so its error, depends on the number of threads.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        if kind == "dead ReLU":
+            n, C = 4096, 64
+            x = torch.randn(n, C, generator=g) + torch.linspace(0.3, 0.6, C)
+            x[:, 1:4] = (torch.randn(n, 3, generator=g) - 1.9).relu()
+        else:  # the others {0, 2}, balanced and shuffled: exact sums, mean 1, variance 1
+            n, C = 16384, 16
+            x = torch.zeros(n, C)
+            x[n // 2 :] = 2.0
+            x = x[torch.argsort(torch.rand(n, C, generator=g), dim=0), torch.arange(C)]
+            x[:, 1] = torch.cat([torch.ones(n // 2), torch.full((n // 2,), -1.0 + 2e-4)])
+        assert x.numel() * 4 > AT_ONCE and not {1, 2, 3} & set(range(C)[checked_channels(C)])
+        if layout == "channels_last":
+            x = x.view(n // 64, 8, 8, C).permute(0, 3, 1, 2)
+        model = nn.Sequential(nn.BatchNorm1d(C) if x.dim() == 2 else nn.BatchNorm2d(C))
+        truth = compute_truth(model, [x])["0"]
+        stats = precisebn.estimate(model, [x], num_samples="all")["0"]
+    finally:
+        torch.set_num_threads(threads)
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) <= TOLERANCE[torch.float32]
+    assert max_rel_error(stats.var, truth.var) <= TOLERANCE[torch.float32]
 
 
 def test_a_large_channels_last_input_whose_checked_channels_pass_narrowly_is_checked_on_every_channel() -> None:
     """channels_last, 16x64x40x40, every channel |mean|/σ = 3: torch's float32 reduction errs alike on every
     channel (11 of 64 above 1e-5 σ, worst 1.9e-5), so the spread and "worst" channels checked at once
     passed while others did not, and the layer read its figures 1.7e-5 σ off, "fast" (a probe, against the
-    README's 1e-5). Checked channels within the tolerance but not within a quarter of it now send the call
-    to an every-channel float64 check. (One thread: torch's reduction, and so its error, depends on the
-    number of threads; the probe's case is with one.)"""
+    README's 1e-5). Such an input is checked on every channel now. (One thread: torch's reduction, and so its
+    error, depends on the number of threads; the probe's case is with one.)"""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -515,3 +552,44 @@ def test_checks_made_inside_a_forward_with_autograd_on_stay_out_of_its_graph(how
     for name, t in truth.items():
         assert max_rel_error(stats[name].mean, t.mean, t.var.sqrt()) <= 1e-5, name
         assert max_rel_error(stats[name].var, t.var) <= 1e-5, name
+
+
+@pytest.mark.parametrize("size", [8, 16])  # 256 KiB: waits for the others' checks; 1 MiB: checked at once
+def test_finite_values_whose_own_variance_overflows_on_an_unchecked_channel_are_measured_in_float64(size) -> None:
+    """σ = 1e18 on channel 1 (not a spread channel): every value finite, the variance 1e36 within float32, but
+    torch's CPU kernel sums the squares in float32 and its figure is Inf. The rounding term, mean² / Inf = 0,
+    passed it, and the estimate raised "the inputs contain NaN/Inf" — on a checked channel it was measured in
+    float64 (probe 32a). Non-finite figures fail the check now: the layer is measured in float64, exactly."""
+    C = 16
+    g = torch.Generator().manual_seed(1)
+    scale = torch.ones(C, dtype=torch.float64)
+    scale[1] = 1e18
+    assert 1 not in range(C)[checked_channels(C)]
+    data = [(torch.randn(64, C, size, size, generator=g, dtype=torch.float64) * scale.view(1, C, 1, 1)).float()]
+    data.append(data[0].flip(0))
+    model = nn.Sequential(nn.BatchNorm2d(C))
+    own = nn.BatchNorm2d(C, momentum=1.0)
+    own(data[0])
+    assert all(bool(x.isfinite().all()) for x in data) and own.running_var[1].isinf()  # (the kernel's figure)
+    truth = compute_truth(model, data)["0"]
+    stats = precisebn.estimate(model, data, num_samples="all")["0"]
+    assert stats.path == "float64"
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) <= 1e-12
+    assert max_rel_error(stats.var, truth.var) <= 1e-12
+
+
+def test_figures_that_overflow_after_the_verifying_batch_are_named_with_the_float64_remedy() -> None:
+    """A later batch (read through its figures, unchecked) with finite values whose float32 variance overflows:
+    the statistics are non-finite, and the error says so beside NaN/Inf inputs, naming capture='float64', which
+    measures them (probe 32a: "the inputs contain NaN/Inf values" alone, for finite inputs)."""
+    g = torch.Generator().manual_seed(2)
+    data = [torch.randn(64, 4, 8, 8, generator=g) for _ in range(2)]
+    data.append(torch.randn(64, 4, 8, 8, generator=g) * torch.tensor([1e18, 1, 1, 1]).view(1, 4, 1, 1))
+    model = nn.Sequential(nn.BatchNorm2d(4))
+    before = model.state_dict()["0.running_var"].clone()
+    with pytest.raises(precisebn.errors.NonFiniteError, match=r"'0' \(BatchNorm2d.*overflowed.*capture='float64'"):
+        precisebn.recalibrate(model, data, num_samples="all")
+    assert torch.equal(model[0].running_var, before)
+    stats = precisebn.estimate(model, data, num_samples="all", capture="float64")["0"]
+    truth = compute_truth(model, data)["0"]
+    assert max_rel_error(stats.var, truth.var) <= 1e-12

@@ -461,10 +461,8 @@ class Collector:
 
     def _vouched(self, t: Tensor, pair: Tensor, eps: float) -> bool:
         """Whether the float32 figures ``pair`` of a later call, which no checked call vouches for (see
-        :meth:`LayerCall.bound`), pass a check now against ``t``, what it normalised — on the channels
-        spread over the layer and those it rounds most, within a quarter of the tolerance
-        (:meth:`~precisebn.spotcheck.SpotChecks.check_now`): a few channels copied as float64, where measuring
-        the call in float64 would copy them all."""
+        :meth:`LayerCall.bound`), pass a check now against ``t``, what it normalised — on every channel,
+        within a quarter of the tolerance (:meth:`~precisebn.spotcheck.SpotChecks.check_now`)."""
         if pair.dtype != torch.float32:
             return False
         return self._spot_checks().check_now(t, pair, eps, every=True) is True
@@ -602,8 +600,8 @@ class Collector:
         ``(N, C)``: see :func:`_layout`) — (float32 figures: together with other calls', see
         :mod:`~precisebn.spotcheck`; float64 figures: at once) rather than reducing all it
         normalised in float64; a call that passes keeps its figures as its moments. Returns whether they were
-        seen to pass within a quarter of the tolerance already (checked at once on every channel, or where it
-        rounds most: :meth:`~precisebn.spotcheck.SpotChecks.check_now` with ``every``)."""
+        seen to pass within a quarter of the tolerance already (checked at once, on every channel:
+        :meth:`~precisebn.spotcheck.SpotChecks.check_now` with ``every``)."""
         layer = self.layers[i]
         channels = layer.channels
         t = fitting(seen, x, channels)
@@ -620,11 +618,8 @@ class Collector:
         spots = self._spot_checks()
         nbytes = t.numel() * t.element_size()
         if spots.at_once(nbytes):  # checked now: holding it until the others' checks costs fresh pages
-            verdict = spots.check_now(t, pair, eps, every)
-            if verdict is None:  # passed too narrowly to vouch for the channels not checked: all, in float64
-                trial.add(seen, x, channels, n)
-            else:
-                trial.checked(verdict, seen, x, channels, n)
+            verdict = spots.check_now(t, pair, eps, every)  # (None: passed on every channel, not comfortably)
+            trial.checked(verdict is not False, seen, x, channels, n)
             return verdict is True and every
         if not spots.room(n, nbytes, channels, every):
             self._run_spot_checks()

@@ -241,7 +241,11 @@ class Measurement:
                 ]
         if bad:
             bad.sort()
-            raise NonFiniteError(_non_finite_message([self.layers[i] for i in bad], [self.moments[i] for i in bad]))
+            raise NonFiniteError(
+                _non_finite_message(
+                    [self.layers[i] for i in bad], [self.moments[i] for i in bad], [self.paths[i] for i in bad]
+                )
+            )
 
     def to_population(self) -> PopulationStats:
         layers = {}
@@ -346,7 +350,7 @@ def _warn_far_from_zero(entries: list[tuple[NormLayer, LayerStats]]) -> None:
         )
 
 
-def _non_finite_message(bad: list[NormLayer], moments: list[RunningMoments]) -> str:
+def _non_finite_message(bad: list[NormLayer], moments: list[RunningMoments], paths: list[str]) -> str:
     parts = []
     for layer, m in zip(bad[:5], moments[:5]):
         channels = (
@@ -355,8 +359,20 @@ def _non_finite_message(bad: list[NormLayer], moments: list[RunningMoments]) -> 
         where = f"{len(channels)} of {layer.channels} channels, first channel {channels[0]}"
         parts.append(f"{layer.name!r} ({layer.type_name}, {where})")
     more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    # a layer on the fast path sums its batch's squares in its own dtype: finite values beyond about
+    # sqrt(float32's largest / values per channel) overflow there (probe 32a: |x| ~ 1e18, variance 1e36)
+    fast = [layer.name for layer, path in zip(bad, paths) if path == "fast"]
+    overflow = (
+        (
+            f" — or, for {', '.join(map(repr, fast[:5]))}{' and more' if len(fast) > 5 else ''}, which read "
+            "their own batch figures, finite values so large that those figures overflowed (|x| beyond about "
+            "1e18 in float32); capture='float64' measures such values in float64"
+        )
+        if fast
+        else ""
+    )
     return (
         f"non-finite statistics (NaN or Inf) in layer {', '.join(parts)}{more}: the inputs of these layers "
-        "contain NaN/Inf values. Check the data and the model's weights (a diverged checkpoint?). "
+        f"contain NaN/Inf values{overflow}. Check the data and the model's weights (a diverged checkpoint?). "
         "The model was left unchanged."
     )

@@ -46,6 +46,7 @@ __all__ = [
     "PARTIAL_MARGIN",
     "SpotChecks",
     "checked_channels",
+    "every_channel_sums",
     "passes",
     "reference",
     "references",
@@ -71,12 +72,9 @@ on one-batch calls (paired, 40 rounds; held / 1 MiB / 256 KiB / every call at on
 23.3 / 27.0 — medians within a few milliseconds of each other on this machine."""
 
 PARTIAL_MARGIN = 4.0
-"""How much tighter than the tolerance the checked channels of a large channels-adjacent input must be
-for their check to vouch for the others (:meth:`SpotChecks.check_now` with ``every``): torch's float32
-reduction of such inputs errs on every channel alike for alike |mean|/σ (about 2e-5 σ at 25,600 values
-per channel and |mean|/σ = 3), so the channels not checked may be further off than the worst checked
-one — a probe's layer whose 8 checked channels passed under 1e-5 had 11 of its 64 above, 1.9e-5. Between
-the tolerance and a quarter of it, every channel is checked (a float64 reduction of the whole input)."""
+"""How much tighter than the tolerance a call's figures, checked on every channel, must be for the call to
+vouch for later calls up to twice as far from 0 (:meth:`SpotChecks.check_now` with ``every``; see
+:meth:`~precisebn.layercall.LayerCall.passed`)."""
 
 _UNIT = 2.0**-53  # unit roundoff of float64
 
@@ -211,26 +209,17 @@ def rounding_passes(pair: Tensor, eps: float, unit: float, tolerance: float) -> 
     """Whether the rounding term of a call's figures ``pair`` (``(2, C)``: means, unbiased
     variances, in a dtype of unit roundoff ``unit``), the largest ``(unit · mean)² / (var + eps)``
     over channels, is within ``tolerance``: bounded first from the figures' extremes (one kernel
-    and a host read), computed over every channel only where that bound is too loose. NaN fails."""
+    and a host read), computed over every channel only where that bound is too loose. NaN or Inf
+    anywhere fails."""
     low, high = pair.aminmax(dim=1)  # (min mean, min var), (max mean, max var)
-    (low_mean, low_var), (high_mean, _) = low.tolist(), high.tolist()
+    (low_mean, low_var), (high_mean, high_var) = low.tolist(), high.tolist()
+    if not all(map(math.isfinite, (low_mean, low_var, high_mean, high_var))):
+        return False  # NaN figures, or Inf (an infinite variance made the term 0: a kernel's float32 sum of
+        # squares that overflowed on finite values, |x| ~ 1e18, on a channel not checked — probe 32a)
     scale = max(abs(low_mean), abs(high_mean)) * unit
     if scale * scale / (max(low_var, 0.0) + eps) <= tolerance:  # >= every channel's rounding term
         return True
-    if low_var != low_var:  # NaN figures
-        return False
     return float(pair[0].square().div_(pair[1] + eps).amax()) * unit * unit <= tolerance
-
-
-def _worst(pair: Tensor, eps: float, count: int = CHECKED_CHANNELS) -> list[int]:
-    """The ``count`` channels with the largest ``mean² / (var + eps)`` by the figures ``pair`` (NaN
-    first), beyond the spread ones (:func:`checked_channels`), ascending: where torch's float32
-    reduction of inputs whose channels are adjacent in memory rounds most (its error grows with
-    |mean|/σ)."""
-    channels = pair.shape[1]
-    score = pair[0].square().div_(pair[1] + eps).nan_to_num_(nan=float("inf"))
-    spread = set(range(channels)[checked_channels(channels)])
-    return sorted(set(score.topk(min(count, channels)).indices.tolist()) - spread)
 
 
 def _copy_checked(t: Tensor, step: int, k: int, into: Tensor) -> None:
@@ -242,6 +231,36 @@ def _copy_checked(t: Tensor, step: int, k: int, into: Tensor) -> None:
     strides = t.stride()
     source = t.as_strided(shape, (strides[1] * step, strides[0], *strides[2:]), t.storage_offset())
     into.view(shape).copy_(source)
+
+
+def every_channel_sums(t: Tensor, shifts: Tensor, chunk: int = CAPACITY) -> tuple[Tensor, Tensor]:
+    """float64 sums, per channel (dimension 1 of ``t``), of the values of ``t`` shifted by ``shifts`` (each
+    ``x - shift`` rounded once, as :func:`reference` asks) and of their squares — reduced in ``t``'s own memory
+    layout (a copy channel after channel across channels_last costs several times more), at most about
+    ``chunk`` values at a time (slices of the first dimension, or of the rows of a channels-last view).
+
+    >>> import torch
+    >>> x = torch.tensor([[1.0, 10.0], [3.0, 14.0]])
+    >>> s1, s2 = every_channel_sums(x, torch.tensor([2.0, 12.0], dtype=torch.float64), chunk=2)
+    >>> s1.tolist(), s2.tolist()
+    ([0.0, 0.0], [2.0, 8.0])
+    """
+    t = t.detach()
+    channels = t.shape[1]
+    rows = t.movedim(1, -1)
+    if rows.is_contiguous():  # channels adjacent in memory: rows of channels, a view
+        t, shape, dims = rows.reshape(-1, channels), (1, channels), [0]
+    else:
+        shape, dims = (1, channels, *([1] * (t.dim() - 2))), [0, *range(2, t.dim())]
+    shift = shifts.reshape(shape)
+    sums = torch.zeros(channels, dtype=torch.float64, device=t.device)
+    squares = torch.zeros(channels, dtype=torch.float64, device=t.device)
+    per = max(1, t[:1].numel())
+    for part in t.split(max(1, chunk // per)):
+        d = torch.sub(part, shift)  # (float64: the shift's dtype)
+        sums.add_(d.sum(dims))
+        squares.add_(d.square_().sum(dims))
+    return sums, squares
 
 
 _Waiting = tuple[Any, Tensor, float, int, tuple[int, ...]]  # owner, figures (2, C), eps, values per channel, checked
@@ -304,18 +323,17 @@ class SpotChecks:
     def check_now(self, t: Tensor, pair: Tensor, eps: float, every: bool = False) -> bool | None:
         """Checks one call at once, nothing held: whether its figures ``pair`` (its ``(2, C)``
         view of the scratch buffer, this call's) pass against ``t``, what it normalised — the
-        check :meth:`run` makes, with :func:`reference`'s bounds and :func:`passes`' test
-        computed on the host for the few checked channels (a handful of kernels rather than
-        the few dozen of a run), and the rounding term by :func:`rounding_passes`. ``every``: every
-        channel is checked, not a few — here, for an input large enough to be checked at once, the spread
-        channels and those whose figures say it rounds most (:func:`_worst`); ``None`` when they pass, but
-        not within :data:`PARTIAL_MARGIN` of the tolerance: too narrowly to vouch for the channels not
-        checked (the caller checks every channel instead)."""
+        check :meth:`run` makes, with :func:`reference`'s bounds and :func:`passes`' test, and the
+        rounding term by :func:`rounding_passes`: for a few channels computed on the host (a handful
+        of kernels rather than the few dozen of a run). ``every``: every channel is checked, from
+        float64 sums taken in ``t``'s own memory layout, a slice of at most :data:`CAPACITY` values
+        at a time (:func:`every_channel_sums`); then ``True`` means passed within
+        :data:`PARTIAL_MARGIN` of the tolerance (the call vouches for others twice as far from 0,
+        see :meth:`~precisebn.layercall.LayerCall.passed`), ``None`` passed, but not that comfortably."""
+        if every:
+            return self._check_every(t, pair, eps)
         step, picked = _picked(pair.shape[1])
-        # (every: a large input, of which a float64 copy of every channel would cost about what the float64 path
-        # does; the extra channels are copied one by one: index_select across channels_last is several times slower)
-        extra = _worst(pair, eps) if every else []
-        k = len(picked) + len(extra)
+        k = len(picked)
         n = t.numel() // t.shape[1]
         taken = None
         if self._workspace is not None and self._used + k * n <= self._workspace.numel():
@@ -324,12 +342,8 @@ class SpotChecks:
             taken = _take_workspace(self.capacity if k * n <= self.capacity else k * n)
             values = taken[: k * n]
         try:
-            _copy_checked(t, step, len(picked), values[: len(picked) * n])
-            for at, c in enumerate(extra, start=len(picked)):
-                _copy_checked(t[:, c : c + 1], 1, 1, values[at * n : (at + 1) * n])
+            _copy_checked(t, step, k, values)
             figures = pair[:, checked_channels(pair.shape[1])]
-            if extra:
-                figures = torch.cat([figures, pair[:, extra]], 1)
             block = values.view(k, n).sub_(figures[0].unsqueeze(1))  # shifted by the figures' means
             sums = torch.stack([_row_sums(block), _row_sums(block.square_())])  # (new: the workspace is free)
         finally:
@@ -338,16 +352,21 @@ class SpotChecks:
         fig_mean, fig_var = figures.tolist()
         if not rounding_passes(pair, eps, self.unit, self.tolerance):
             return False
-        checked = list(zip(fig_mean, fig_var, *sums.tolist()))  # (each shifted by its figure's mean: fm)
+        checked = zip(fig_mean, fig_var, *sums.tolist())  # (each shifted by its figure's mean: fm)
+        return all(_passes_one(fm, fv, fm, s1, s2, n, eps, self.tolerance) for fm, fv, s1, s2 in checked)
 
-        def within(tolerance: float) -> bool:
-            return all(_passes_one(fm, fv, fm, s1, s2, n, eps, tolerance) for fm, fv, s1, s2 in checked)
-
-        if every and within(self.tolerance / PARTIAL_MARGIN):  # (vouches for the channels not checked)
-            return True
-        if not within(self.tolerance):
+    def _check_every(self, t: Tensor, pair: Tensor, eps: float) -> bool | None:
+        """:meth:`check_now` on every channel (see there)."""
+        if not rounding_passes(pair, eps, self.unit, self.tolerance):
             return False
-        return None if every else True
+        figures = pair.detach().double()
+        n = t.numel() // t.shape[1]
+        sums, squares = every_channel_sums(t, figures[0], self.capacity)
+        ref = reference(sums, squares, figures[0], torch.full_like(sums, float(n)))
+        ok = passes(figures[0], figures[1], ref, eps, self.tolerance)
+        good = passes(figures[0], figures[1], ref, eps, self.tolerance / PARTIAL_MARGIN)
+        passed, comfortably = (bool(v) for v in torch.stack([ok.all(), good.all()]).tolist())
+        return (True if comfortably else None) if passed else False
 
     def run(self) -> list[tuple[Any, bool]]:
         """Makes the waiting checks: ``(owner, passed)`` per call, in the order added."""
@@ -400,7 +419,9 @@ class SpotChecks:
         return [(owner, passed, good) for (owner, *_), passed, good in zip(waiting, *verdicts)]
 
     def _rounding(self, figures: Tensor, widths: list[int], eps: list[float]) -> Tensor:
-        """Each call's largest ``mean² / (var + eps)`` over all its channels (NaN if any is)."""
+        """Each call's largest ``mean² / (var + eps)`` over all its channels (NaN if any figure is NaN or Inf:
+        see :func:`rounding_passes`)."""
         sizes = torch.tensor(widths)
         scale = figures[1] + torch.tensor(eps, dtype=figures.dtype).repeat_interleave(sizes)
-        return torch.segment_reduce(figures[0].square().div_(scale), "max", lengths=sizes)
+        terms = figures[0].square().div_(scale).masked_fill_(~figures.isfinite().all(0), float("nan"))
+        return torch.segment_reduce(terms, "max", lengths=sizes)
