@@ -178,3 +178,34 @@ def test_batches_of_unknown_size_are_named_in_the_errors() -> None:
     with pytest.raises(StatsMismatchError, match="could not tell it for these batches"):
         precisebn.recalibrate(bn, batches, forward=forward, num_batches=4, prior=8)
     assert torch.equal(bn.running_mean, before)
+
+
+@pytest.mark.parametrize("call", ["estimate", "recalibrate"])
+def test_model_calls_made_by_the_data_are_refused_not_counted(call: str) -> None:
+    """Found by probe 33b: a generator that ran the model being recalibrated between batches (hard-example
+    mining, pseudo-labels: ``model(x * 10)``) had those calls pooled with the batches' — twice the values
+    per channel, the variance 50x the data's, written as "pooled over 2 calls per forward". The data's calls
+    are refused by name, the model unchanged; the same data without them is measured as its batches give."""
+    import precisebn
+    from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
+    from precisebn.errors import InvalidArgumentError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    batches = [torch.randn(8, 3, 8, 8) * 2 + 1 for _ in range(4)]
+
+    def data(scores: bool):
+        for x in batches:
+            if scores:
+                with torch.no_grad():
+                    model(x * 10)
+            yield x
+
+    before = state_snapshot(model)
+    with pytest.raises(InvalidArgumentError, match=r"layer '1' \(BatchNorm2d\) was called while the next batch"):
+        getattr(precisebn, call)(model, data(True))
+    assert_unchanged(model, before)
+    truth = compute_truth(model, batches)["1"]
+    stats = precisebn.estimate(model, data(False))["1"]
+    assert stats.count == truth.count
+    assert max_rel_error(stats.var, truth.var) < 1e-6

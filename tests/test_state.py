@@ -293,6 +293,32 @@ def test_parameter_changed_in_place_is_named_in_a_warning() -> None:
         precisebn.estimate(model, data())
 
 
+@pytest.mark.parametrize("how", ["weights clipped through .data", "module.double()"])
+def test_parameter_data_assigned_in_forward_is_named_in_a_warning(how: str) -> None:
+    """Found by probe 33b: a forward assigning a parameter's ``.data`` (clipping its weights; ``self.double()``
+    on its first call) moves no version counter, and went unwarned — after ``.double()`` the model was left with
+    float64 weights and its float32 buffers put back, and could not run. Where its data are is compared too."""
+    torch.manual_seed(0)
+
+    class Assigns(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 6)
+            self.bn = nn.BatchNorm1d(6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if how == "module.double()":
+                if self.lin.weight.dtype != torch.float64:
+                    self.lin.double()
+                return self.bn(self.lin(x.double()).float())
+            self.lin.weight.data = self.lin.weight.data.clamp(-0.01, 0.01)
+            return self.bn(self.lin(x))
+
+    model = Assigns()
+    with pytest.warns(ModelChangedWarning, match=r"'lin\.weight'.* \(or assigned their \.data\)"):
+        precisebn.estimate(model, data())
+
+
 @pytest.mark.parametrize("lazy", [nn.LazyLinear(6), nn.LazyBatchNorm1d()])
 def test_uninitialised_lazy_module_anywhere_is_refused(lazy: nn.Module) -> None:
     torch.manual_seed(0)

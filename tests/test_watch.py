@@ -630,7 +630,53 @@ def test_a_layer_whose_normalization_is_hidden_from_the_watch_is_refused(where: 
     name = "1" if where == "its own forward" else "bn"
     data = [torch.randn(4, 3, 10, 10) * 2 + 1 for _ in range(3)]
     before = state_snapshot(model)
-    with pytest.raises(UnsupportedLayerError, match=rf"layer '{name}' \(\w+\) counted a call in its num_batches"):
+    with pytest.raises(UnsupportedLayerError, match=rf"layer '{name}' \(\w+\) wrote its running buffers during"):
+        precisebn.recalibrate(model, data, capture=capture)
+    assert_unchanged(model, before)
+
+
+class NormalisesASlice(nn.BatchNorm2d):
+    """A universally slimmable network's BatchNorm: normalises an input of fewer channels (a narrower width)
+    with the first channels of its running buffers — slices, written in place with its batch figures."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = x.shape[1]
+        rm, rv = self.running_mean[:c], self.running_var[:c]
+        return F.batch_norm(x, rm, rv, self.weight[:c], self.bias[:c], self.training, self.momentum, self.eps)
+
+
+class UpdatesByHand(nn.BatchNorm1d):
+    """A BatchNorm written from scratch (a masked BatchNorm, BatchRenorm): computes its batch statistics
+    itself and moves its running buffers by its momentum, its num_batches_tracked left alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean, var = x.mean((0, 2)), x.var((0, 2))
+        m = self.momentum if self.momentum is not None else 0.1
+        self.running_mean.mul_(1 - m).add_(mean, alpha=m)
+        self.running_var.mul_(1 - m).add_(var, alpha=m)
+        return (x - mean[:, None]) / (var[:, None] + self.eps).sqrt()
+
+
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+@pytest.mark.parametrize("layer", ["slice of its buffers", "by hand"])
+def test_a_layer_writing_its_buffers_out_of_sight_without_counting_is_refused(layer: str, capture: str) -> None:
+    """Found by probe 33a: a layer that wrote its running buffers in place while the watch saw no
+    normalization with them whole, and left its num_batches_tracked alone — a slimmable network's BatchNorm
+    normalising with ``running_mean[:c]``, a BatchNorm updating its buffers by hand — was reported "buffers
+    never used (kept)", its old statistics (0 and 1, where its data gave 0..11 and 4) kept with only a log line.
+    It is refused by name, the model unchanged."""
+    from conftest import assert_unchanged, state_snapshot
+    from precisebn.errors import UnsupportedLayerError
+
+    torch.manual_seed(0)
+    if layer == "by hand":
+        model = nn.Sequential(UpdatesByHand(8))
+        data = [torch.randn(16, 8, 10) * 2 + 5 for _ in range(3)]
+    else:
+        model = nn.Sequential(NormalisesASlice(16))
+        data = [torch.randn(8, 12, 8, 8) * 2 + torch.arange(12.0).view(1, -1, 1, 1) for _ in range(3)]
+    before = state_snapshot(model)
+    with pytest.raises(UnsupportedLayerError, match=r"layer '0' \(\w+\) wrote its running buffers during its forward"):
         precisebn.recalibrate(model, data, capture=capture)
     assert_unchanged(model, before)
 

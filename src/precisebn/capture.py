@@ -128,6 +128,9 @@ class Collector:
         self.per_batch = [0] * n  # per_call: calls of each layer in every batch that calls it (0: not yet)
         self.call_counts: list[list[int]] = [[] for _ in range(n)]  # per_call: values per channel per call index
         self._in_batch = [0] * n  # calls of each layer in the current batch
+        # whether the pass's forward(model, batch) is running: a layer called otherwise (by the data, between
+        # forwards) is refused (see LayerCall.__call__)
+        self.in_forward = False
         self._first_batch = [0] * n  # per_call: the batch that set per_batch
         # "verify" until the end of the first batch that calls the layer, then "fast", "float64" or "none"
         self.paths = ["verify" if layer.path == "fast" else "float64" for layer in self.layers]
@@ -242,16 +245,27 @@ class Collector:
             "The model was left unchanged."
         )
 
+    def _outside_forward(self, i: int) -> InvalidArgumentError:
+        layer = self.layers[i]
+        return InvalidArgumentError(
+            f"layer {layer.name!r} ({layer.type_name}) was called while the next batch was being drawn from the "
+            "data, not by forward(model, batch): the data (a generator, a loader, a collate function) runs the "
+            "model being recalibrated, and those calls would count in its statistics as if they were the "
+            "batches'. Have the data run another copy of the model (copy.deepcopy(model)), or compute what it "
+            "needs from the model beforehand. The model was left unchanged."
+        )
+
     def _unseen(self, i: int) -> UnsupportedLayerError:
         """Layer ``i`` normalised with its running buffers out of precisebn's sight (see
         :meth:`~precisebn.layercall.LayerCall._unseen`)."""
         layer = self.layers[i]
         return UnsupportedLayerError(
-            f"layer {layer.name!r} ({layer.type_name}) counted a call in its num_batches_tracked and wrote its running "
-            "buffers, as torch's BatchNorm forward does when it normalises with batch statistics, but precisebn saw "
-            "no normalization with them, so it cannot tell what the layer normalised (on either path): its forward "
-            "computes the statistics itself (a BatchNorm written from scratch), normalises with a copy or a part "
-            "of its buffers or through TorchScript, or its call is hidden from precisebn's watch "
+            f"layer {layer.name!r} ({layer.type_name}) wrote its running buffers during its forward, as torch's "
+            "BatchNorm forward does when it normalises with batch statistics, but precisebn saw no normalization "
+            "with them whole, so it cannot tell what the layer normalised (on either path): its forward "
+            "computes the statistics itself (a BatchNorm written from scratch), normalises with a part of its "
+            "buffers (a slice, as slimmable networks' BatchNorm does: statistics of some of its channels only) or "
+            "a copy of them or through TorchScript, or its call is hidden from precisebn's watch "
             "(torch._C.DisableTorchFunctionSubclass(), DisableTorchFunction(), a running_mean stripped of its class). "
             "Exclude the layer with layers=, or have it call F.batch_norm with its own running buffers, outside such "
             "modes. The model was left unchanged."

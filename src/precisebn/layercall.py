@@ -25,7 +25,7 @@ from .watch import Watch, moments_of, normalises_its_input
 if TYPE_CHECKING:
     from .capture import Collector
 
-__all__ = ["REDUCED", "SHAPES", "LayerCall", "layout_of", "reach", "verified_size"]
+__all__ = ["OWN_ROUNDING", "REDUCED", "SHAPES", "LayerCall", "layout_of", "reach", "verified_size"]
 
 SHAPES = 256
 """Input shapes remembered per layer with a forward of its own (more: each call of a new one watched)."""
@@ -118,20 +118,19 @@ class LayerCall:
             )
         return out, watch.seen, not watch.frozen
 
-    def _unseen(self, counter: Tensor | None, before: int, inner: int, held: Tensor) -> bool:
-        """After a watched call that normalised nothing precisebn saw: whether it normalised with its running
-        buffers all the same, out of the watch's sight — it moved its ``num_batches_tracked``, as torch's forward
-        does when it normalises with batch statistics, and its running buffers (the scratch views still) no
-        longer hold what they held before the call (``held``; the model's statistics in the verifying batch).
-        Not when calls ran inside it (``inner``: the count before it): theirs are the normalization, the
-        increment and the writes. A call that took its buffers away, or normalised a copy of them, wrote none of
-        them: it normalised without them. The comparison reads the device only in such a call (none of torch's
-        own or of a layer the watch sees)."""
+    def _unseen(self, inner: int, held: Tensor) -> bool:
+        """After a watched call that normalised nothing precisebn saw: whether it wrote its running buffers all
+        the same, out of the watch's sight — they (the scratch views still) no longer hold what they held before
+        the call (``held``; the model's statistics in the verifying batch) — whether or not it moved its
+        ``num_batches_tracked``: a forward normalising with a slice of its buffers (``F.batch_norm(x,
+        self.running_mean[:c], ...)``, as slimmable networks do) or updating them by hand writes them without
+        it (a probe: "buffers never used (kept)", the old statistics kept). Not when calls ran inside it
+        (``inner``: the count before it): theirs are the normalization and the writes. A call that took its
+        buffers away, or normalised a copy of them, wrote none of them: it normalised without them. The
+        comparison reads the device only in such a call (none of torch's own or of a layer the watch sees)."""
         buffers = self.module._buffers
         return (
-            counter is not None
-            and counter._version != before
-            and self.inner == inner
+            self.inner == inner
             and buffers.get("running_mean") is self.mean_view
             and buffers.get("running_var") is self.var_view
             and not torch.equal(self.pair, held)
@@ -264,6 +263,8 @@ class LayerCall:
 
     def __call__(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         c, i = self.c, self.i
+        if not c.in_forward:  # (before anything is counted: called by the data, between forwards)
+            raise c._outside_forward(i)
         path = c.paths[i]
         in_batch = c._in_batch
         j = in_batch[i]  # this call's index within the batch
@@ -305,8 +306,8 @@ class LayerCall:
                         raise c._momentum_changed(i)
                 n = x.numel() // self.channels
                 row = c._row
-                layout: int | None = (  # (_layout, inline)
-                    x.dim() < 3 or x.stride(1) == 1 or x.dtype in REDUCED or not x.is_contiguous()
+                layout: int | None = (  # (layout_of, inline)
+                    x.dim() < 3 or x.stride(1) == 1 or x.dtype in OWN_ROUNDING or not x.is_contiguous()
                 )
                 new_shape = False
                 if not self.own_forward:  # a forward of its own, called with a new input shape: watched (_known_shape)
@@ -373,7 +374,7 @@ class LayerCall:
                 else:
                     inner, held = self.inner, self.pair.clone()  # (the float64 path: slow anyway)
                     out, seen, _ = self.watched(forward, x, args, kwargs)
-                    if not seen and not inside and self._unseen(counter, before, inner, held):
+                    if not seen and not inside and self._unseen(inner, held):
                         raise c._unseen(i)
                     if seen:  # (what can fail comes first: a call that raises leaves nothing counted)
                         n = sum(t.numel() // self.channels for t in seen)
@@ -425,7 +426,7 @@ class LayerCall:
         except BaseException:
             self.unstash(stashed)
             raise
-        if not seen and not inside and self._unseen(counter, before, inner, c._initial_pair(i)):
+        if not seen and not inside and self._unseen(inner, c._initial_pair(i)):
             raise c._unseen(i)
         trial = c._trials.get(i) or c._trials.setdefault(i, Trial(c.counts[i]))
         n = self.count(x, j)
@@ -473,6 +474,11 @@ def verified_size(n: int, layout: int, device: torch.device) -> int:
 
 
 REDUCED = (torch.float16, torch.bfloat16)
+OWN_ROUNDING = (*REDUCED, torch.float64)
+"""Input dtypes torch's CPU kernels reduce in a precision whose rounding grows with the values and |mean|/σ, in
+any layout: half precision in float32, float64 in float64 (whose sum of 262,144 values per channel at |mean|/σ =
+1e5 read 2.1e-9 σ off, 21 times the float64 tolerance, a probe) — float32 inputs in the default layout are summed
+in float64."""
 
 
 def reach(score: float, tolerance: float) -> float:
@@ -482,9 +488,10 @@ def reach(score: float, tolerance: float) -> float:
 
 
 def layout_of(x: Tensor) -> int:
-    """1 if torch's CPU kernels reduce ``x`` in float32, rounding more with more values — its channels
+    """1 if torch's CPU kernels reduce ``x`` rounding more with more values and with |mean|/σ — its channels
     (dimension 1) adjacent in memory (channels_last, ``(N, C)``), any other non-contiguous input (a crop
-    ``x[..., 1:]``, a channel split: a probe measured 1.1e-4 σ at 1.6 M values), or a half-precision input
-    (autocast, or a half-precision module before a float32 layer) — else 0 (contiguous float32 and float64
-    inputs in the default layout, reduced in float64)."""
-    return 1 if x.dim() < 3 or x.stride(1) == 1 or x.dtype in REDUCED or not x.is_contiguous() else 0
+    ``x[..., 1:]``, a channel split: a probe measured 1.1e-4 σ at 1.6 M values), which they reduce in float32, or
+    an input of a dtype in :data:`OWN_ROUNDING` (half precision: autocast, or a half-precision module before a
+    float32 layer; float64, reduced in float64: probe 33a) — else 0 (contiguous float32 inputs in the default
+    layout, reduced in float64)."""
+    return 1 if x.dim() < 3 or x.stride(1) == 1 or x.dtype in OWN_ROUNDING or not x.is_contiguous() else 0

@@ -735,9 +735,9 @@ def _restore_snapshot(snapshot: StateSnapshot) -> None:
     if lost:
         shown = ", ".join(map(repr, lost[:5])) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
         warnings.warn(
-            f"the model's own forward changed {shown} in place during the statistics passes, and precisebn could "
-            "not put them back: it keeps no copy of parameters (and a buffer it could not copy or reshape keeps "
-            "its new values too). Make forward leave parameters alone, or recalibrate a copy "
+            f"the model's own forward changed {shown} in place (or assigned their .data) during the statistics "
+            "passes, and precisebn could not put them back: it keeps no copy of parameters (and a buffer it could "
+            "not copy or reshape keeps its new values too). Make forward leave parameters alone, or recalibrate a copy "
             "(copy.deepcopy(model)).",
             ModelChangedWarning,
             stacklevel=4,

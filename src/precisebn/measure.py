@@ -141,7 +141,11 @@ class Pass:
                         "cannot be counted; pass num_batches= (a number of batches) instead. The model was left "
                         "unchanged."
                     )
-                self.forward(self.model, to_device(batch, self.device))
+                collector.in_forward = True  # (layers called otherwise are refused: see Collector.in_forward)
+                try:
+                    self.forward(self.model, to_device(batch, self.device))
+                finally:
+                    collector.in_forward = False
                 collector.end_batch()
                 batches += 1
                 samples += size or 0
