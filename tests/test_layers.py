@@ -459,3 +459,18 @@ def test_an_exported_graph_is_refused_with_the_reason() -> None:
         with pytest.raises(LayerNotFoundError) as plain:  # (no word of graphs)
             precisebn.estimate(other, [torch.randn(2, 3, 8, 8)])
         assert "exported" not in str(plain.value)
+
+
+def test_a_predicate_that_does_not_fit_is_refused_by_name() -> None:
+    """Found by probe 33b: a ``layers=`` predicate of one argument raised Python's own TypeError, one returning a
+    tensor of several values torch's "Boolean value of Tensor with more than one value is ambiguous"."""
+    import precisebn
+    from precisebn.errors import InvalidArgumentError
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    data = [torch.randn(2, 3, 4, 4)]
+    with pytest.raises(InvalidArgumentError, match=r"bool; calling it on '1' raised TypeError"):
+        precisebn.estimate(model, data, layers=lambda name: True)
+    with pytest.raises(InvalidArgumentError, match=r"on '1' it returned Tensor .* which is not a truth value"):
+        precisebn.estimate(model, data, layers=lambda name, m: getattr(m, "running_mean", torch.zeros(1)) == 0)
+    assert precisebn.estimate(model, data, layers=lambda name, m: name == "1")["1"].count == 32

@@ -678,3 +678,65 @@ def test_apply_says_which_layers_of_the_model_the_statistics_do_not_cover(caplog
     with caplog.at_level("WARNING", logger="precisebn"):
         precisebn.apply(small, stats)  # every layer covered: nothing said
     assert "no statistics" not in caplog.text
+
+
+def test_a_default_device_elsewhere_leaves_the_passes_alone() -> None:
+    """Found by probe 33b: under ``torch.set_default_device(...)`` (here "meta"; "cuda" on a GPU machine) the
+    passes' own host vectors were made on that device, and estimating a CPU model ended in torch's "cannot
+    repeat_interleave a meta tensor". Every tensor precisebn makes for itself names its device."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(144, 5), nn.BatchNorm1d(5))
+    data = [torch.randn(8, 3, 8, 8) + 2 for _ in range(3)]
+    last = [d.contiguous(memory_format=torch.channels_last) for d in data]  # (the checks of every channel)
+    expected = [precisebn.estimate(model, d, capture=c) for d, c in ((data, "auto"), (last, "auto"), (data, "float64"))]
+    truth = compute_truth(model, data)
+    torch.set_default_device("meta")
+    try:
+        got = [precisebn.estimate(model, d, capture=c) for d, c in ((data, "auto"), (last, "auto"), (data, "float64"))]
+        report = precisebn.recalibrate(model, data)
+    finally:
+        torch.set_default_device(None)
+    for a, b in zip(expected, got):
+        for name in ("1", "4"):
+            assert torch.equal(a[name].mean, b[name].mean) and torch.equal(a[name].var, b[name].var)
+    assert report["1"].updated
+    assert max_rel_error(model[1].running_var, truth["1"].var) < 1e-6
+
+
+def test_meta_tensors_are_refused_by_name() -> None:
+    """Found by probe 33b: a batch on the meta device ended in torch's "Cannot copy out of meta tensor"; a
+    model whose first parameter is still on meta (the batches go to the model's device) in "Tensor on device
+    cpu is not on the expected device meta"."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    before = state_snapshot(model)
+    with pytest.raises(InvalidArgumentError, match=r"a batch holds a tensor of shape \(8, 3, 8, 8\) on the meta"):
+        precisebn.recalibrate(model, [torch.empty(8, 3, 8, 8, device="meta")])
+    assert_unchanged(model, before)
+    partial = nn.Sequential(nn.Linear(3, 4).to("meta"), nn.BatchNorm1d(4))
+    with pytest.raises(UninitializedLayerError, match=r"the model's first tensor, '0\.weight', is on the meta device"):
+        precisebn.recalibrate(partial, [torch.randn(4, 3)])
+
+
+def test_statistics_of_the_wrong_dtype_or_on_meta_are_named_for_what_they_are() -> None:
+    """Found by probe 33b: an integer mean of the right shape was refused as having "shape (4,)" for a layer of 4
+    channels; a mean on the meta device got torch's raw "Cannot copy out of meta tensor"."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    stats = precisebn.estimate(model, [torch.randn(8, 3, 4, 4)])
+    before = state_snapshot(model)
+    cases = [
+        (
+            stats["1"].mean.round().to(torch.int64),
+            r"'1' has 4 channels, but the statistics' mean is of dtype torch\.int64",
+        ),
+        (torch.empty(4, dtype=torch.float64, device="meta"), r"mean is on the meta device \(it holds no values\)"),
+    ]
+    for mean, said in cases:
+        bad = precisebn.PopulationStats(
+            {"1": dataclasses.replace(stats["1"], mean=mean)}, stats.samples, stats.batches, stats.mode
+        )
+        with pytest.raises(StatsMismatchError, match=said):
+            precisebn.apply(model, bad)
+        assert_unchanged(model, before)

@@ -106,7 +106,7 @@ def pool_with_prior(
     f64 = torch.float64
     mean, var = mean.detach().to("cpu", f64), var.detach().to("cpu", f64)
     prior_mean, prior_var = prior_mean.detach().to("cpu", f64), prior_var.detach().to("cpu", f64)
-    w, n = torch.tensor(float(weight), dtype=f64), torch.tensor(float(count), dtype=f64)
+    w, n = torch.tensor(float(weight), dtype=f64, device="cpu"), torch.tensor(float(count), dtype=f64, device="cpu")
     a = 1 / (1 + n / w)  # the prior's share (w = 0: n / w = inf, a = 0)
     b = 1 / (1 + w / n)  # the data's (w = inf: b = 0)
     delta = mean - prior_mean

@@ -428,7 +428,7 @@ class Collector:
             segments = [float("inf")] * len(lengths)  # (the gaps, then each layer: 2·slot + 1)
             for slot, value in bounds.items():
                 segments[2 * slot + 1] = value
-            bound = torch.tensor(segments, dtype=eps.dtype).repeat_interleave(lengths)
+            bound = torch.tensor(segments, dtype=eps.dtype, device="cpu").repeat_interleave(lengths)
             scratch = self._scratch[g]  # (the test reads only the stretch of the buffer that holds these layers)
             lo = min(scratch.offsets[slot] for slot in bounds)
             hi = max(scratch.offsets[slot] + scratch.channels[slot] for slot in bounds)
@@ -460,8 +460,8 @@ class Collector:
                 at = off + c
             values.append(1.0)
             lengths.append(scratch.buffer.shape[1] - at)
-            counts = torch.tensor(lengths)
-            eps = torch.tensor(values, dtype=scratch.buffer.dtype).repeat_interleave(counts)
+            counts = torch.tensor(lengths, device="cpu")
+            eps = torch.tensor(values, dtype=scratch.buffer.dtype, device="cpu").repeat_interleave(counts)
             self._ratio_steps[g] = (eps, counts)
         return self._ratio_steps[g]
 
@@ -595,7 +595,7 @@ class Collector:
             elif g.pending and any(row[i] for i in g.pending):  # a layer's first batch: its figures (its sums are 0)
                 first = [i for i in g.pending if row[i]]
                 g.pending.difference_update(first)
-                host = torch.zeros(len(row), dtype=torch.float64)
+                host = torch.zeros(len(row), dtype=torch.float64, device="cpu")
                 host[first] = 1.0
                 g.shift = torch.where(g.per_channel(host) > 0, mean.to(torch.float64), g.shift)
             d = torch.sub(mean, g.shift, out=g.d)  # float64; garbage only where count is 0
@@ -747,7 +747,7 @@ class Collector:
         if vectors is None:
             if len(self._count_vectors) >= _COUNT_CACHE:
                 self._count_vectors.clear()
-            host = torch.tensor(row, dtype=torch.float64)
+            host = torch.tensor(row, dtype=torch.float64, device="cpu")
             vectors = []
             for g in self._groups:
                 count = g.per_channel(host)
@@ -762,7 +762,7 @@ class Collector:
         self._extras.clear()
         for key, items in by_layer.items():
             acc = _accumulation_device(items[0][1].device)
-            count = _to_device(torch.tensor([n for n, _, _ in items], dtype=torch.float64), acc)[:, None]
+            count = _to_device(torch.tensor([n for n, _, _ in items], dtype=torch.float64, device="cpu"), acc)[:, None]
             means = torch.stack([m for _, m, _ in items]).to(acc, torch.float64)
             m2 = torch.stack([v for _, _, v in items]).to(acc, torch.float64) * (count - 1)
             self._keep(key, RunningMoments.from_batches(count.expand_as(means), means, m2), sum(n for n, _, _ in items))
@@ -826,10 +826,10 @@ class Collector:
                     "restore the layer's forward, or exclude it with layers=. The model was left unchanged."
                 )
         for key, kept in self._kept.items():  # their counts, on the host until now
-            counts = torch.tensor(self._kept_n[key], dtype=torch.float64)
+            counts = torch.tensor(self._kept_n[key], dtype=torch.float64, device="cpu")
             kept.count.copy_(_to_device(counts, kept.count.device)[:, None])
         folds = max(1, min(self._batch, FOLDS))  # fold b holds batches b, b + FOLDS, ...: the rest are empty
-        summed = torch.tensor(self._summed[:folds], dtype=torch.float64)  # (folds, layers + 1)
+        summed = torch.tensor(self._summed[:folds], dtype=torch.float64, device="cpu")  # (folds, layers + 1)
         self.pooled = {}
         own = {}
         for g in self._groups:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .errors import BatchTypeError
+from .errors import BatchTypeError, InvalidArgumentError
 
 __all__ = ["Forward", "batch_size", "default_forward", "model_device", "to_device"]
 
@@ -136,6 +136,12 @@ def to_device(batch: Any, device: torch.device | None) -> Any:
     if device is None:
         return batch
     if isinstance(batch, Tensor):
+        if batch.is_meta and device.type != "meta":  # (torch: "Cannot copy out of meta tensor", no more)
+            raise InvalidArgumentError(
+                f"a batch holds a tensor of shape {tuple(batch.shape)} on the meta device, which has no values to "
+                f"move to {device} and measure; have the data yield materialised tensors (e.g. on the CPU). The "
+                "model was left unchanged."
+            )
         return batch.to(device, non_blocking=True)
     if isinstance(batch, tuple):
         items = [to_device(b, device) for b in batch]

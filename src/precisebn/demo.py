@@ -105,8 +105,8 @@ def load_digits(seed: int, quick: bool = False) -> tuple[Tensor, Tensor, Tensor,
     """
     datasets = require("sklearn.datasets", "demo", "precisebn demo (scikit-learn's digits data set)")
     digits = datasets.load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
+    x = torch.tensor(digits.images, dtype=torch.float32, device="cpu").unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long, device="cpu")
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     x, y = x[order], y[order]
     n_train, n_val = (320, 200) if quick else (1400, len(x) - 1400)

@@ -246,7 +246,7 @@ class RankContext:
     ) -> list[list[float]]:
         table = torch.zeros(self.world_size, _ROW, dtype=torch.float64, device=self.device)
         row = [status, samples, batches, digest, seconds, precision, float(data), calls_digest]
-        table[self.rank] = torch.tensor(row, dtype=torch.float64)
+        table[self.rank] = torch.tensor(row, dtype=torch.float64, device="cpu")
         self.all_reduce(table)  # collective 1 (and each vote)
         return table.tolist()
 

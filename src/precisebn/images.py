@@ -271,7 +271,7 @@ class ImageFiles(torch.utils.data.Dataset):
             image = self.loader(str(self.files[i]))
         except Exception as exc:
             why = "not an image file Pillow can read" if type(exc).__name__ == "UnidentifiedImageError" else exc
-            return torch.empty(0), f"{str(self.files[i])!r}: {why}"
+            return torch.empty(0, device="cpu"), f"{str(self.files[i])!r}: {why}"
         try:
             out = self.transform(image)
         except InvalidArgumentError as exc:  # (a crop larger than the image: named by its file)

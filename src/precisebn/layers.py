@@ -161,7 +161,7 @@ def layer_matcher(
         types = selection
         return lambda name, module: isinstance(module, types)
     if callable(selection):
-        return _by_any_name(selection, candidates)  # type: ignore[arg-type]
+        return _by_any_name(_checked_predicate(selection), candidates)  # type: ignore[arg-type]
     if isinstance(selection, str):
         names = [selection]
     elif isinstance(selection, Iterable) and not isinstance(selection, (bytes, Tensor, nn.Module)):
@@ -197,6 +197,34 @@ def layer_matcher(
                 "statistics (track_running_stats=True); precisebn cannot recalibrate it."
             )
     return lambda name, module: name in wanted
+
+
+def _checked_predicate(predicate: Callable[[str, nn.Module], Any]) -> Callable[[str, nn.Module], bool]:
+    """``predicate`` as a ``bool``, a call that does not fit ``(name, module) -> bool`` refused by name (probe
+    33b: a predicate of one argument, or one returning a tensor of several values, raised torch's or Python's
+    own error)."""
+
+    def check(name: str, module: nn.Module) -> bool:
+        try:
+            verdict = predicate(name, module)
+        except TypeError as exc:
+            raise InvalidArgumentError(
+                f"layers= takes a predicate (name, module) -> bool; calling it on {name!r} raised TypeError: {exc}"
+            ) from exc
+        try:
+            return bool(verdict)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise InvalidArgumentError(
+                f"layers= takes a predicate (name, module) -> bool; on {name!r} it returned {type(verdict).__name__}"
+                f" {_short(verdict)}, which is not a truth value ({exc})"
+            ) from exc
+
+    return check
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _by_any_name(
@@ -428,7 +456,7 @@ class ScratchGroup:
                 at = off + c
         values.append(other)
         lengths.append(self.buffer.shape[1] - at)
-        return torch.repeat_interleave(torch.tensor(values), torch.tensor(lengths))
+        return torch.repeat_interleave(torch.tensor(values, device="cpu"), torch.tensor(lengths, device="cpu"))
 
 
 @dataclass

@@ -323,8 +323,8 @@ def _warn_far_from_zero(entries: list[tuple[NormLayer, LayerStats]]) -> None:
         dtype = layer.module._buffers["running_mean"].dtype  # type: ignore[union-attr]
         unit = torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
         per_layer.append((float(layer.module.eps), unit, TOLERANCE.get(dtype, 1e-5)))
-    lengths = torch.tensor([s.mean.numel() for _, s in fast])
-    eps, unit, limit = torch.tensor(per_layer, dtype=torch.float64).repeat_interleave(lengths, 0).T
+    lengths = torch.tensor([s.mean.numel() for _, s in fast], device="cpu")
+    eps, unit, limit = torch.tensor(per_layer, dtype=torch.float64, device="cpu").repeat_interleave(lengths, 0).T
     one_device = len({s.mean.device for _, s in fast}) == 1
 
     def joined(key: str) -> Tensor:  # (one cat and one copy to the host where all are on one device)

@@ -449,7 +449,7 @@ def _merge_layer(name: str, parts: list[LayerStats]) -> LayerStats:
             only.path,
             per_forward=max(p.per_forward for p in parts),
         )
-    counts = torch.tensor([float(p.count) for p in reached], dtype=torch.float64).unsqueeze(1)
+    counts = torch.tensor([float(p.count) for p in reached], dtype=torch.float64, device="cpu").unsqueeze(1)
     means = torch.stack([p.mean.detach().to("cpu", torch.float64) for p in reached])
     m2s = counts * torch.stack([p.var.detach().to("cpu", torch.float64) for p in reached])
     pooled = RunningMoments.from_batches(counts.expand_as(means), means, m2s)

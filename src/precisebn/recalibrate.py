@@ -18,6 +18,7 @@ left is that of the per-batch figures in the layer's own dtype (see the README's
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import numbers
@@ -32,7 +33,7 @@ from torch import nn
 from . import distributed as _dist
 from .adapt import WRITTEN, Adapt, check_adapt
 from .data import Forward, default_forward, model_device
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, UninitializedLayerError
 from .layers import (
     Capture,
     LayerSelection,
@@ -115,6 +116,16 @@ def _as_count(value: Any) -> int | None:
     except TypeError:
         return None
     return n if n >= 1 else None
+
+
+def _not_materialised(model: nn.Module) -> UninitializedLayerError:
+    """The model's first tensor, whose device the batches go to, is on the meta device."""
+    name = next((n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta), "?")
+    return UninitializedLayerError(
+        f"the model's first tensor, {name!r}, is on the meta device: it holds no values, and the batches would be "
+        "moved there (to the model's device). Materialise the model first (e.g. model.to_empty(device='cpu'), "
+        "then load its weights), or pass device= to say where the batches go. The model was left unchanged."
+    )
 
 
 def _device(device: Any) -> torch.device | None:
@@ -352,6 +363,8 @@ def _estimate(
         target = _device(device) or model_device(model)
         if not move:  # (the drop-ins: batches reach the forward as the very objects the data gave)
             target = None
+        if device is None and target is not None and target.type == "meta":
+            raise _not_materialised(model)
         run = Pass(
             model,
             independent(data),  # (a twin of a loader whose iterators share state: training's reading stays whole)

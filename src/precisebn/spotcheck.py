@@ -91,7 +91,7 @@ def _take_workspace(size: int) -> Tensor:
         if _spare and _spare[0].numel() == size:
             return _spare.pop()
     with torch.inference_mode(False):
-        return torch.empty(size, dtype=torch.float64)
+        return torch.empty(size, dtype=torch.float64, device="cpu")
 
 
 def _give_back(workspace: Tensor) -> None:
@@ -151,16 +151,16 @@ def references(values: Tensor, lengths: list[int], shifts: Tensor) -> tuple[Tens
 def _references(values: Tensor, runs: list[tuple[int, int]], shifts: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`references` with the lengths as runs ``(length, segments)``."""
     total = sum(rows for _, rows in runs)
-    sums = torch.empty(total, dtype=torch.float64)
-    squares = torch.empty(total, dtype=torch.float64)
+    sums = torch.empty(total, dtype=torch.float64, device="cpu")
+    squares = torch.empty(total, dtype=torch.float64, device="cpu")
     at = row = 0
     for n, rows in runs:
         block = values[at : at + rows * n].view(rows, n).sub_(shifts[row : row + rows, None])
         _row_sums(block, sums[row : row + rows])
         _row_sums(block.square_(), squares[row : row + rows])
         at, row = at + rows * n, row + rows
-    n_per_row = torch.tensor([n for n, _ in runs], dtype=torch.float64).repeat_interleave(
-        torch.tensor([rows for _, rows in runs])
+    n_per_row = torch.tensor([n for n, _ in runs], dtype=torch.float64, device="cpu").repeat_interleave(
+        torch.tensor([rows for _, rows in runs], device="cpu")
     )
     return reference(sums, squares, shifts, n_per_row)
 
@@ -401,15 +401,17 @@ class SpotChecks:
                 runs.append((n, len(picked)))
             offset += width
         eps = [e for _, _, e, _, _ in waiting]
-        checked = torch.tensor([len(picked) for _, _, _, _, picked in waiting])
+        checked = torch.tensor([len(picked) for _, _, _, _, picked in waiting], device="cpu")
         # the columns as tensors (every channel of a layer may be checked: thousands of them)
-        within = torch.arange(int(checked.sum())) - torch.repeat_interleave(checked.cumsum(0) - checked, checked)
-        columns = torch.repeat_interleave(torch.tensor(starts), checked) + within * torch.repeat_interleave(
-            torch.tensor(steps), checked
+        within = torch.arange(int(checked.sum()), device="cpu") - torch.repeat_interleave(
+            checked.cumsum(0) - checked, checked
         )
+        columns = torch.repeat_interleave(
+            torch.tensor(starts, device="cpu"), checked
+        ) + within * torch.repeat_interleave(torch.tensor(steps, device="cpu"), checked)
         fig_mean, fig_var = figures.index_select(1, columns).double()
         refs = _references(values, runs, fig_mean)  # shifted by the figures' means
-        eps_per_column = torch.tensor(eps, dtype=torch.float64).repeat_interleave(checked)
+        eps_per_column = torch.tensor(eps, dtype=torch.float64, device="cpu").repeat_interleave(checked)
         rounding = self._rounding(figures, widths, eps) * (self.unit * self.unit)
         verdicts = []
         for tolerance in (self.tolerance, self.tolerance / PARTIAL_MARGIN):
@@ -421,7 +423,7 @@ class SpotChecks:
     def _rounding(self, figures: Tensor, widths: list[int], eps: list[float]) -> Tensor:
         """Each call's largest ``mean² / (var + eps)`` over all its channels (NaN if any figure is NaN or Inf:
         see :func:`rounding_passes`)."""
-        sizes = torch.tensor(widths)
-        scale = figures[1] + torch.tensor(eps, dtype=figures.dtype).repeat_interleave(sizes)
+        sizes = torch.tensor(widths, device="cpu")
+        scale = figures[1] + torch.tensor(eps, dtype=figures.dtype, device="cpu").repeat_interleave(sizes)
         terms = figures[0].square().div_(scale).masked_fill_(~figures.isfinite().all(0), float("nan"))
         return torch.segment_reduce(terms, "max", lengths=sizes)

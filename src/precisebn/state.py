@@ -130,7 +130,12 @@ def _share_bytes(a: Tensor, b: Tensor) -> bool:
 
 
 def _byte_addresses(t: Tensor) -> set[int]:
-    positions = torch.arange(_extent(t), dtype=torch.int64).as_strided(t.shape, t.stride(), 0).reshape(-1).tolist()
+    positions = (
+        torch.arange(_extent(t), dtype=torch.int64, device="cpu")
+        .as_strided(t.shape, t.stride(), 0)
+        .reshape(-1)
+        .tolist()
+    )
     size, base = t.element_size(), t.data_ptr()
     return {base + p * size + byte for p in positions for byte in range(size)}
 
@@ -479,7 +484,9 @@ class StateSnapshot:
                 copies = torch.cat([blob[start : start + n] for _, start, n in (s.blob for s, _, _ in held)])  # type: ignore[misc]
             if torch.equal(joined, copies):
                 continue
-            starts = torch.tensor(list(itertools.accumulate((raw.numel() for *_, raw in held), initial=0))[:-1])
+            starts = torch.tensor(
+                list(itertools.accumulate((raw.numel() for *_, raw in held), initial=0))[:-1], device="cpu"
+            )
             where = torch.searchsorted(starts.to(blob.device), joined.ne(copies).nonzero().flatten(), right=True)
             out += [held[i][:2] for i in where.sub_(1).unique().tolist()]
         return out

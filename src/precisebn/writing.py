@@ -65,6 +65,18 @@ class Writes:
         return self.report
 
 
+def _misfit(t: object, shape: tuple[int, ...]) -> str:
+    """What is wrong with statistics ``t`` for buffers of ``shape`` (probe 33b: an integer mean of the right
+    shape was said to have "shape (4,)" for 4 channels; one on the meta device got torch's raw error)."""
+    if not isinstance(t, torch.Tensor):
+        return f"is a {type(t).__name__}, not a tensor"
+    if tuple(t.shape) != shape:
+        return f"has shape {tuple(t.shape)}"
+    if not t.is_floating_point():
+        return f"is of dtype {t.dtype}, not floating point"
+    return "is on the meta device (it holds no values)"
+
+
 def plan_writes(
     model: nn.Module,
     stats: PopulationStats,
@@ -100,9 +112,9 @@ def plan_writes(
         else:
             shape = tuple(running_mean.shape)
             bad = [
-                f"{what} has shape {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                f"{what} {_misfit(t, shape)}"
                 for what, t in (("mean", s.mean), ("var", s.var))
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or not t.is_floating_point()
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or not t.is_floating_point() or t.is_meta
             ]
             if bad:
                 problems.append(f"{name!r} has {shape[0]} channels, but the statistics' {' and '.join(bad)}")
@@ -228,7 +240,7 @@ def _cpu64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
-    out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    out: list[torch.Tensor] = [torch.empty(0, device="cpu")] * len(tensors)
     with torch.no_grad():
         for ids in by_device.values():
             flat = torch.cat([_flat(tensors[i]) for i in ids]).to("cpu", torch.float64)  # cat promotes dtypes
@@ -246,7 +258,7 @@ def _converted(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Ten
     by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (_, buffer) in enumerate(pairs):
         by_kind.setdefault((buffer.device, buffer.dtype), []).append(i)
-    out: list[torch.Tensor] = [torch.empty(0)] * len(pairs)
+    out: list[torch.Tensor] = [torch.empty(0, device="cpu")] * len(pairs)
     with torch.no_grad():
         for (device, dtype), ids in by_kind.items():
             sources = [pairs[i][0] for i in ids]
