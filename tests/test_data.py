@@ -209,3 +209,42 @@ def test_model_calls_made_by_the_data_are_refused_not_counted(call: str) -> None
     stats = precisebn.estimate(model, data(False))["1"]
     assert stats.count == truth.count
     assert max_rel_error(stats.var, truth.var) < 1e-6
+
+
+def _collate_running(model: nn.Module):  # (module level: pickled for the worker processes where fork is not used)
+    def collate(items: list[tuple[torch.Tensor]]) -> torch.Tensor:
+        x = torch.stack([item[0] for item in items])
+        with torch.no_grad():
+            model(x)  # (pseudo-labels, in the worker process: its own copy of the model)
+        return x
+
+    return collate
+
+
+def test_model_calls_in_a_loaders_worker_processes_are_not_refused() -> None:
+    """Found by probe 34a in the refusal above: a DataLoader whose workers (processes forked during the pass, the
+    wrappers on) run the model in their collate_fn was refused, where those calls touch only the workers'
+    copies and the statistics had been exact."""
+    import multiprocessing
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import precisebn
+    from conftest import compute_truth, max_rel_error
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6))
+    images = torch.randn(24, 3, 12, 12) + 1
+    ctx = multiprocessing.get_context("fork")  # (the workers copy the model with the pass on, as on Linux)
+    loader = DataLoader(
+        TensorDataset(images),
+        batch_size=8,
+        collate_fn=_collate_running(model),
+        num_workers=2,
+        multiprocessing_context=ctx,
+    )
+    truth = compute_truth(model, [images[k : k + 8] for k in range(0, 24, 8)])["1"]
+    stats = precisebn.estimate(model, loader, num_batches=3)["1"]
+    assert stats.count == truth.count
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(stats.var, truth.var) < 1e-6

@@ -18,6 +18,7 @@ from torch import nn
 import precisebn
 from conftest import compute_truth, max_rel_error
 from precisebn.compat import update_bn, update_bn_stats
+from precisebn.errors import PreciseBNWarning
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
@@ -165,24 +166,62 @@ def test_any_split_any_dtype(
     assert_exact(model, truth, dtype)
 
 
-@pytest.mark.parametrize("case", ["far channels unchecked", "larger batches later"])
-def test_float64_figures_far_from_0_are_held_to_the_float64_tolerance(case: str) -> None:
+def test_float64_figures_far_from_0_are_checked_on_every_channel_and_warned_of() -> None:
     """Found by probe 33a: torch's CPU kernel sums a float64 NCHW input in float64, rounding each channel's mean
-    by about √n·2⁻⁵³·|mean| — far more than one rounding. Checked on a few spread channels (near 0 here) and read
-    at any size, a float64 layer's figures were 2e-9 σ off on its channels at |mean|/σ = 1e5, 20 times the
-    1e-10 the README holds float64 buffers to, unwarned. Every channel is checked now, and a later call with
-    more values per channel or a mean further from 0 than any checked call is measured in float64."""
+    by about √n·2⁻⁵³·|mean| — far more than one rounding. Checked on a few spread channels (near 0 here), a
+    float64 layer's figures were 2e-9 σ off on its channels at |mean|/σ = 1e5, 20 times the 1e-10 the README
+    holds float64 buffers to, unwarned. The verifying batch checks every channel now (the layer is measured in
+    float64, exactly); later calls with more values or further from 0 are read at any size, as before (treated
+    like channels_last float32, float64 layers with a transformed or later-changed input were refused, probe
+    34a), and the warning at the end estimates their kernel's rounding."""
     torch.manual_seed(0)
     far = torch.tensor([0.0, 1e5] * 4, dtype=torch.float64).view(1, 8, 1, 1)
-    if case == "far channels unchecked":
-        data = [torch.randn(16, 8, 64, 64, dtype=torch.float64) + far for _ in range(2)]
-    else:  # a small first batch, then 4096 times as many values per channel
-        data = [torch.randn(1, 8, 4, 4, dtype=torch.float64) + 1e5] + [
-            torch.randn(16, 8, 64, 64, dtype=torch.float64) + 1e5 for _ in range(2)
-        ]
+    data = [torch.randn(16, 8, 64, 64, dtype=torch.float64) + far for _ in range(2)]
     model = nn.Sequential(nn.BatchNorm2d(8).double())
     truth = compute_truth(model, data)["0"]
     stats = precisebn.estimate(model, data, num_samples="all")["0"]
     assert stats.count == truth.count
     assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) <= 1e-10
     assert max_rel_error(stats.var, truth.var) <= 1e-10
+    # a small first batch near 0... then 4096 times as many values per channel, read through their figures: warned
+    later = [torch.randn(1, 8, 4, 4, dtype=torch.float64) + 1e5] + [
+        torch.randn(16, 8, 64, 64, dtype=torch.float64) + 1e5 for _ in range(2)
+    ]
+    with pytest.warns(PreciseBNWarning, match=r"layer\(s\) '0' \(\|mean\|/σ up to"):
+        precisebn.estimate(model, later, num_samples="all")
+
+
+class _Doubled(nn.BatchNorm2d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * 2.0)
+
+
+class _ChangedLater(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        y = self.bn(h)
+        h.relu_()  # (what the layer normalised, changed in place after its call)
+        return y
+
+
+@pytest.mark.parametrize("model", [nn.Sequential(_Doubled(3)), _ChangedLater()], ids=["transformed", "changed later"])
+def test_float64_layers_whose_input_is_not_at_hand_later_are_measured(model: nn.Module) -> None:
+    """Found by probe 34a in a first fix of the above that read float64 inputs like channels_last float32 ones:
+    a later batch slightly further from 0 than the first was beyond what it vouched for, and a float64 layer
+    normalising a transform of its input (``super().forward(x * 2)``, the README's example), or whose input the
+    model changed in place after the call, was refused where it had been exact."""
+    torch.manual_seed(0)
+    model = model.double()
+    data = [torch.randn(8, 3, 16, 16, dtype=torch.float64) + 30 * k for k in range(8)]
+    truth = compute_truth(model, data)
+    name = "0" if "0" in truth else "bn"
+    scale = 2.0 if name == "0" else 1.0  # (the statistics of what it normalises: its input times 2)
+    mean, var = truth[name].mean * scale, truth[name].var * scale**2
+    stats = precisebn.estimate(model, data, num_samples="all")[name]
+    assert stats.count == truth[name].count
+    assert max_rel_error(stats.mean, mean, var.sqrt()) <= 1e-10
+    assert max_rel_error(stats.var, var) <= 1e-10

@@ -68,6 +68,7 @@ of per-layer counts (usually one or two per run), kept in a small cache.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -131,6 +132,7 @@ class Collector:
         # whether the pass's forward(model, batch) is running: a layer called otherwise (by the data, between
         # forwards) is refused (see LayerCall.__call__)
         self.in_forward = False
+        self.pid = os.getpid()  # (a loader's worker process, forked during a pass, runs its own copy: not refused)
         self._first_batch = [0] * n  # per_call: the batch that set per_batch
         # "verify" until the end of the first batch that calls the layer, then "fast", "float64" or "none"
         self.paths = ["verify" if layer.path == "fast" else "float64" for layer in self.layers]

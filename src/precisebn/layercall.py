@@ -11,6 +11,7 @@ it writes to (counts, kept figures, checks waiting) is the :class:`~precisebn.ca
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ from .watch import Watch, moments_of, normalises_its_input
 if TYPE_CHECKING:
     from .capture import Collector
 
-__all__ = ["OWN_ROUNDING", "REDUCED", "SHAPES", "LayerCall", "layout_of", "reach", "verified_size"]
+__all__ = ["REDUCED", "SHAPES", "LayerCall", "layout_of", "reach", "verified_size"]
 
 SHAPES = 256
 """Input shapes remembered per layer with a forward of its own (more: each call of a new one watched)."""
@@ -263,8 +264,8 @@ class LayerCall:
 
     def __call__(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         c, i = self.c, self.i
-        if not c.in_forward:  # (before anything is counted: called by the data, between forwards)
-            raise c._outside_forward(i)
+        if not c.in_forward and c.pid == os.getpid():  # (before anything is counted: called by the data, between
+            raise c._outside_forward(i)  # forwards — not in a loader's worker process, forked with the wrappers on)
         path = c.paths[i]
         in_batch = c._in_batch
         j = in_batch[i]  # this call's index within the batch
@@ -307,7 +308,7 @@ class LayerCall:
                 n = x.numel() // self.channels
                 row = c._row
                 layout: int | None = (  # (layout_of, inline)
-                    x.dim() < 3 or x.stride(1) == 1 or x.dtype in OWN_ROUNDING or not x.is_contiguous()
+                    x.dim() < 3 or x.stride(1) == 1 or x.dtype in REDUCED or not x.is_contiguous()
                 )
                 new_shape = False
                 if not self.own_forward:  # a forward of its own, called with a new input shape: watched (_known_shape)
@@ -474,11 +475,6 @@ def verified_size(n: int, layout: int, device: torch.device) -> int:
 
 
 REDUCED = (torch.float16, torch.bfloat16)
-OWN_ROUNDING = (*REDUCED, torch.float64)
-"""Input dtypes torch's CPU kernels reduce in a precision whose rounding grows with the values and |mean|/σ, in
-any layout: half precision in float32, float64 in float64 (whose sum of 262,144 values per channel at |mean|/σ =
-1e5 read 2.1e-9 σ off, 21 times the float64 tolerance, a probe) — float32 inputs in the default layout are summed
-in float64."""
 
 
 def reach(score: float, tolerance: float) -> float:
@@ -488,10 +484,11 @@ def reach(score: float, tolerance: float) -> float:
 
 
 def layout_of(x: Tensor) -> int:
-    """1 if torch's CPU kernels reduce ``x`` rounding more with more values and with |mean|/σ — its channels
+    """1 if torch's CPU kernels reduce ``x`` in float32, rounding more with more values — its channels
     (dimension 1) adjacent in memory (channels_last, ``(N, C)``), any other non-contiguous input (a crop
-    ``x[..., 1:]``, a channel split: a probe measured 1.1e-4 σ at 1.6 M values), which they reduce in float32, or
-    an input of a dtype in :data:`OWN_ROUNDING` (half precision: autocast, or a half-precision module before a
-    float32 layer; float64, reduced in float64: probe 33a) — else 0 (contiguous float32 inputs in the default
-    layout, reduced in float64)."""
-    return 1 if x.dim() < 3 or x.stride(1) == 1 or x.dtype in OWN_ROUNDING or not x.is_contiguous() else 0
+    ``x[..., 1:]``, a channel split: a probe measured 1.1e-4 σ at 1.6 M values), or a half-precision input
+    (autocast, or a half-precision module before a float32 layer) — else 0 (contiguous float32 and float64
+    inputs in the default layout, reduced in float64; a float64 input's sums round by about √n·2⁻⁵³·|mean|, far
+    below float32's, which the verifying batch checks on every channel and the end of the passes warns of: see
+    :func:`~precisebn.measure._warn_far_from_zero`)."""
+    return 1 if x.dim() < 3 or x.stride(1) == 1 or x.dtype in REDUCED or not x.is_contiguous() else 0
