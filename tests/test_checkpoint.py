@@ -309,6 +309,43 @@ def test_a_failed_torch_save_is_an_os_error_naming_the_file(tmp_path, monkeypatc
     assert raised.value.filename == str(tmp_path / "out.pt")
 
 
+def test_ctrl_c_inside_torch_save_is_an_interrupt_not_a_full_disk(tmp_path, monkeypatch) -> None:
+    """Found by probe 34b: a Ctrl-C while torch.save wrote a large checkpoint was raised in the file's write(),
+    which torch's zip writer turned into its "enforce fail" RuntimeError — reported as "a full disk", exit 1
+    instead of 130. The interrupt is raised again."""
+    import builtins
+
+    from precisebn import checkpoint
+
+    path = tmp_path / "in.pt"
+    torch.save({"bn.running_mean": torch.zeros(100_000)}, path)
+    ckpt = checkpoint.load_checkpoint(path)
+    real_open = builtins.open
+
+    class Interrupted:
+        def __init__(self, f) -> None:
+            self.f, self.writes = f, 0
+
+        def write(self, data) -> int:
+            self.writes += 1
+            if self.writes == 3:
+                raise KeyboardInterrupt
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.f.close()
+
+    monkeypatch.setattr(checkpoint, "open", lambda *a, **k: Interrupted(real_open(*a, **k)), raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.write_checkpoint(ckpt, {}, tmp_path / "out.pt")
+
+
 def test_values_beyond_the_checkpoints_dtype_are_refused_before_writing(tmp_path):
     sd = {k: v.half() if v.is_floating_point() else v for k, v in _sd().items()}
     torch.save(sd, tmp_path / "half.pt")
@@ -476,3 +513,17 @@ def test_statistics_named_like_a_wrapper_go_under_the_wrapper(tmp_path, wrapper)
     replace, prefix = stats_replacement(load_checkpoint(tmp_path / "w.pt"), reached)
     assert prefix == wrapper
     assert sorted(replace) == [f"{wrapper}{inner}.bn.running_mean", f"{wrapper}{inner}.bn.running_var"]
+
+
+def test_a_floating_point_image_is_named_in_one_sentence(tmp_path):
+    """Found by probe 34b: "... pass --transform a preprocessing that reads it.. Remove or replace the file"."""
+    image = pytest.importorskip("PIL.Image")
+    import numpy as np
+
+    from precisebn.images import ImageFiles, image_batches
+
+    image.fromarray(np.zeros((4, 4), dtype=np.float32), mode="F").save(tmp_path / "depth.tiff")
+    files = ImageFiles(tmp_path, lambda im: torch.zeros(3, 4, 4))
+    with pytest.raises(InvalidArgumentError, match=r"reads it\. Remove or replace the file") as raised:
+        next(image_batches(files, 1))
+    assert ".." not in str(raised.value)

@@ -639,6 +639,10 @@ REFUSED = {  # name -> (extra arguments / replacements, a phrase of the message)
     "a keyword given twice (probe 12)": (["--model-kwargs", "width=8,width=4"], "'width' is given twice"),
     "a trailing comma (probe 12)": (["--model-kwargs", "width=8,"], "ends with a comma"),
     "num-samples ALL (probe 12)": (["--num-samples", "ALL"], "expected a positive integer, all or auto"),
+    "a model spec without a colon (probe 34b: exit 1, after loading)": (
+        ["--model", "resnet18"],
+        "--model 'resnet18' is not of the form torchvision:NAME",
+    ),
     "loading option for a data function (probe 12)": (
         ["--data", "cli_tiny:batches", "--seed", "3"],  # (with --batch-size 4: both would be ignored)
         "--batch-size, --seed apply only to an image folder",

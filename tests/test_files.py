@@ -167,6 +167,39 @@ def test_interrupt_leaves_no_temporary_and_removes_created_folders(tmp_path) -> 
     assert _names(tmp_path) == []
 
 
+def test_an_interrupt_while_the_old_content_is_removed_leaves_the_output_committed(tmp_path, monkeypatch) -> None:
+    """Found by probe 34b: with --in-place, removing the backup of the replaced file frees a whole old checkpoint;
+    a Ctrl-C then escaped the commit before it was marked done — exit 130 and "no output was written" for a file
+    that had been replaced. The commit is marked once the last output is in place, and every backup is still
+    removed."""
+    from pathlib import Path
+
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(f"old {name}")
+    plan = OutputPlan()
+    plan.add("a", tmp_path / "a.txt")
+    plan.add("b", tmp_path / "b.txt")
+    unlink = Path.unlink
+
+    def slow_unlink(self: Path, missing_ok: bool = False) -> None:
+        unlink(self, missing_ok)
+        if self.name.endswith(".old.tmp"):  # (the interrupt lands as the first backup's removal returns)
+            monkeypatch.setattr(Path, "unlink", unlink)
+            raise KeyboardInterrupt
+
+    def write_both() -> None:
+        with plan.staged() as tmp:
+            tmp["a"].write_text("new a")
+            tmp["b"].write_text("new b")
+            monkeypatch.setattr(Path, "unlink", slow_unlink)
+
+    with pytest.raises(KeyboardInterrupt):
+        write_both()
+    assert plan.committed
+    assert (tmp_path / "a.txt").read_text() == "new a" and (tmp_path / "b.txt").read_text() == "new b"
+    assert _names(tmp_path) == ["a.txt", "b.txt"]  # (both backups gone, no temporary left)
+
+
 SIGTERM_SCRIPT = """
 import sys, time
 from pathlib import Path

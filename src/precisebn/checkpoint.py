@@ -292,8 +292,21 @@ def write_checkpoint(ckpt: Checkpoint, replace: Mapping[str, Tensor], path: str 
             with open(path, "wb") as f:
                 torch.save(obj, f, _use_new_zipfile_serialization=not ckpt.legacy)  # (the input's format)
         except RuntimeError as exc:  # torch's zip writer reports a failed write as "enforce fail ... unexpected pos"
+            if _interrupted(exc):  # Ctrl-C in the file's write(), which torch's writer turned into its error
+                raise KeyboardInterrupt from None  # (probe 34b: reported as "a full disk", exit 1 instead of 130)
             why = f"torch.save failed ({_first_sentence(str(exc)).strip()}): a full disk, or a file size limit"
             raise OSError(errno.EIO, why, str(path)) from exc
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while handling a ``KeyboardInterrupt`` (its context, at any depth)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__context__  # type: ignore[assignment]
+    return False
 
 
 def save_checkpoint(ckpt: Checkpoint, replace: Mapping[str, Tensor], path: str | os.PathLike[str]) -> None:

@@ -238,7 +238,6 @@ class OutputPlan:
         """Yields a temporary path per output (by label); commits them all when the block succeeds."""
         temps: dict[str, Path] = {}
         created: list[Path] = []
-        committed = False
         with _sigterm_as_exception():
             try:
                 for label, (_, target) in self.outputs.items():
@@ -257,13 +256,12 @@ class OutputPlan:
                     if renamed is exc:
                         raise
                     raise renamed from exc
-                self._commit(temps)
-                committed = self.committed = True
+                self._commit(temps)  # (sets self.committed once the last output is in place)
             finally:
                 for tmp in temps.values():
                     with contextlib.suppress(FileNotFoundError):
                         tmp.unlink()
-                if not committed:
+                if not self.committed:
                     for folder in reversed(created):
                         with contextlib.suppress(OSError):
                             folder.rmdir()
@@ -312,7 +310,13 @@ class OutputPlan:
                 except OSError as exc:  # named by the output, not by the hidden temporary file
                     raise OSError(exc.errno, exc.strerror, str(target)) from exc
                 done.append((target, backup, existed))
+            # every output in place: committed — a Ctrl-C from here on (removing the backups below frees a whole
+            # old checkpoint under --in-place, which takes time) changes nothing (probe 34b: exit 130 and "no
+            # output was written" for a replaced file)
+            self.committed = True
         except BaseException:
+            if self.committed:  # (an interrupt just after the last rename: nothing to put back)
+                raise
             for target, backup, existed in reversed(done):  # put the old contents back
                 with contextlib.suppress(OSError):
                     if backup is not None:
@@ -321,9 +325,15 @@ class OutputPlan:
                         target.unlink()
             raise
         finally:
+            interrupted: KeyboardInterrupt | None = None
             for backup in backups:  # (put back by a rollback: gone already)
-                with contextlib.suppress(OSError):
-                    backup.unlink()
+                try:
+                    with contextlib.suppress(OSError):
+                        backup.unlink()
+                except KeyboardInterrupt as exc:  # (after the unlink returned: the others are removed all the same)
+                    interrupted = exc
+            if interrupted is not None:
+                raise interrupted
 
 
 def _stamp(path: Path) -> tuple[int, ...] | None:

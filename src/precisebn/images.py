@@ -401,7 +401,7 @@ def image_batches(
         for images, errors in loader:
             if errors:
                 raise InvalidArgumentError(
-                    f"cannot read image {errors[0]}. Remove or replace the file, or pass --skip-bad-images "
+                    f"cannot read image {errors[0].rstrip('.')}. Remove or replace the file, or pass --skip-bad-images "
                     f"({len(errors)} unreadable in this batch)."
                 )
             if images is not None:

@@ -175,6 +175,10 @@ def check_recalibrate(args: argparse.Namespace) -> Any:
         raise InvalidArgumentError("--tolerance goes with --num-samples auto; pass both.")
     args.model_kwargs_parsed = parse_kwargs(args.model_kwargs)
     args.data_kwargs_parsed = parse_kwargs(args.data_kwargs, "--data-kwargs")
+    if ":" not in args.model or args.model.startswith(":") or args.model.endswith(":"):  # (probe 34b: exit 1, late)
+        raise InvalidArgumentError(
+            f"--model {args.model!r} is not of the form torchvision:NAME, timm:NAME or package.module:function"
+        )
     model_source = args.model.partition(":")[0]
     if args.weights and model_source != "torchvision":
         raise InvalidArgumentError(
