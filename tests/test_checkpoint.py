@@ -527,3 +527,18 @@ def test_a_floating_point_image_is_named_in_one_sentence(tmp_path):
     with pytest.raises(InvalidArgumentError, match=r"reads it\. Remove or replace the file") as raised:
         next(image_batches(files, 1))
     assert ".." not in str(raised.value)
+
+
+def test_a_dangling_link_to_an_image_is_named_not_skipped(tmp_path):
+    """Found by probe 34b: a symlink in --data whose image is gone was skipped silently, not listed with the
+    unreadable images (an error, or skipped and named with --skip-bad-images)."""
+    image = pytest.importorskip("PIL.Image")
+    from precisebn.images import ImageFiles, image_batches
+
+    for i in range(2):
+        image.new("RGB", (4, 4), color=(i, i, i)).save(tmp_path / f"{i}.png")
+    (tmp_path / "gone.png").symlink_to(tmp_path / "deleted.png")
+    files = ImageFiles(tmp_path, lambda im: torch.zeros(3, 4, 4))
+    assert [p.name for p in files.files] == ["0.png", "1.png", "gone.png"]
+    with pytest.raises(InvalidArgumentError, match=r"cannot read image .*gone\.png"):
+        list(image_batches(files, 3))

@@ -72,6 +72,10 @@ def test_load_rejects_other_files(tmp_path) -> None:
     save_file({"w": torch.zeros(2)}, str(other))
     with pytest.raises(InvalidArgumentError, match="not precisebn statistics"):
         precisebn.PopulationStats.load(other)
+    newer = tmp_path / "newer.safetensors"  # (probe 34b: called "not precisebn statistics")
+    save_file({"w": torch.zeros(2)}, str(newer), metadata={"format": "precisebn.population_stats/2"})
+    with pytest.raises(InvalidArgumentError, match=r"holds precisebn statistics in format .*/2', which this version"):
+        precisebn.PopulationStats.load(newer)
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not a safetensors file")
     with pytest.raises(InvalidArgumentError, match="cannot read"):

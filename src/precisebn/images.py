@@ -257,8 +257,11 @@ class ImageFiles(torch.utils.data.Dataset):
         folder = require("torchvision.datasets.folder", "images", "--data FOLDER")
         self.root = Path(root)
         allowed = folder.IMG_EXTENSIONS
-        self.files = sorted(
-            p for p in _walk(self.root) if p.is_file() and folder.has_file_allowed_extension(p.name, allowed)
+        self.files = sorted(  # (a dangling link to an image is one: unreadable, named, as a damaged file — probe 34b)
+            p
+            for p in _walk(self.root)
+            if (p.is_file() or (p.is_symlink() and not p.exists()))
+            and folder.has_file_allowed_extension(p.name, allowed)
         )
         self.loader = _load_rgb
         self.transform = transform

@@ -355,7 +355,14 @@ class PopulationStats(Mapping[str, LayerStats]):
         try:
             with safe_open(str(path), framework="pt") as f:
                 metadata = f.metadata() or {}
-                if metadata.get("format") != FORMAT:
+                found = metadata.get("format")
+                if isinstance(found, str) and found.startswith(FORMAT.rpartition("/")[0] + "/") and found != FORMAT:
+                    raise InvalidArgumentError(  # (probe 34b: "not precisebn statistics" for a newer version's file)
+                        f"{os.fspath(path)!r} holds precisebn statistics in format {found!r}, which this version of "
+                        f"precisebn ({__version__}) does not read (it reads {FORMAT!r}); load it with the version "
+                        "that wrote it, or a newer one."
+                    )
+                if found != FORMAT:
                     raise InvalidArgumentError(
                         f"{os.fspath(path)!r} is a safetensors file but not precisebn statistics "
                         f"(format {metadata.get('format')!r}, expected {FORMAT!r}); write it with "
