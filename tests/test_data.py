@@ -216,6 +216,9 @@ def _collate_running(model: nn.Module):  # (module level: pickled for the worker
         x = torch.stack([item[0] for item in items])
         with torch.no_grad():
             model(x)  # (pseudo-labels, in the worker process: its own copy of the model)
+            model.eval()  # (as pseudo-labelling does: probe 35a found this refused as a mode change)
+            model(x)
+            model.train()
         return x
 
     return collate

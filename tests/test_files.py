@@ -200,6 +200,40 @@ def test_an_interrupt_while_the_old_content_is_removed_leaves_the_output_committ
     assert _names(tmp_path) == ["a.txt", "b.txt"]  # (both backups gone, no temporary left)
 
 
+def test_a_ctrl_c_during_the_rollback_still_puts_every_old_content_back(tmp_path, monkeypatch) -> None:
+    """Found by probe 35a: a second Ctrl-C while a failed commit was rolled back stopped the rollback half-way, and
+    the backups it had not put back were deleted — a checkpoint replaced in place kept its new content, its old
+    content gone, and the CLI said "no output was written". Ctrl-C waits until the commit or its rollback is done."""
+    from precisebn import files
+
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(f"old {name}")
+    plan = OutputPlan()
+    plan.add("a", tmp_path / "a.txt")
+    plan.add("b", tmp_path / "b.txt")
+    real_replace = os.replace
+
+    def replace(src, dst) -> None:
+        if str(dst).endswith("b.txt"):
+            raise OSError(28, "No space left on device", str(src))  # the second output fails: a rollback
+        if str(src).endswith(".old.tmp"):  # the rollback putting a.txt back: Ctrl-C, a real SIGINT
+            os.kill(os.getpid(), signal.SIGINT)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", replace)
+
+    def write_both() -> None:
+        with plan.staged() as tmp:
+            tmp["a"].write_text("new a")
+            tmp["b"].write_text("new b")
+
+    with pytest.raises((OSError, KeyboardInterrupt)):
+        write_both()
+    assert not plan.committed
+    assert (tmp_path / "a.txt").read_text() == "old a.txt" and (tmp_path / "b.txt").read_text() == "old b.txt"
+    assert _names(tmp_path) == ["a.txt", "b.txt"]
+
+
 SIGTERM_SCRIPT = """
 import sys, time
 from pathlib import Path

@@ -474,3 +474,10 @@ def test_a_predicate_that_does_not_fit_is_refused_by_name() -> None:
     with pytest.raises(InvalidArgumentError, match=r"on '1' it returned Tensor .* which is not a truth value"):
         precisebn.estimate(model, data, layers=lambda name, m: getattr(m, "running_mean", torch.zeros(1)) == 0)
     assert precisebn.estimate(model, data, layers=lambda name, m: name == "1")["1"].count == 32
+
+    def own_error(name: str, module: nn.Module) -> bool:  # (probe 35a: reworded as a signature problem)
+        raise TypeError("the predicate's own")
+
+    with pytest.raises(TypeError, match="the predicate's own") as raised:
+        precisebn.estimate(model, data, layers=own_error)
+    assert not isinstance(raised.value, InvalidArgumentError)

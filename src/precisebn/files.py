@@ -104,6 +104,32 @@ def _sigterm_as_exception() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Holds Ctrl-C (SIGINT) back until the block is done, then raises ``KeyboardInterrupt`` (main thread, and
+    only where SIGINT raises it: Python's own handler). For the commit of the outputs and its rollback: a second
+    Ctrl-C during the rollback stopped it half-way, and the backups it had not put back were then deleted
+    (probe 35a: a checkpoint replaced in place, its old content gone, "no output was written")."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    pressed: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        pressed.append(signum)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -276,6 +302,10 @@ class OutputPlan:
         return exc
 
     def _commit(self, temps: dict[str, Path]) -> None:
+        with _sigint_deferred():  # (all of the renames, or the rollback of all of them)
+            self._commit_all(temps)
+
+    def _commit_all(self, temps: dict[str, Path]) -> None:
         # (target, a copy of its old content or None, whether it existed): what a rollback puts back
         done: list[tuple[Path, Path | None, bool]] = []
         backups: list[Path] = []  # removed whatever happens (also when the rename fails)

@@ -264,8 +264,10 @@ class LayerCall:
 
     def __call__(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         c, i = self.c, self.i
-        if not c.in_forward and c.pid == os.getpid():  # (before anything is counted: called by the data, between
-            raise c._outside_forward(i)  # forwards — not in a loader's worker process, forked with the wrappers on)
+        if not c.in_forward:  # (before anything is counted: called by the data, between forwards)
+            if c.pid != os.getpid():  # a loader's worker process, forked with the wrappers on: its own copy, left
+                return forward(*args, **kwargs)  # to the model's own forward, in whatever mode (probe 35a)
+            raise c._outside_forward(i)
         path = c.paths[i]
         in_batch = c._in_batch
         j = in_batch[i]  # this call's index within the batch

@@ -208,6 +208,8 @@ def _checked_predicate(predicate: Callable[[str, nn.Module], Any]) -> Callable[[
         try:
             verdict = predicate(name, module)
         except TypeError as exc:
+            if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
+                raise  # raised inside the predicate's own code: its own error (probe 35a), not a wrong signature
             raise InvalidArgumentError(
                 f"layers= takes a predicate (name, module) -> bool; calling it on {name!r} raised TypeError: {exc}"
             ) from exc
