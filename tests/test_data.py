@@ -251,3 +251,43 @@ def test_model_calls_in_a_loaders_worker_processes_are_not_refused() -> None:
     assert stats.count == truth.count
     assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
     assert max_rel_error(stats.var, truth.var) < 1e-6
+
+
+@pytest.mark.parametrize("when", ["between batches", "after the last batch"])
+def test_a_refused_call_caught_by_the_data_still_fails_the_pass(when: str) -> None:
+    """Found reviewing the refusal above: the data's call made in a thread of its own (or caught by the data)
+    raised there, and the pass went on and returned as if nothing had happened. The refusal is kept and raised
+    again at the end of the batch — or at the end of the passes, for a call made as the data ran out."""
+    import threading
+
+    import precisebn
+    from conftest import assert_unchanged, state_snapshot
+    from precisebn.errors import InvalidArgumentError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    batches = [torch.randn(4, 3, 8, 8) for _ in range(3)]
+    caught = []
+
+    def scored(x: torch.Tensor) -> None:  # (in a thread of the data's: what it raises stays there)
+        try:
+            with torch.no_grad():
+                model(x)
+        except InvalidArgumentError as exc:
+            caught.append(exc)
+
+    def data():
+        for k, x in enumerate(batches):
+            if when == "between batches" and k == 1:
+                worker = threading.Thread(target=scored, args=(x,))
+                worker.start()
+                worker.join()
+            yield x
+        if when == "after the last batch":
+            scored(batches[0])
+
+    before = state_snapshot(model)
+    with pytest.raises(InvalidArgumentError, match=r"layer '1' \(BatchNorm2d\) was called while the next batch"):
+        precisebn.estimate(model, data())
+    assert len(caught) == 1
+    assert_unchanged(model, before)

@@ -75,7 +75,7 @@ import torch
 from torch import Tensor
 
 from ._table import times
-from .errors import InvalidArgumentError, UnsupportedLayerError
+from .errors import InvalidArgumentError, PreciseBNError, UnsupportedLayerError
 from .layercall import LayerCall, layout_of, reach, verified_size
 from .layers import RecalibrationState, ScratchGroup
 from .spotcheck import HELD, SpotChecks
@@ -147,7 +147,7 @@ class Collector:
         self._resets = 0
         self._lost = [0] * n
         # a layer refused during a call, raised again at the end of the batch in case the model caught it
-        self._refused: UnsupportedLayerError | None = None
+        self._refused: PreciseBNError | None = None
         self._row = [0] * (n + 1)  # values per channel of each layer in this batch
         self._extras: list[tuple[int, int, int, Tensor, Tensor]] = []  # (layer, call index, n, mean, var)
         # per fold (FOLDS, C), by (layer, call index; 0 unless per_call): float64-path layers, stashed calls
@@ -803,6 +803,8 @@ class Collector:
                 forward did not produce them (checked on the host: each call of torch's
                 BatchNorm forward increments the layer's scratch ``num_batches_tracked``).
         """
+        if self._refused is not None:  # (a call refused after the last batch: while the data ran out)
+            raise self._refused
         for i, layer in enumerate(self.layers):
             counter = self._counters[i]
             if not self._checked_calls[i] or counter is None:

@@ -267,7 +267,8 @@ class LayerCall:
         if not c.in_forward:  # (before anything is counted: called by the data, between forwards)
             if c.pid != os.getpid():  # a loader's worker process, forked with the wrappers on: its own copy, left
                 return forward(*args, **kwargs)  # to the model's own forward, in whatever mode (probe 35a)
-            raise c._outside_forward(i)
+            c._refused = c._outside_forward(i)  # (raised again at the end of the batch: a thread of the data's,
+            raise c._refused  # or code that catches it, would leave the pass to go on)
         path = c.paths[i]
         in_batch = c._in_batch
         j = in_batch[i]  # this call's index within the batch

@@ -174,7 +174,9 @@ def _row_sums(block: Tensor, out: Tensor | None = None) -> Tensor:
     return torch.sum(block, 1, out=out)
 
 
-def passes(fig_mean: Tensor, fig_var: Tensor, ref: tuple[Tensor, ...], eps: Tensor | float, tolerance: float) -> Tensor:
+def passes(
+    fig_mean: Tensor, fig_var: Tensor, ref: tuple[Tensor | float, ...], eps: Tensor | float, tolerance: float
+) -> Tensor:
     """Whether each channel's figures match the reference ``(mean, var, bound_mean,
     bound_var)``: ``|Δmean| / σ`` and ``|Δvar| / (var + eps)`` within ``tolerance`` after the
     reference's error bounds are taken off it (NaN fails); elementwise, float64."""

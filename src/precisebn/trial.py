@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .spotcheck import rounding_passes
+from .spotcheck import passes, rounding_passes
 from .stats import RunningMoments
 from .watch import TOLERANCE, moments_of
 
@@ -64,28 +64,27 @@ class Trial:
         from the extremes of the figures, computed exactly only where that bound is too loose).
         A call that passes keeps its figures as its moments; one that fails, that reduction."""
         exact = RunningMoments.from_data(t, 1)
-        mean, var = exact.mean, exact.m2 / (n - 1)
-        scale = var + eps
         tolerance = TOLERANCE[pair.dtype]
         figures = pair.detach().to(torch.float64)
+        reference = (exact.mean, exact.m2 / (n - 1), 0.0, 0.0)  # (no error bound: a two-pass float64 reduction)
         ok = rounding_passes(pair, eps, torch.finfo(pair.dtype).eps / 2, tolerance) and bool(
-            ((figures[0] - mean).abs() <= scale.sqrt() * tolerance)
-            .logical_and_((figures[1] - var).abs() <= scale * tolerance)
-            .all()
+            passes(figures[0], figures[1], reference, eps, tolerance).all()
         )  # NaN fails too
-        if ok:
-            self.checked(True, [t], x, channels, n)
-        else:
-            self.off = True
-            self.calls.append((n, exact, n, None))
+        self.checked(ok, [t], x, channels, n, exact)
 
-    def checked(self, ok: bool, seen: list[Tensor], x: Tensor, channels: int, n: int) -> None:
+    def checked(
+        self, ok: bool, seen: list[Tensor], x: Tensor, channels: int, n: int, exact: RunningMoments | None = None
+    ) -> None:
         """Records a call whose own figures were checked at once: kept as its moments if they
-        passed (``ok``), else what it normalised (``seen``) is reduced in float64 now."""
+        passed (``ok``), else what it normalised (``seen``) is reduced in float64 now (``exact``:
+        that reduction, if the check made it already)."""
         self.calls.append((n, None, n, self.slot))
         if not ok:
             self.off = True
-            self.redo(len(self.calls) - 1, seen, x, channels, n)
+            if exact is None:
+                self.redo(len(self.calls) - 1, seen, x, channels, n)
+            else:
+                self.calls[-1] = (n, exact, n, None)
 
     def redo(self, k: int, seen: list[Tensor], x: Tensor, channels: int, n: int) -> None:
         """Call ``k``, whose own figures failed their check: its moments are those of what it

@@ -65,16 +65,16 @@ class Writes:
         return self.report
 
 
-def _misfit(t: object, shape: tuple[int, ...]) -> str:
-    """What is wrong with statistics ``t`` for buffers of ``shape`` (probe 33b: an integer mean of the right
-    shape was said to have "shape (4,)" for 4 channels; one on the meta device got torch's raw error)."""
+def _misfit(t: object, shape: tuple[int, ...]) -> str | None:
+    """What is wrong with statistics ``t`` for buffers of ``shape``, if anything (probe 33b: an integer mean of the
+    right shape was said to have "shape (4,)" for 4 channels; one on the meta device got torch's raw error)."""
     if not isinstance(t, torch.Tensor):
         return f"is a {type(t).__name__}, not a tensor"
     if tuple(t.shape) != shape:
         return f"has shape {tuple(t.shape)}"
     if not t.is_floating_point():
         return f"is of dtype {t.dtype}, not floating point"
-    return "is on the meta device (it holds no values)"
+    return "is on the meta device (it holds no values)" if t.is_meta else None
 
 
 def plan_writes(
@@ -111,11 +111,7 @@ def plan_writes(
             problems.append(f"{name!r} is on the meta device (not materialised: nothing to write to)")
         else:
             shape = tuple(running_mean.shape)
-            bad = [
-                f"{what} {_misfit(t, shape)}"
-                for what, t in (("mean", s.mean), ("var", s.var))
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or not t.is_floating_point() or t.is_meta
-            ]
+            bad = [f"{what} {why}" for what, t in (("mean", s.mean), ("var", s.var)) if (why := _misfit(t, shape))]
             if bad:
                 problems.append(f"{name!r} has {shape[0]} channels, but the statistics' {' and '.join(bad)}")
             else:
