@@ -250,6 +250,43 @@ def test_sigterm_removes_temporaries_and_ends_the_process(tmp_path) -> None:
     assert _names(tmp_path) == ["a.txt"] and (tmp_path / "a.txt").read_text() == "old"
 
 
+SIGTERM_ROLLBACK_SCRIPT = """
+import os, signal, sys
+from precisebn import files
+real_replace = os.replace
+def replace(src, dst):
+    if str(dst).endswith("b.txt"):
+        raise OSError(28, "No space left on device", str(src))  # the second output fails: a rollback
+    if str(src).endswith(".old.tmp"):  # the rollback putting a.txt back: a real SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)
+    real_replace(src, dst)
+files.os.replace = replace
+plan = files.OutputPlan()
+plan.add("a", sys.argv[1])
+plan.add("b", sys.argv[2])
+with plan.staged() as tmp:
+    tmp["a"].write_text("new a")
+    tmp["b"].write_text("new b")
+"""
+
+
+def test_a_sigterm_during_the_rollback_still_puts_every_old_content_back(tmp_path) -> None:
+    """Left by probe 35a, the SIGTERM twin of the Ctrl-C case above: a SIGTERM while a failed commit was rolled
+    back stopped the rollback half-way, and the backups not yet put back were deleted (a.txt kept its new
+    content). It waits until the rollback is done, and then still ends the process."""
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(f"old {name}")
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGTERM_ROLLBACK_SCRIPT, str(tmp_path / "a.txt"), str(tmp_path / "b.txt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert (tmp_path / "a.txt").read_text() == "old a.txt" and (tmp_path / "b.txt").read_text() == "old b.txt"
+    assert _names(tmp_path) == ["a.txt", "b.txt"]
+
+
 def test_stale_temporaries_of_killed_runs_are_removed(tmp_path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -79,6 +79,10 @@ class _Terminated(BaseException):
     """SIGTERM arrived while files were staged."""
 
 
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated
+
+
 @contextlib.contextmanager
 def _sigterm_as_exception() -> Iterator[None]:
     """Turns SIGTERM into an exception for the block (main thread, default handler only)."""
@@ -90,10 +94,7 @@ def _sigterm_as_exception() -> Iterator[None]:
         yield
         return
 
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise _Terminated
-
-    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
     except _Terminated:
@@ -105,28 +106,34 @@ def _sigterm_as_exception() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _sigint_deferred() -> Iterator[None]:
-    """Holds Ctrl-C (SIGINT) back until the block is done, then raises ``KeyboardInterrupt`` (main thread, and
-    only where SIGINT raises it: Python's own handler). For the commit of the outputs and its rollback: a second
-    Ctrl-C during the rollback stopped it half-way, and the backups it had not put back were then deleted
-    (probe 35a: a checkpoint replaced in place, its old content gone, "no output was written")."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
+def _signals_deferred() -> Iterator[None]:
+    """Holds Ctrl-C (SIGINT) and SIGTERM back until the block is done (main thread, and only where the signal
+    raises an exception: Python's own SIGINT handler; SIGTERM while files are staged, see
+    :func:`_sigterm_as_exception`), then delivers them: ``KeyboardInterrupt`` if the block ended without an error
+    of its own, SIGTERM in any case (the process still ends). For the commit of the outputs and its rollback: a
+    second Ctrl-C during the rollback stopped it half-way, and the backups it had not put back were then deleted
+    (probe 35a: a checkpoint replaced in place, its old content gone, "no output was written"); a SIGTERM there
+    did the same."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
+    ours = ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, _raise_terminated))
+    held = [(signum, handler) for signum, handler in ours if signal.getsignal(signum) is handler]
     pressed: list[int] = []
 
-    def handler(signum: int, frame: FrameType | None) -> None:
+    def hold(signum: int, frame: FrameType | None) -> None:
         pressed.append(signum)
 
-    signal.signal(signal.SIGINT, handler)
+    for signum, _ in held:
+        signal.signal(signum, hold)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if pressed:
+        for signum, handler in held:
+            signal.signal(signum, handler)
+        if signal.SIGTERM in pressed:
+            signal.raise_signal(signal.SIGTERM)  # (its handler raises _Terminated here, the files in order)
+    if signal.SIGINT in pressed:
         raise KeyboardInterrupt
 
 
@@ -302,7 +309,7 @@ class OutputPlan:
         return exc
 
     def _commit(self, temps: dict[str, Path]) -> None:
-        with _sigint_deferred():  # (all of the renames, or the rollback of all of them)
+        with _signals_deferred():  # (all of the renames, or the rollback of all of them)
             self._commit_all(temps)
 
     def _commit_all(self, temps: dict[str, Path]) -> None:
