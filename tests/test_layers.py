@@ -461,6 +461,21 @@ def test_an_exported_graph_is_refused_with_the_reason() -> None:
         assert "exported" not in str(plain.value)
 
 
+def test_a_model_whose_only_normalization_is_frozen_says_so() -> None:
+    """Found by probe 36a: a model built with FrozenBatchNorm2d only (a torchvision detection backbone) was refused
+    with the bare "no normalization layer ... was selected", not a word of its frozen layers."""
+    from torchvision.ops import FrozenBatchNorm2d
+
+    from precisebn.errors import LayerNotFoundError
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), FrozenBatchNorm2d(4), nn.Conv2d(4, 4, 1), FrozenBatchNorm2d(4))
+    with pytest.raises(LayerNotFoundError, match=r"Its 2 FrozenBatchNorm layers \('1' and others\) hold fixed"):
+        precisebn.estimate(model, [torch.randn(2, 3, 8, 8)])
+    with pytest.raises(LayerNotFoundError) as chosen:  # (layers= chose none of something else: no word of them)
+        precisebn.estimate(nn.Sequential(nn.BatchNorm2d(3), FrozenBatchNorm2d(3)), [torch.randn(2, 3, 8, 8)], layers=[])
+    assert "FrozenBatchNorm" not in str(chosen.value)
+
+
 def test_a_predicate_that_does_not_fit_is_refused_by_name() -> None:
     """Found by probe 33b: a ``layers=`` predicate of one argument raised Python's own TypeError, one returning a
     tensor of several values torch's "Boolean value of Tensor with more than one value is ambiguous"."""

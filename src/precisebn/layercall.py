@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .errors import UnsupportedLayerError
+from .figures import EXACT_UP_TO, refigure
 from .trial import Trial, fitting
 from .watch import Watch, moments_of, normalises_its_input
 
@@ -365,7 +366,12 @@ class LayerCall:
                     c._lost[i] += counter._version - before - 1
                 if deferred:  # (once counted: the comparison may run at once, and then needs the call's count)
                     known = watching or self.own_forward or x.shape in self.itself[xl]  # what it normalised
-                    c._defer(self, j, n, (seen[0] if watching else x) if known else None)
+                    t = (seen[0] if watching else x) if known else None
+                    if t is not None and n > EXACT_UP_TO and self.pair.dtype == torch.float32:
+                        refigure(t, self.pair)  # torch's kernel sums it in float32, one value after another
+                        if guard:
+                            c._seen = c._version()
+                    c._defer(self, j, n, t)
             elif path == "verify":
                 out = self.verify(forward, args, kwargs, j, inside > 0)
             else:

@@ -333,6 +333,16 @@ def find_norm_layers(
             if orphans and layers is None
             else ""
         )
+        # FrozenBatchNorm (torchvision's, detectron2's, timm's): constants by design, not running statistics
+        frozen = [name for name, m in model.named_modules() if "FrozenBatchNorm" in type(m).__name__]
+        frozen_note = (
+            f" Its {len(frozen)} FrozenBatchNorm layer{'s' if len(frozen) > 1 else ''} ({frozen[0]!r}"
+            f"{' and others' if len(frozen) > 1 else ''}) hold fixed statistics by design and are left out; to "
+            "recalibrate them, build the model with BatchNorm instead (torchvision: norm_layer=nn.BatchNorm2d; "
+            "timm: timm.layers.unfreeze_batch_norm_2d) and load the same weights."
+            if frozen and layers is None
+            else ""
+        )
         raise LayerNotFoundError(
             "no normalization layer with running statistics was selected "
             f"(model {type(model).__name__}, {chosen if chosen.startswith('--') else f'layers={chosen}'}); "
@@ -340,6 +350,7 @@ def find_norm_layers(
             "BatchNorm*/SyncBatchNorm/InstanceNorm* layers with track_running_stats=True."
             + (f" The {script}" if scripted else "")
             + graph
+            + frozen_note
         )
     if scripted and layers is None:
         kept = "Its statistics are" if len(scripted) == 1 else "Their statistics are"
