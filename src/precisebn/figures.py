@@ -54,14 +54,15 @@ def refigure(t: Tensor, pair: Tensor) -> None:
     channels = t.shape[1]
     n = t.numel() // channels
     dims = [0, *range(2, t.dim())]
-    shift = pair[0].clone().view(1, channels, *[1] * (t.dim() - 2))
+    shift = pair[0].view(1, channels, *[1] * (t.dim() - 2))  # (read before the figures are overwritten, at the end)
+    step = max(1, SLICE // max(1, t[:1].numel()))
     sums = []  # per slice of the first dimension: the shifted values' sums and their squares' (float32)
-    for part in t.split(max(1, SLICE // max(1, t[:1].numel()))):
+    for part in t.split(step) if step < t.shape[0] else (t,):
         d = torch.sub(part, shift)  # (float32, also for a half-precision input; in the input's memory layout)
         sums.append((d.sum(dims), d.square_().sum(dims)))
     if len(sums) == 1:
         s1, s2 = sums[0]
     else:  # (the slices' sums added in float64)
         s1, s2 = (torch.stack(column).sum(0, dtype=torch.float64) for column in zip(*sums))
-    torch.add(shift.view(-1), s1, alpha=1.0 / n, out=pair[0])
-    pair[1].copy_(s2.addcmul_(s1, s1, value=-1.0 / n).clamp_min_(0.0).div_(n - 1))
+    torch.div(s2.addcmul_(s1, s1, value=-1.0 / n).clamp_min_(0.0), n - 1, out=pair[1])
+    pair[0].add_(s1, alpha=1.0 / n)
