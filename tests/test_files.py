@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +61,15 @@ def _write_both(plan: OutputPlan, then: Callable[[], object] = lambda: None) -> 
         tmp["a"].write_text("new a")
         tmp["b"].write_text("new b")
         then()
+
+
+def _over_old_files(tmp_path: Path) -> OutputPlan:
+    """A plan whose outputs "a" and "b" replace a.txt and b.txt, which hold "old a.txt" and "old b.txt"."""
+    plan = OutputPlan()
+    for label in ("a", "b"):
+        (tmp_path / f"{label}.txt").write_text(f"old {label}.txt")
+        plan.add(label, tmp_path / f"{label}.txt")
+    return plan
 
 
 def test_real_path_follows_links_and_dotdot_of_missing_folders(tmp_path, monkeypatch) -> None:
@@ -171,13 +181,8 @@ def test_an_interrupt_while_the_old_content_is_removed_leaves_the_output_committ
     a Ctrl-C then escaped the commit before it was marked done — exit 130 and "no output was written" for a file
     that had been replaced. The commit is marked once the last output is in place, and every backup is still
     removed."""
-    from pathlib import Path
 
-    for name in ("a.txt", "b.txt"):
-        (tmp_path / name).write_text(f"old {name}")
-    plan = OutputPlan()
-    plan.add("a", tmp_path / "a.txt")
-    plan.add("b", tmp_path / "b.txt")
+    plan = _over_old_files(tmp_path)
     unlink = Path.unlink
 
     def slow_unlink(self: Path, missing_ok: bool = False) -> None:
@@ -199,11 +204,7 @@ def test_a_ctrl_c_during_the_rollback_still_puts_every_old_content_back(tmp_path
     content gone, and the CLI said "no output was written". Ctrl-C waits until the commit or its rollback is done."""
     from precisebn import files
 
-    for name in ("a.txt", "b.txt"):
-        (tmp_path / name).write_text(f"old {name}")
-    plan = OutputPlan()
-    plan.add("a", tmp_path / "a.txt")
-    plan.add("b", tmp_path / "b.txt")
+    plan = _over_old_files(tmp_path)
     real_replace = os.replace
 
     def replace(src, dst) -> None:

@@ -305,6 +305,12 @@ class Collector:
         buffers = self._scratch_buffers
         return buffers[0]._version if len(buffers) == 1 else sum(t._version for t in buffers)  # type: ignore[no-any-return]
 
+    def _wrote(self) -> None:
+        """precisebn itself wrote the scratch buffers (in place): the guard's last look moves past that write, so
+        that :meth:`_changed` does not take it for the model's."""
+        if self._guard:
+            self._seen = self._version()
+
     def _changed(self) -> bool:
         """Whether the scratch buffers were changed in place since the last look (and looks again)."""
         now = self._version()
@@ -411,8 +417,7 @@ class Collector:
             self._beyond.append((call, n, 1, call.pair.clone(), moments))
             call.pair.copy_(self._initial_pair(i))
             self._row[i] = 0
-            if self._guard:
-                self._seen = self._version()
+            self._wrote()
 
     def _bound_vectors(
         self, pending: list[tuple[LayerCall, int, int, Any, Any]]
@@ -513,7 +518,7 @@ class Collector:
         earlier calls still shows there)."""
         if self._in_batch[i] == j + 1:
             self._in_batch[i] = j
-        self._seen = self._version()  # (unstash wrote the scratch)
+        self._wrote()  # (unstash wrote the scratch)
         counter = self._counters[i]
         if counter is not None:
             self._lost[i] += counter._version - before
@@ -565,7 +570,7 @@ class Collector:
             for buffers, counter in self._counter_homes:  # (host only) also to one that replaces its counter
                 if buffers.get("num_batches_tracked") is not counter:
                     buffers["num_batches_tracked"] = counter
-        self._seen = self._version()  # (the resets wrote the scratch)
+        self._wrote()  # (the resets wrote the scratch)
         self._batch += 1
 
     def _check_beyond(self) -> None:

@@ -16,9 +16,10 @@ their ``|mean|/σ``. So a call of more than :data:`EXACT_UP_TO` values per chann
 layout has its figures recomputed from what it normalised by :func:`refigure`: shifted by
 torch's own mean (close to the true one), then summed, and summed squared, by ``torch.sum``
 — a cascade summation whose error grows with the logarithm of ``n`` — in the input's own memory
-layout (no copy), in slices of the first dimension of about :data:`SLICE` values whose sums are
-added in float64. It costs about one more statistics pass of the layer. Measured on the same values: 3.4e-7
-at 100,000 values per channel, 6.6e-7 at 4,000,000.
+layout, slice by slice, the slices' sums added in float64
+(:func:`~precisebn.spotcheck.every_channel_sums`, with a float32 shift). It costs about one more
+statistics pass of the layer. Measured on the same values: 3.4e-7 at 100,000 values per channel,
+6.6e-7 at 4,000,000.
 """
 
 from __future__ import annotations
@@ -26,15 +27,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["EXACT_UP_TO", "SLICE", "refigure"]
+from .spotcheck import every_channel_sums
+
+__all__ = ["EXACT_UP_TO", "refigure"]
 
 EXACT_UP_TO = 84
 """Values per channel up to which torch's float32 figures are within the float32 tolerance (1e-5 of the variance)
 whatever the values: recursive summation of ``n`` non-negative terms errs by at most ``(n - 1)·u`` of their sum, and
 ``83·2⁻²⁴ < 5e-6`` leaves half of the tolerance to the mean's own rounding."""
-
-SLICE = 1 << 18
-"""Values per slice of :func:`refigure`: its float32 temporary stays at 1 MiB (or one sample, if larger)."""
 
 
 def refigure(t: Tensor, pair: Tensor) -> None:
@@ -50,19 +50,7 @@ def refigure(t: Tensor, pair: Tensor) -> None:
     >>> pair.tolist()
     [[3.0, 14.0], [4.0, 16.0]]
     """
-    t = t.detach()
-    channels = t.shape[1]
-    n = t.numel() // channels
-    dims = [0, *range(2, t.dim())]
-    shift = pair[0].view(1, channels, *[1] * (t.dim() - 2))  # (read before the figures are overwritten, at the end)
-    step = max(1, SLICE // max(1, t[:1].numel()))
-    sums = []  # per slice of the first dimension: the shifted values' sums and their squares' (float32)
-    for part in t.split(step) if step < t.shape[0] else (t,):
-        d = torch.sub(part, shift)  # (float32, also for a half-precision input; in the input's memory layout)
-        sums.append((d.sum(dims), d.square_().sum(dims)))
-    if len(sums) == 1:
-        s1, s2 = sums[0]
-    else:  # (the slices' sums added in float64)
-        s1, s2 = (torch.stack(column).sum(0, dtype=torch.float64) for column in zip(*sums))
+    n = t.numel() // t.shape[1]
+    s1, s2 = every_channel_sums(t, pair[0])  # (shifted by torch's mean, float32: reduced in float32, slices added)
     torch.div(s2.addcmul_(s1, s1, value=-1.0 / n).clamp_min_(0.0), n - 1, out=pair[1])
     pair[0].add_(s1, alpha=1.0 / n)

@@ -151,8 +151,7 @@ class LayerCall:
             return None
         c._extras.append((i, j - 1, c._row[i], self.mean_view.clone(), self.var_view.clone()))
         self.pair.copy_(c._initial_pair(i))  # what this call reads in its buffers: the model's statistics
-        if c._guard:
-            c._seen = c._version()
+        c._wrote()
         return len(c._extras) - 1
 
     def unstash(self, stashed: int | None) -> None:
@@ -191,8 +190,7 @@ class LayerCall:
         if check is not None:
             c._beyond.append(check)
         self.pair.copy_(c._initial_pair(i))
-        if c._guard:
-            c._seen = c._version()
+        c._wrote()
         c._row[i] = 0
         c.calls[i] += 1
         if moments is not None:
@@ -369,8 +367,7 @@ class LayerCall:
                     t = (seen[0] if watching else x) if known else None
                     if t is not None and n > EXACT_UP_TO and self.pair.dtype == torch.float32:
                         refigure(t, self.pair)  # torch's kernel sums it in float32, one value after another
-                        if guard:
-                            c._seen = c._version()
+                        c._wrote()
                     c._defer(self, j, n, t)
             elif path == "verify":
                 out = self.verify(forward, args, kwargs, j, inside > 0)

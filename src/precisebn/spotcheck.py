@@ -236,8 +236,9 @@ def _copy_checked(t: Tensor, step: int, k: int, into: Tensor) -> None:
 
 
 def every_channel_sums(t: Tensor, shifts: Tensor, chunk: int = CAPACITY) -> tuple[Tensor, Tensor]:
-    """float64 sums, per channel (dimension 1 of ``t``), of the values of ``t`` shifted by ``shifts`` (each
-    ``x - shift`` rounded once, as :func:`reference` asks) and of their squares — reduced in ``t``'s own memory
+    """float64 sums, per channel (dimension 1 of ``t``), of the values of ``t`` shifted by ``shifts`` and of their
+    squares, computed in the shifts' dtype — float64: each ``x - shift`` rounded once, as :func:`reference` asks; a
+    float32 shift reduces each slice in float32 (:func:`~precisebn.figures.refigure`) — reduced in ``t``'s own memory
     layout (a copy channel after channel across channels_last costs several times more), at most about
     ``chunk`` values at a time (slices of the first dimension, or of the rows of a channels-last view).
 
@@ -255,14 +256,17 @@ def every_channel_sums(t: Tensor, shifts: Tensor, chunk: int = CAPACITY) -> tupl
     else:
         shape, dims = (1, channels, *([1] * (t.dim() - 2))), [0, *range(2, t.dim())]
     shift = shifts.reshape(shape)
-    sums = torch.zeros(channels, dtype=torch.float64, device=t.device)
-    squares = torch.zeros(channels, dtype=torch.float64, device=t.device)
-    per = max(1, t[:1].numel())
-    for part in t.split(max(1, chunk // per)):
-        d = torch.sub(part, shift)  # (float64: the shift's dtype)
-        sums.add_(d.sum(dims))
-        squares.add_(d.square_().sum(dims))
-    return sums, squares
+    step = max(1, chunk // max(1, t[:1].numel()))
+    out: list[Tensor] = []  # (the sums and the squares' sums, float64; the first slice's converted, not added)
+    for part in t.split(step) if step < t.shape[0] else (t,):
+        d = torch.sub(part, shift)  # (in the shift's dtype, or the input's if wider)
+        sums = (d.sum(dims), d.square_().sum(dims))
+        if out:
+            out[0].add_(sums[0])
+            out[1].add_(sums[1])
+        else:
+            out = [s.to(torch.float64) for s in sums]
+    return out[0], out[1]
 
 
 _Waiting = tuple[Any, Tensor, float, int, tuple[int, ...]]  # owner, figures (2, C), eps, values per channel, checked
