@@ -291,3 +291,76 @@ def test_a_refused_call_caught_by_the_data_still_fails_the_pass(when: str) -> No
         precisebn.estimate(model, data())
     assert len(caught) == 1
     assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("who", ["a data thread, during forward", "a thread of forward's own"])
+def test_model_calls_from_another_thread_during_forward_are_refused_not_counted(who: str) -> None:
+    """Left over from probe 36b: a data thread prefetching with the model (pseudo-labels) while forward(model, batch)
+    ran had its calls counted in the statistics as the batch's (and two threads' calls at once mixed in the
+    bookkeeping); only calls made between forwards were refused. Calls from any thread but the passes' own are."""
+    import threading
+
+    import precisebn
+    from conftest import assert_unchanged, state_snapshot
+    from precisebn.errors import InvalidArgumentError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    batches = [torch.randn(4, 3, 8, 8) for _ in range(3)]
+    go, done = threading.Event(), threading.Event()
+    caught: list[BaseException] = []
+
+    def scored() -> None:  # (what it raises stays in its thread)
+        go.wait(10)
+        try:
+            with torch.no_grad():
+                model(batches[0] * 3)
+        except InvalidArgumentError as exc:
+            caught.append(exc)
+        done.set()
+
+    def data():
+        if who.startswith("a data thread"):
+            threading.Thread(target=scored, name="prefetch", daemon=True).start()
+        yield from batches
+
+    def forward(m: nn.Module, x: torch.Tensor) -> None:
+        if who.startswith("a thread of forward"):
+            threading.Thread(target=scored, name="prefetch", daemon=True).start()
+        if not done.is_set():
+            go.set()
+            done.wait(10)
+        m(x)
+
+    before = state_snapshot(model)
+    with pytest.raises(InvalidArgumentError, match=r"layer '1' \(BatchNorm2d\) was called in thread 'prefetch'"):
+        precisebn.recalibrate(model, data(), forward=forward)
+    assert done.is_set() and len(caught) == 1
+    assert_unchanged(model, before)
+
+
+def test_another_thread_running_a_copy_during_forward_leaves_the_statistics_exact() -> None:
+    """The remedy the refusal above names: the other thread runs a copy of the model."""
+    import copy
+    import threading
+
+    import precisebn
+    from conftest import compute_truth, max_rel_error
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    teacher = copy.deepcopy(model)
+    batches = [torch.randn(4, 3, 8, 8) + k for k in range(3)]
+
+    def forward(m: nn.Module, x: torch.Tensor) -> None:
+        with torch.no_grad():
+            worker = threading.Thread(target=teacher, args=(x * 5,))
+            worker.start()
+            worker.join()
+        m(x)
+
+    truth = compute_truth(model, batches)["1"]
+    stats = precisebn.estimate(model, batches, forward=forward)["1"]
+    assert stats.count == truth.count
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(stats.var, truth.var) < 1e-6

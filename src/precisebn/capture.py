@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 import torch
@@ -133,6 +134,9 @@ class Collector:
         # forwards) is refused (see LayerCall.__call__)
         self.in_forward = False
         self.pid = os.getpid()  # (a loader's worker process, forked during a pass, runs its own copy: not refused)
+        # the thread that runs the passes (it makes the collector): a call from another is refused, even during a
+        # forward — a data thread running the model then would be counted, its calls mixed with the batch's
+        self.thread = threading.get_ident()
         self._first_batch = [0] * n  # per_call: the batch that set per_batch
         # "verify" until the end of the first batch that calls the layer, then "fast", "float64" or "none"
         self.paths = ["verify" if layer.path == "fast" else "float64" for layer in self.layers]
@@ -255,6 +259,18 @@ class Collector:
             "model being recalibrated, and those calls would count in its statistics as if they were the "
             "batches'. Have the data run another copy of the model (copy.deepcopy(model)), or compute what it "
             "needs from the model beforehand. The model was left unchanged."
+        )
+
+    def _other_thread(self, i: int) -> InvalidArgumentError:
+        layer = self.layers[i]
+        here = threading.current_thread().name
+        return InvalidArgumentError(
+            f"layer {layer.name!r} ({layer.type_name}) was called in thread {here!r} while forward(model, batch) "
+            "ran in another thread: precisebn counts the calls of the thread that runs the passes only — a call "
+            "from another thread (the data's, prefetching with the model) would count in the statistics as if "
+            "it were the batch's, and calls from two threads at once would mix in its bookkeeping. Have the "
+            "other thread run another copy of the model (copy.deepcopy(model)), or run the model in forward's "
+            "own thread. The model was left unchanged."
         )
 
     def _unseen(self, i: int) -> UnsupportedLayerError:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from threading import get_ident
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -263,11 +264,13 @@ class LayerCall:
 
     def __call__(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         c, i = self.c, self.i
-        if not c.in_forward:  # (before anything is counted: called by the data, between forwards)
+        if not c.in_forward or get_ident() != c.thread:  # (before anything is counted: called by the data)
             if c.pid != os.getpid():  # a loader's worker process, forked with the wrappers on: its own copy, left
                 return forward(*args, **kwargs)  # to the model's own forward, in whatever mode (probe 35a)
-            c._refused = c._outside_forward(i)  # (raised again at the end of the batch: a thread of the data's,
-            raise c._refused  # or code that catches it, would leave the pass to go on)
+            # between forwards, or in another thread than the passes' (a data thread's, while forward runs)
+            c._refused = c._outside_forward(i) if not c.in_forward else c._other_thread(i)
+            raise c._refused  # (raised again at the end of the batch: a thread of the data's, or code that catches
+            # it, would leave the pass to go on)
         path = c.paths[i]
         in_batch = c._in_batch
         j = in_batch[i]  # this call's index within the batch
