@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 import sys
-from threading import get_ident
 from collections.abc import Callable
+from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
 import torch
