@@ -253,6 +253,102 @@ def test_model_calls_in_a_loaders_worker_processes_are_not_refused() -> None:
     assert max_rel_error(stats.var, truth.var) < 1e-6
 
 
+class _Scoring:
+    """A collate function running the model (pseudo-labels): picklable, for spawned workers."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, items: list[tuple[torch.Tensor]]) -> torch.Tensor:
+        x = torch.stack([item[0] for item in items])
+        with torch.no_grad():
+            self.model(x * 3 + 1)  # (in the worker: its own copy of the model)
+        return x
+
+
+@pytest.mark.slow
+def test_model_calls_in_a_loaders_spawned_worker_processes_are_not_refused() -> None:
+    """Left over from probe 36a: a loader whose workers are spawned (the start method of macOS, Windows and of
+    Python 3.14 on Linux: forkserver) gets the model pickled — and the wrapped forwards could not be ("Can't
+    pickle local object"), after which a ModelChangedWarning said the parameters had been changed in place
+    (pickling had moved them into shared memory, values and all). The workers' copies run the model's own
+    forward, as forked ones do, and the statistics are exact."""
+    import multiprocessing
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import precisebn
+    from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
+    from precisebn.errors import ModelChangedWarning
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6))
+    images = torch.randn(24, 3, 12, 12) + 1
+    loader = DataLoader(
+        TensorDataset(images),
+        batch_size=8,
+        collate_fn=_Scoring(model),
+        num_workers=1,
+        multiprocessing_context=multiprocessing.get_context("spawn"),
+    )
+    truth = compute_truth(model, [images[k : k + 8] for k in range(0, 24, 8)])["1"]
+    before = state_snapshot(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ModelChangedWarning)
+        stats = precisebn.estimate(model, loader, num_batches=3)["1"]
+    assert_unchanged(model, before)
+    assert stats.count == truth.count
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(stats.var, truth.var) < 1e-6
+
+
+@pytest.mark.parametrize("how", ["copy.deepcopy", "torch.save"])
+def test_a_copy_of_the_model_made_during_the_passes_is_a_model_of_its_own(how: str) -> None:
+    """Found reviewing the test above: a copy made during the passes (a teacher made in forward) carried the
+    wrapped forwards, so its layers ran the original's forward on the teacher's input, counted in its
+    statistics (twice the values: a mean 3 times the data's), and the copy refused every call after the passes.
+    A copy gets the layers' own forward: not counted, and a working model afterwards."""
+    import copy
+    import io
+
+    import precisebn
+    from conftest import compute_truth, max_rel_error
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    batches = [torch.randn(4, 3, 8, 8) + k for k in range(3)]
+    reference = copy.deepcopy(model).eval()
+    copies: list[nn.Module] = []
+
+    def forward(m: nn.Module, x: torch.Tensor) -> None:
+        if how == "copy.deepcopy":
+            teacher = copy.deepcopy(m)
+        else:
+            saved = io.BytesIO()
+            torch.save(m, saved)
+            teacher = torch.load(io.BytesIO(saved.getvalue()), weights_only=False)
+        copies.append(teacher)
+        with torch.no_grad():
+            teacher(x * 5)  # (its own statistics: in training mode, it updates them)
+        m(x)
+
+    truth = compute_truth(model, batches)["1"]
+    stats = precisebn.estimate(model, batches, forward=forward)["1"]
+    assert stats.count == truth.count
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(stats.var, truth.var) < 1e-6
+    teacher = copies[0].eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        out = teacher(x)  # (refused as "called while the next batch was being drawn" before)
+    assert teacher[1].running_mean.shape == (4,)
+    teacher.load_state_dict(reference.state_dict())  # (what it held: the model's statistics, then its own call's)
+    with torch.no_grad():
+        assert torch.equal(teacher(x), reference(x))
+    assert out.shape == (2, 4, 6, 6)
+
+
 @pytest.mark.parametrize("when", ["between batches", "after the last batch"])
 def test_a_refused_call_caught_by_the_data_still_fails_the_pass(when: str) -> None:
     """Found reviewing the refusal above: the data's call made in a thread of its own (or caught by the data)

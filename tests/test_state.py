@@ -1261,3 +1261,23 @@ def test_a_buffer_whose_storage_a_forward_frees_gets_it_back() -> None:
     assert model.freed.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and model.other.tolist() == [0.0] * 3
     assert model.grown.untyped_storage().nbytes() == 20
     assert max_rel_error(model.bn.running_var.double(), truth.var) < 1e-6
+
+
+@pytest.mark.parametrize("how", ["share_memory_", ".data = shared", ".data = other"])
+def test_parameters_moved_into_shared_memory_are_not_changed_but_replaced_data_is(how: str) -> None:
+    """Pickling a model for a spawned worker moves its parameters into shared memory (``share_memory_()``, values
+    and all, the same storage): that is no change, and was warned of as one. Data pointed elsewhere still is,
+    shared memory or not."""
+    module = nn.Linear(3, 2)
+    weight = module.weight.detach().clone()
+    snapshot = precisebn.state.StateSnapshot([("", module)])
+    if how == "share_memory_":
+        module.weight.share_memory_()
+    elif how == ".data = shared":
+        module.weight.data = torch.zeros(2, 3).share_memory_()
+    else:
+        module.weight.data = torch.zeros(2, 3)
+    lost = snapshot.restore()
+    assert module.weight.is_shared() == (how != ".data = other")
+    assert lost == ([] if how == "share_memory_" else ["weight"])
+    assert torch.equal(module.weight.detach(), weight) == (how == "share_memory_")

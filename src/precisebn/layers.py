@@ -9,6 +9,7 @@ in ``finally``, whatever happens inside.
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 import functools
 import itertools
@@ -526,18 +527,7 @@ class RecalibrationState:
         (or the previous one put back) on exit.
         """
         previous = module.__dict__.get("forward", _NO_FORWARD)
-        forward = module.forward
-
-        def inferring(*args: Any, **kwargs: Any) -> Any:
-            with torch.inference_mode():
-                return forward(*args, **kwargs)
-
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if torch.is_inference_mode_enabled():  # the model's forward runs the layer in inference mode: so
-                with torch.inference_mode(False):  # does the layer, but what `call` keeps (figures, moments, the
-                    return call(inferring, args, kwargs)  # workspace) must stay writable outside it
-            return call(forward, args, kwargs)
-
+        wrapped = _Routed(module.forward, call)
         self._wrapped.append((module, previous))
         if (
             type(module).__setattr__ is nn.Module.__setattr__
@@ -783,6 +773,43 @@ def _restore_snapshot(snapshot: StateSnapshot) -> None:
             ModelChangedWarning,
             stacklevel=4,
         )
+
+
+class _Routed:
+    """A module's forward while it is measured: every call goes through ``call(forward, args, kwargs)`` (see
+    :meth:`RecalibrationState.wrap_forward`). A copy of the module made during the passes (``copy.deepcopy``: a
+    teacher made in ``forward``; pickling: a loader's spawn or forkserver worker, ``torch.save``) gets the module's
+    own forward instead: it is a model of its own, neither measured nor bound to these passes. Copied with the
+    wrapper, its layers ran the original's forward, counted in its statistics, and refused every call after the
+    passes."""
+
+    __slots__ = ("call", "forward", "inferring")
+
+    def __init__(self, forward: Callable[..., Any], call: Callable[..., Any]) -> None:
+        self.forward = forward
+        self.call = call
+
+        def inferring(*args: Any, **kwargs: Any) -> Any:
+            with torch.inference_mode():
+                return forward(*args, **kwargs)
+
+        self.inferring = inferring
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_inference_mode_enabled():  # the model's forward runs the layer in inference mode: so
+            with torch.inference_mode(False):  # does the layer, but what `call` keeps (figures, moments, the
+                return self.call(self.inferring, args, kwargs)  # workspace) must stay writable outside it
+        return self.call(self.forward, args, kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self.forward, memo)  # (a bound method: the copy's own, bound to the copy)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _itself, (self.forward,)
+
+
+def _itself(x: Any) -> Any:
+    return x
 
 
 def _unwrap_forwards(wrapped: list[tuple[nn.Module, object]]) -> None:

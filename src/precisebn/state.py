@@ -310,6 +310,28 @@ def _addresses(tensors: list[Tensor]) -> list[int | None]:
         return [_address(t) for t in tensors]
 
 
+def _storages(tensors: list[Tensor]) -> list[int | None]:
+    """Each tensor's storage (its ``_cdata``; ``None`` for a tensor without one)."""
+    try:
+        return [t.untyped_storage()._cdata for t in tensors]
+    except (RuntimeError, NotImplementedError):
+        return [_storage(t) for t in tensors]
+
+
+def _storage(t: Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _shared_since(t: Tensor, storage: int | None) -> bool:
+    """Whether tensor ``t``, whose data moved, holds the same storage (``storage``), now in shared memory: moved
+    there by ``share_memory_()`` — what pickling it for another process does (a loader's spawn or forkserver
+    worker given the model), copying its values — rather than pointed at other data (``.data =``)."""
+    return storage is not None and _storage(t) == storage and t.is_shared()
+
+
 def _address(t: Tensor) -> int | None:
     try:
         return t.data_ptr()
@@ -406,6 +428,7 @@ class StateSnapshot:
         # and where their data are: a forward assigning ``p.data`` (clipping weights, ``module.double()``) moves
         # no version counter (probe 33b: unwarned, a model left with float64 weights and float32 buffers)
         self._watched_addresses = _addresses(self._watched)
+        self._watched_storages = _storages(self._watched)
 
     def restore(self) -> list[str]:
         """Puts every object and changed value back.
@@ -433,14 +456,15 @@ class StateSnapshot:
                     container.clear()
         lost = [
             name
-            for name, t, version, address, now in zip(
+            for name, t, version, address, now, storage in zip(
                 self._watched_names,
                 self._watched,
                 self._watched_versions,
                 self._watched_addresses,
                 _addresses(self._watched),
+                self._watched_storages,
             )  # a parameter: only its version and where its data are tell
-            if (version is not None and version_of(t) != version) or now != address
+            if (version is not None and version_of(t) != version) or (now != address and not _shared_since(t, storage))
         ]
         with torch.no_grad():
             for s in self._saved:  # first the shapes (a forward may resize a buffer in place), then the values
