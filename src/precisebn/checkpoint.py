@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ._optional import require
 from .adapt import WRITTEN
 from .errors import InvalidArgumentError, StatsMismatchError
-from .files import atomic_path
+from .files import Terminated, atomic_path
 from .population import buffer_key
 
 __all__ = [
@@ -292,21 +292,23 @@ def write_checkpoint(ckpt: Checkpoint, replace: Mapping[str, Tensor], path: str 
             with open(path, "wb") as f:
                 torch.save(obj, f, _use_new_zipfile_serialization=not ckpt.legacy)  # (the input's format)
         except RuntimeError as exc:  # torch's zip writer reports a failed write as "enforce fail ... unexpected pos"
-            if _interrupted(exc):  # Ctrl-C in the file's write(), which torch's writer turned into its error
-                raise KeyboardInterrupt from None  # (probe 34b: reported as "a full disk", exit 1 instead of 130)
+            signalled = _interruption(exc)  # Ctrl-C (or SIGTERM, see files) in the file's write(), which torch's
+            if signalled is not None:  # writer turned into its error (probes 34b, 37: "a full disk", exit 1)
+                raise signalled from None
             why = f"torch.save failed ({_first_sentence(str(exc)).strip()}): a full disk, or a file size limit"
             raise OSError(errno.EIO, why, str(path)) from exc
 
 
-def _interrupted(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised while handling a ``KeyboardInterrupt`` (its context, at any depth)."""
+def _interruption(exc: BaseException) -> BaseException | None:
+    """The signal's exception that ``exc`` was raised while handling (its context, at any depth), if any: a
+    ``KeyboardInterrupt``, or the exception precisebn's SIGTERM handler raises while files are staged."""
     seen = set()
     while exc is not None and id(exc) not in seen:
-        if isinstance(exc, KeyboardInterrupt):
-            return True
+        if isinstance(exc, (KeyboardInterrupt, Terminated)):
+            return exc
         seen.add(id(exc))
         exc = exc.__context__  # type: ignore[assignment]
-    return False
+    return None
 
 
 def save_checkpoint(ckpt: Checkpoint, replace: Mapping[str, Tensor], path: str | os.PathLike[str]) -> None:

@@ -37,7 +37,7 @@ from types import FrameType
 
 from .errors import ConcurrentUseError, InvalidArgumentError
 
-__all__ = ["OutputPlan", "atomic_path", "real_path"]
+__all__ = ["OutputPlan", "Terminated", "atomic_path", "real_path"]
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -75,12 +75,12 @@ def _same(a: Path, b: Path) -> bool:
         return False
 
 
-class _Terminated(BaseException):
+class Terminated(BaseException):
     """SIGTERM arrived while files were staged."""
 
 
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
-    raise _Terminated
+    raise Terminated
 
 
 @contextlib.contextmanager
@@ -97,7 +97,7 @@ def _sigterm_as_exception() -> Iterator[None]:
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
-    except _Terminated:
+    except Terminated:
         signal.signal(signal.SIGTERM, previous)
         os.kill(os.getpid(), signal.SIGTERM)  # die as the signal meant, now that the files are clean
         raise
@@ -132,7 +132,7 @@ def _signals_deferred() -> Iterator[None]:
         for signum, handler in held:
             signal.signal(signum, handler)
         if signal.SIGTERM in pressed:
-            signal.raise_signal(signal.SIGTERM)  # (its handler raises _Terminated here, the files in order)
+            signal.raise_signal(signal.SIGTERM)  # (its handler raises Terminated here, the files in order)
     if signal.SIGINT in pressed:
         raise KeyboardInterrupt
 
