@@ -1179,6 +1179,38 @@ def test_outputs_inside_the_data_folder_or_onto_the_model_module_are_refused(tin
     assert source.read_text() == text
 
 
+@pytest.mark.parametrize("output", ["--out", "--report"])
+def test_outputs_onto_a_module_that_the_model_module_imports_are_refused(tiny, work, capsys, output):
+    """Probe 37: the --model module's own file was refused as an output, but not the helper module it imports:
+    ``--out helpers.py`` replaced the helper with a checkpoint, exit 0. Refused when the outputs are about to be
+    written (the helper is imported with the model, after the checks up front): exit 1, nothing written."""
+    helper, models = f"cli_helper_{output[2:]}", f"cli_models_{output[2:]}"
+    (work["dir"] / f"{helper}.py").write_text(
+        "from torch import nn\n\ndef block():\n    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))\n"
+    )
+    (work["dir"] / f"{models}.py").write_text(f"from {helper} import block\n\ndef net():\n    return block()\n")
+    sys.path.insert(0, str(work["dir"]))
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+        torch.save(net.state_dict(), "net.pt")
+        before = {p.name: p.read_bytes() for p in work["dir"].iterdir() if p.is_file()}
+        args = _tiny_args(tiny, work["dir"] / "net.pt", "out.pt", output, f"{helper}.py")
+        if output == "--out":
+            args = _tiny_args(tiny, work["dir"] / "net.pt", f"{helper}.py")
+        args[args.index("--model") + 1] = f"{models}:net"
+        assert main(args) == 1  # (found after loading: not a usage error found up front)
+        err = capsys.readouterr().err
+        assert f"is the file of the module {helper!r}, which this run imported" in err
+        assert "nothing was written" in err
+        after = {p.name: p.read_bytes() for p in work["dir"].iterdir() if p.is_file()}
+        assert after == before
+    finally:
+        sys.path.remove(str(work["dir"]))
+        for name in (helper, models):
+            sys.modules.pop(name, None)
+
+
 def test_in_place_does_not_replace_a_checkpoint_saved_meanwhile(tiny, work, capsys):
     """Another job saving the checkpoint during the run: --in-place replaced it with the old one recalibrated."""
     (work["dir"] / "cli_race.py").write_text(

@@ -30,6 +30,7 @@ import secrets
 import shutil
 import signal
 import stat
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -73,6 +74,30 @@ def _same(a: Path, b: Path) -> bool:
         return a.exists() and b.exists() and os.path.samefile(a, b)
     except OSError:
         return False
+
+
+def _refuse_imported(label: str, text: str, real: Path, done: bool = False) -> None:
+    """Refuses an output that is the file of a module this process has imported (``done``: when the outputs are
+    about to be written, after the work): the inputs' checks name the --model/--data modules' own files, but not
+    what those import (a probe: ``--out helpers.py`` replaced the model's helper module with a checkpoint)."""
+    try:
+        target = os.stat(real)
+    except OSError:  # (not there: nothing to replace)
+        return
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if not isinstance(file, str):
+            continue
+        try:
+            found = os.stat(file)
+        except OSError:
+            continue
+        if (found.st_ino, found.st_dev) == (target.st_ino, target.st_dev):
+            raise InvalidArgumentError(
+                f"{label} {text!r} is the file of the module {name!r}, which this run imported (the code of --model "
+                "or --data, or code that imports); writing it would replace that code. Choose another path"
+                + ("; nothing was written." if done else ".")
+            )
 
 
 class Terminated(BaseException):
@@ -239,6 +264,7 @@ class OutputPlan:
                     f"{label} {text!r} is inside the input folder {other} {other_text!r} ({real}); writing it would "
                     "change (or add to) what is read. Choose a path outside that folder."
                 )
+        _refuse_imported(label, text, real)
         for other, (other_text, other_real) in self.outputs.items():
             if _same(real, other_real):
                 raise InvalidArgumentError(
@@ -271,6 +297,8 @@ class OutputPlan:
         """Yields a temporary path per output (by label); commits them all when the block succeeds."""
         temps: dict[str, Path] = {}
         created: list[Path] = []
+        for label, (text, target) in self.outputs.items():  # (the code imported since add(): a --model's helpers)
+            _refuse_imported(label, text, target, done=True)
         with _sigterm_as_exception():
             try:
                 for label, (_, target) in self.outputs.items():
