@@ -548,3 +548,42 @@ def test_a_dangling_link_to_an_image_is_named_not_skipped(tmp_path):
     assert [p.name for p in files.files] == ["0.png", "1.png", "gone.png"]
     with pytest.raises(InvalidArgumentError, match=r"cannot read image .*gone\.png"):
         list(image_batches(files, 3))
+
+
+class _SharedLayer(nn.Module):
+    """A BatchNorm registered under two names (``bn`` and ``head.0``): one tensor each in the state_dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Sequential(self.bn, nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x))
+
+
+def test_applying_statistics_to_a_checkpoint_of_a_shared_layer_writes_every_name_of_it(tmp_path) -> None:
+    """Probe 37: ``apply`` wrote a shared layer's new statistics under the name the statistics file gives it only;
+    the checkpoint's other name for it (saved once, loaded as a view of the same storage) kept the old ones, and
+    loading the written checkpoint read those last — exit 0, the model's statistics unchanged."""
+    import precisebn
+    from conftest import compute_truth, max_rel_error
+    from precisebn.checkpoint import stats_replacement
+
+    torch.manual_seed(0)
+    model = _SharedLayer()
+    sd = model.state_dict()
+    assert {"bn.running_var", "head.0.running_var"} <= set(sd)
+    torch.save(sd, tmp_path / "in.pt")
+    batches = [torch.randn(4, 3, 8, 8) * 2 + 1 for _ in range(3)]
+    truth = compute_truth(model, batches)["bn"]
+    stats = precisebn.estimate(model, batches)
+    assert list(stats) == ["bn"]
+    ckpt = load_checkpoint(tmp_path / "in.pt")
+    replace, _ = stats_replacement(ckpt, stats)
+    save_checkpoint(ckpt, replace, tmp_path / "out.pt")
+    loaded = _SharedLayer()
+    loaded.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True))
+    assert max_rel_error(loaded.bn.running_mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(loaded.bn.running_var, truth.var) < 1e-6

@@ -411,7 +411,36 @@ def stats_replacement(
         wanted = _pooled_with_checkpoint(ckpt, stats, prefix, prior).state_dict()
     if adapt != "both":
         wanted = {k: v for k, v in wanted.items() if k.rpartition(".")[2] in WRITTEN[adapt]}
-    return {prefix + k: v for k, v in wanted.items()}, prefix
+    return _with_aliases(ckpt.state_dict, {prefix + k: v for k, v in wanted.items()}), prefix
+
+
+def _with_aliases(sd: Mapping[str, Any], replace: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``replace`` with the same values under every other name of ``sd`` that holds the very tensor a replaced
+    name holds: a layer registered under two names (a shared layer, ``self.head = nn.Sequential(self.bn2)``) is
+    saved once, and loads as two views of one storage — given new values under one name only, loading the
+    written checkpoint read the other's old ones last (probe 37: ``apply`` exited 0, and the model kept them)."""
+    by_view: dict[tuple[Any, ...], list[str]] = {}
+    for name, t in sd.items():
+        key = _view_key(t)
+        if key is not None:
+            by_view.setdefault(key, []).append(name)
+    out = dict(replace)
+    for name, value in replace.items():
+        key = _view_key(sd.get(name))
+        for other in by_view.get(key, []) if key is not None else []:
+            out.setdefault(other, value)
+    return out
+
+
+def _view_key(t: Any) -> tuple[Any, ...] | None:
+    """What makes two tensors the same values in memory (``None``: not a tensor with memory of its own)."""
+    if not isinstance(t, Tensor) or t.layout != torch.strided or t.is_meta or not t.numel():
+        return None
+    try:
+        address = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (t.device, address, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype) if address else None
 
 
 def _pooled_with_checkpoint(ckpt: Checkpoint, stats: Any, prefix: str, prior: float) -> Any:
