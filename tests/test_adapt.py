@@ -338,3 +338,44 @@ def test_a_layer_reached_by_some_batches_converts_the_prior_at_its_share_of_the_
     mean, var = pooled_with_prior(prior_mean, prior_var, 16 * reached.shape[1] / 16, reached)
     assert max_rel_error(model.b.running_mean, mean) < 1e-12
     assert max_rel_error(model.b.running_var, var) < 1e-12
+
+
+@pytest.mark.parametrize("how", ["merge", "precisebn merge, then apply --prior"])
+def test_a_layer_missing_from_some_merged_inputs_converts_the_prior_at_the_others_samples(
+    tmp_path, monkeypatch, how: str
+) -> None:
+    """Probe 37: shards measured with different layer selections (A: layer '1' only, B: both), merged, then applied
+    with ``prior=8``: layer '5', missing from A, was measured on B's samples alone, but its prior was converted at
+    the merged file's samples (A's and B's) — 8·5/15 pseudo-samples instead of 8, its mean off by up to 79 % in the
+    probe. A merge keeps such a layer's own samples (saved with it), and the prior converts by them."""
+    model = net()
+    a, b = data(1, seed=1), data(2, seed=2)
+    sa = precisebn.estimate(model, a, num_samples="all", layers=["1"])
+    sb = precisebn.estimate(model, b, num_samples="all")
+    merged = sa.merge(sb)
+    assert merged.samples == 15 and merged["5"].samples == 10 and merged["1"].samples is None
+    before = {
+        n: (model.get_submodule(n).running_mean.clone(), model.get_submodule(n).running_var.clone()) for n in "15"
+    }
+    target = copy.deepcopy(model)
+    if how == "merge":
+        precisebn.apply(target, merged, prior=8)
+    else:
+        monkeypatch.chdir(tmp_path)
+        sa.save("a.safetensors")
+        sb.save("b.safetensors")
+        torch.save(model.state_dict(), "model.pt")
+        assert main(["merge", "a.safetensors", "b.safetensors", "--out", "ab.safetensors"]) == 0
+        assert precisebn.PopulationStats.load("ab.safetensors")["5"].samples == 10
+        assert main(["apply", "model.pt", "ab.safetensors", "--out", "out.pt", "--prior", "8"]) == 0
+        target.load_state_dict(torch.load("out.pt", weights_only=True))
+    inputs_a, inputs_b = layer_inputs(model, a), layer_inputs(model, b)
+    for name, x in (("1", torch.cat([inputs_a["1"], inputs_b["1"]], dim=1)), ("5", inputs_b["5"])):
+        samples = 15 if name == "1" else 10  # (the samples whose data the layer was measured on)
+        prior_mean, prior_var = before[name]
+        union = torch.cat([pseudo_values(prior_mean, prior_var, 8 * x.shape[1] // samples), x], dim=1)
+        truth_mean, truth_var = union.mean(1), union.var(1, unbiased=False)
+        layer = target.get_submodule(name)
+        scale = torch.maximum(truth_mean.abs(), truth_var.sqrt())
+        assert max_rel_error(layer.running_mean, truth_mean, scale) < 1e-12, name
+        assert max_rel_error(layer.running_var, truth_var) < 1e-12, name

@@ -125,9 +125,10 @@ def with_prior(
         if not s.reached:
             out.append((name, m, s))
             continue
-        if samples <= 0:
+        measured = samples if s.samples is None else s.samples  # (a merge of different layer selections)
+        if measured <= 0:
             problems.append(
-                f"{name!r}: the statistics record {samples} samples, so prior= (in samples) cannot be converted to "
+                f"{name!r}: the statistics record {measured} samples, so prior= (in samples) cannot be converted to "
                 "values per channel"
             )
             continue
@@ -139,6 +140,6 @@ def with_prior(
                 "without prior= first"
             )
             continue
-        mean, var = pool_with_prior(old_mean, old_var, prior_values(prior, s.count, samples), s.mean, s.var, s.count)
+        mean, var = pool_with_prior(old_mean, old_var, prior_values(prior, s.count, measured), s.mean, s.var, s.count)
         out.append((name, m, dataclasses.replace(s, mean=mean, var=var, se_mean=None, se_var=None)))
     return out, problems

@@ -7,7 +7,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -48,6 +48,10 @@ class LayerStats:
         per_forward: The most calls of the layer in one forward pass (batch); above 1
             the statistics pool all its calls (``estimate(..., per_call=True)`` gives
             one entry per call instead, ``"<layer>.calls.<i>"``, each with 1 here).
+        samples: The samples of the data this layer was measured on, where that is not all of the
+            statistics' ``samples``: a merge of statistics that selected different layers
+            (:meth:`PopulationStats.merge`) measured a layer missing from some inputs on the others' samples
+            only. ``None``: all of them. (What ``prior=`` converts to values per channel by.)
     """
 
     mean: Tensor
@@ -59,6 +63,7 @@ class LayerStats:
     se_mean: Tensor | None = None
     se_var: Tensor | None = None
     per_forward: int = 1
+    samples: int | None = None
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
@@ -142,6 +147,7 @@ class PopulationStats(Mapping[str, LayerStats]):
                 None if v.se_mean is None else v.se_mean.to(device),
                 None if v.se_var is None else v.se_var.to(device),
                 v.per_forward,
+                v.samples,
             )
             for k, v in self.layers.items()
         }
@@ -159,7 +165,9 @@ class PopulationStats(Mapping[str, LayerStats]):
         variance are pooled in float64 with the between-group term (Chan's merge: the
         pooled mean first, then ``Σ M2ᵢ + Σ nᵢ·(μᵢ − μ)²``), whatever the order of the
         inputs up to float64 rounding. A layer present (or reached) in only some inputs
-        keeps what those measured. ``samples``, ``batches``, ``seconds`` and
+        keeps what those measured; one missing from some (selected otherwise there) keeps the
+        samples of those that hold it (:attr:`LayerStats.samples`, what ``prior=`` converts
+        by). ``samples``, ``batches``, ``seconds`` and
         ``world_size`` (the processes whose statistics are merged) add. Merging data with
         itself counts it twice. Standard errors are not merged (``None``: measure the
         union at once for those). The inputs are not changed; the result is on the CPU.
@@ -241,6 +249,15 @@ class PopulationStats(Mapping[str, LayerStats]):
                 "all, or for none), on data that calls the layer as often per forward."
             )
         merged = {name: _merge_layer(name, parts) for name, parts in layers.items()}
+        total = sum(s.samples for s in inputs)
+        for name in merged:  # (a layer missing from some inputs: measured on the others' samples only)
+            held = sum(
+                s.samples if s.layers[name].samples is None else s.layers[name].samples
+                for s in inputs
+                if name in s.layers
+            )
+            if held != total:
+                merged[name] = replace(merged[name], samples=held)
         versions = inputs[0].versions if all(s.versions == inputs[0].versions for s in inputs) else None
         return PopulationStats(
             merged,
@@ -267,6 +284,7 @@ class PopulationStats(Mapping[str, LayerStats]):
                     "type": v.layer_type,
                     "path": v.path,
                     "per_forward": v.per_forward,
+                    **({} if v.samples is None else {"samples": v.samples}),
                 }
                 for k, v in self.layers.items()
             },
@@ -384,6 +402,7 @@ class PopulationStats(Mapping[str, LayerStats]):
                         f.get_tensor(f"{name}.se_mean") if f"{name}.se_mean" in keys else None,
                         f.get_tensor(f"{name}.se_var") if f"{name}.se_var" in keys else None,
                         _whole(info.get("per_forward", _per_forward(int(info["calls"]), batches)), "per_forward"),
+                        None if info.get("samples") is None else _whole(info["samples"], f"layer {name!r}'s samples"),
                     )
                     for name, info in header["layers"].items()
                 }
