@@ -7,6 +7,7 @@ estimates on the union, and float64 statistics of the concatenated layer inputs
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import itertools
@@ -144,6 +145,12 @@ def test_mismatches_are_refused() -> None:
         a.merge(b, a)
     with pytest.raises(InvalidArgumentError, match="inputs 1 and 2 are the same statistics object"):
         a.merge(b, b)
+    # probe 37: equal statistics that are not the same object (a copied file, a deep copy) merged, counted twice
+    with pytest.raises(InvalidArgumentError, match="inputs 0 and 2 hold the same statistics"):
+        a.merge(b, copy.deepcopy(a))
+    with pytest.raises(InvalidArgumentError, match="inputs 0 and 1 hold the same statistics"):
+        a.merge(dataclasses.replace(a, seconds=a.seconds + 1, versions={"precisebn": "0.0.1"}))
+    assert a.merge(dataclasses.replace(a, samples=a.samples + 1)).samples == 2 * a.samples + 1  # (not the same)
     twice = lambda m, x: m[5](m[:5](x)) + m[5](m[:5](x) * 2)  # noqa: E731
     pooled = precisebn.estimate(model, data[:2], forward=twice, capture="float64")
     per_call = precisebn.estimate(model, data[2:], forward=twice, capture="float64", per_call=True)
@@ -185,6 +192,9 @@ def test_cli_merge(tmp_path, monkeypatch, capsys) -> None:
     for why, (args, message) in refused.items():
         assert main(["merge", *args]) == 2, why
         assert message.replace("\\", "") in capsys.readouterr().err, why
+    (tmp_path / "s0-copy.safetensors").write_bytes((tmp_path / "s0.safetensors").read_bytes())  # (probe 37)
+    assert main(["merge", "s0.safetensors", "s1.safetensors", "s0-copy.safetensors", "--out", "x.safetensors"]) == 1
+    assert "inputs 0 and 2 hold the same statistics" in capsys.readouterr().err
     assert main(["merge", "s0.safetensors", "missing.safetensors", "--out", "x.safetensors"]) == 1
     assert "does not exist" in capsys.readouterr().err
     other = nn.Sequential(nn.BatchNorm1d(5)).to(F64)

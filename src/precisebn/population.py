@@ -174,7 +174,7 @@ class PopulationStats(Mapping[str, LayerStats]):
 
         Raises:
             InvalidArgumentError: An input is not a ``PopulationStats``, or one object is given
-                twice (its data would count twice).
+                twice, or two equal ones (a copied file): its data would count twice.
             StatsMismatchError: A layer has different channel counts or layer types in
                 two inputs, is pooled over its calls in one and per call in another, or the
                 inputs were measured in different modes.
@@ -202,6 +202,15 @@ class PopulationStats(Mapping[str, LayerStats]):
                     f"PopulationStats.merge: inputs {twice} and {i} are the same statistics object; merging data "
                     "with itself counts it twice (the counts and samples double, the standard errors shrink). "
                     "Merge statistics of disjoint data, each once."
+                )
+        for i, other in enumerate(inputs):  # (equal values, not the same object: a copied file, probe 37)
+            twice = next((j for j in range(i) if equal_fields(inputs[j], other, but=("seconds", "versions"))), None)
+            if twice is not None:
+                raise InvalidArgumentError(
+                    f"PopulationStats.merge: inputs {twice} and {i} hold the same statistics (every layer's counts, "
+                    "means and variances, and the samples and batches): the same measurement twice — a copied "
+                    "file, a shard saved under two names — whose data would count twice. Merge statistics of "
+                    "disjoint data, each once."
                 )
         modes = sorted({s.mode for s in inputs})
         if len(modes) > 1:
