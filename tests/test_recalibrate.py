@@ -426,6 +426,27 @@ def test_apply_rejects_statistics_of_another_model() -> None:
     assert_unchanged(other, before)
 
 
+def test_apply_refuses_batchnorm_statistics_for_an_instancenorm_and_reports_the_models_types() -> None:
+    """Probe 37: BatchNorm2d statistics went into an InstanceNorm2d of the same name and channels unrefused (merge
+    refuses the pair: an InstanceNorm's running variance is the mean of each sample's variance), and the report
+    called the layer written a BatchNorm2d. Statistics of a SyncBatchNorm go into a BatchNorm2d, reported as such."""
+    net = small_net()
+    stats = precisebn.estimate(net, images())
+    other = copy.deepcopy(net)
+    other[1] = nn.InstanceNorm2d(net[1].num_features, track_running_stats=True)
+    before = state_snapshot(other)
+    with pytest.raises(
+        StatsMismatchError, match=r"'1' \(InstanceNorm2d\) was given statistics measured on a BatchNorm2d"
+    ):
+        precisebn.apply(other, stats)
+    assert_unchanged(other, before)
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(net))
+    truth = compute_truth(net, images())["1"]
+    report = precisebn.apply(net, precisebn.estimate(synced, images()))
+    assert report["1"].layer_type == "BatchNorm2d"
+    assert max_rel_error(net[1].running_var, truth.var) < 1e-6
+
+
 # -- running statistics that share memory ------------------------------------------------------
 
 

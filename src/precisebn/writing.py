@@ -77,6 +77,11 @@ def _misfit(t: object, shape: tuple[int, ...]) -> str | None:
     return "is on the meta device (it holds no values)" if t.is_meta else None
 
 
+def _instance(type_name: str, module: nn.Module | None = None) -> bool:
+    """Whether a layer (by its class name, or the module) normalises each sample apart (InstanceNorm)."""
+    return "InstanceNorm" in type_name or isinstance(module, nn.modules.instancenorm._InstanceNorm)
+
+
 def plan_writes(
     model: nn.Module,
     stats: PopulationStats,
@@ -107,6 +112,12 @@ def plan_writes(
             )
         elif not has_running_stats(m):
             problems.append(f"{name!r} ({type(m).__name__}) has no running statistics")
+        elif _instance(type(m).__name__, m) != _instance(s.layer_type):
+            problems.append(
+                f"{name!r} ({type(m).__name__}) was given statistics measured on a {s.layer_type}: an InstanceNorm's "
+                "running variance is the mean of each sample's variance, a BatchNorm's the variance of all values "
+                "(merge refuses such a pair as well)"
+            )
         elif (running_mean := m.running_mean).is_meta:
             problems.append(f"{name!r} is on the meta device (not materialised: nothing to write to)")
         else:
@@ -174,7 +185,7 @@ def plan_writes(
     rows = [
         LayerReport(
             name,
-            s.layer_type,
+            type(m).__name__,  # (the layer written: statistics measured on a SyncBatchNorm may go into a BatchNorm2d)
             int(rm.shape[0]),
             s.count,
             s.calls,
