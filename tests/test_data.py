@@ -327,6 +327,7 @@ def test_a_copy_of_the_model_made_during_the_passes_is_a_model_of_its_own(how: s
         else:
             saved = io.BytesIO()
             torch.save(m, saved)
+            assert b"precisebn" not in saved.getvalue()  # (probe 37: it loaded only where precisebn is installed)
             teacher = torch.load(io.BytesIO(saved.getvalue()), weights_only=False)
         copies.append(teacher)
         with torch.no_grad():

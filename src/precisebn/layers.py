@@ -15,6 +15,7 @@ import functools
 import itertools
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -804,8 +805,11 @@ class _Routed:
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return copy.deepcopy(self.forward, memo)  # (a bound method: the copy's own, bound to the copy)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _itself, (self.forward,)
+    def __reduce__(self) -> Any:
+        forward = self.forward
+        if isinstance(forward, types.MethodType):  # (the class's forward, bound: loads without precisebn)
+            return getattr, (forward.__self__, forward.__name__)
+        return _itself, (forward,)  # (a forward of the instance's own: as it would pickle without precisebn)
 
 
 def _itself(x: Any) -> Any:
