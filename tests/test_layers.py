@@ -496,3 +496,28 @@ def test_a_predicate_that_does_not_fit_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match="the predicate's own") as raised:
         precisebn.estimate(model, data, layers=own_error)
     assert not isinstance(raised.value, InvalidArgumentError)
+
+
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+def test_tracing_the_model_during_the_passes_is_refused(capture: str) -> None:
+    """Probe 37: torch.jit.trace(model, x, check_trace=False) in forward recorded precisebn's bookkeeping into the
+    traced module the user kept (and the layers in training mode, momentum 1), and its count came back a tensor,
+    which stats.save() could not write. Refused by name; the model is left as it was."""
+    import precisebn
+    from conftest import assert_unchanged, state_snapshot
+    from precisebn.errors import UnsupportedLayerError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    batches = [torch.randn(2, 3, 8, 8) for _ in range(3)]
+    kept = []
+
+    def forward(m: nn.Module, x: torch.Tensor) -> None:
+        if not kept:
+            kept.append(torch.jit.trace(m, x, check_trace=False))
+        m(x)
+
+    before = state_snapshot(model)
+    with pytest.raises(UnsupportedLayerError, match=r"layer '1' \(BatchNorm2d\) was called by torch.jit.trace"):
+        precisebn.estimate(model, batches, forward=forward, capture=capture)
+    assert_unchanged(model, before)

@@ -273,6 +273,15 @@ class Collector:
             "own thread. The model was left unchanged."
         )
 
+    def _traced(self, i: int) -> UnsupportedLayerError:
+        layer = self.layers[i]
+        return UnsupportedLayerError(
+            f"layer {layer.name!r} ({layer.type_name}) was called by torch.jit.trace during the passes: the trace "
+            "would record precisebn's bookkeeping with the layer, and the layers as the passes hold them (in "
+            "training mode, momentum 1, precisebn's own buffers), and the traced module would run them ever "
+            "after. Trace the model before or after the recalibration. The model was left unchanged."
+        )
+
     def _unseen(self, i: int) -> UnsupportedLayerError:
         """Layer ``i`` normalised with its running buffers out of precisebn's sight (see
         :meth:`~precisebn.layercall.LayerCall._unseen`)."""

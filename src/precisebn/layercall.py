@@ -264,11 +264,14 @@ class LayerCall:
 
     def __call__(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         c, i = self.c, self.i
-        if not c.in_forward or get_ident() != c.thread:  # (before anything is counted: called by the data)
+        if not c.in_forward or get_ident() != c.thread or _is_tracing():  # (before anything is counted)
             if c.pid != os.getpid():  # a loader's worker process, forked with the wrappers on: its own copy, left
                 return forward(*args, **kwargs)  # to the model's own forward, in whatever mode (probe 35a)
-            # between forwards, or in another thread than the passes' (a data thread's, while forward runs)
-            c._refused = c._outside_forward(i) if not c.in_forward else c._other_thread(i)
+            # between forwards, in another thread than the passes' (a data thread's, while forward runs), or traced
+            if not c.in_forward:
+                c._refused = c._outside_forward(i)
+            else:
+                c._refused = c._other_thread(i) if get_ident() != c.thread else c._traced(i)
             raise c._refused  # (raised again at the end of the batch: a thread of the data's, or code that catches
             # it, would leave the pass to go on)
         path = c.paths[i]
@@ -484,6 +487,8 @@ def verified_size(n: int, layout: int, device: torch.device) -> int:
 
 
 REDUCED = (torch.float16, torch.bfloat16)
+
+_is_tracing = torch._C._is_tracing  # (torch.jit.is_tracing() without its Python frames: every call asks)
 
 
 def reach(score: float, tolerance: float) -> float:
