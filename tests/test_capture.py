@@ -325,6 +325,33 @@ def test_a_layer_switched_to_eval_during_the_passes_is_refused_by_name(at: int) 
     assert model.bn.training  # the flags the model had are back
 
 
+@pytest.mark.parametrize("mode", ["norm", "train"])
+@pytest.mark.parametrize("at", [1, 3], ids=["verifying batch", "fast path"])
+def test_a_model_put_in_training_mode_during_the_passes_is_refused_by_name(at: int, mode: str) -> None:
+    """Probe 37: model.train() in forward was not refused (model.eval() is, by the layer it switches): the
+    dropout and the normalization layer left out ran as in training, and the selected layer measured other
+    inputs than its mode gives (0.59 σ and 3.5 times off in the probe), reported "updated"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.Dropout(0.5), nn.Linear(3, 3), nn.BatchNorm1d(3))
+    batches = [torch.randn(8, 3) * 2 + 1 for _ in range(5)]
+    calls = []
+
+    def forward(m: nn.Module, x: torch.Tensor) -> None:
+        calls.append(x)
+        if len(calls) == at:
+            m.train()
+        m(x)
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = [m.training for m in model.modules()]
+    with pytest.raises(
+        InvalidArgumentError, match=r"module '(\(the model\)|0)' \((Sequential|BatchNorm1d)\) was put in training"
+    ):
+        precisebn.recalibrate(model, batches, layers=["3"], mode=mode, forward=forward)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert [m.training for m in model.modules()] == flags
+
+
 class TakesADict(nn.BatchNorm1d):
     def forward(self, inputs: dict) -> torch.Tensor:  # type: ignore[override]
         return super().forward(inputs["x"])

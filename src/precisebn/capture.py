@@ -68,6 +68,7 @@ of per-layer counts (usually one or two per run), kept in a small cache.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import threading
 from typing import Any
@@ -84,6 +85,8 @@ from .state import version_of
 from .stats import RunningMoments, fold_errors, fold_errors_from_sums, merge_counted
 from .trial import Trial, fitting
 from .watch import TOLERANCE, discrepancies, moments_of
+
+_TRAINING = operator.attrgetter("training")
 
 logger = logging.getLogger("precisebn")
 
@@ -215,6 +218,8 @@ class Collector:
             _kernels_bump_versions(b.device) for b in self._scratch_buffers
         )
         self._seen = self._version()
+        self._evaluating = state.evaluating  # (see end_batch)
+        self._names = state.names
         self._stack: list[int] = []  # layers whose call is running (a call may run inside another's)
         self._last = -1  # the layer whose call returned last
 
@@ -271,6 +276,18 @@ class Collector:
             "it were the batch's, and calls from two threads at once would mix in its bookkeeping. Have the "
             "other thread run another copy of the model (copy.deepcopy(model)), or run the model in forward's "
             "own thread. The model was left unchanged."
+        )
+
+    def _put_in_training_mode(self) -> InvalidArgumentError:
+        m = next(m for m in self._evaluating if m.training)
+        name = self._names.get(id(m), "?") or "(the model)"
+        return InvalidArgumentError(
+            f"module {name!r} ({type(m).__name__}) was put in training mode during the passes (model.train() "
+            "called by the model or forward=), so that it ran as in training — dropout active, normalization layers "
+            "left out normalising with batch statistics — and the selected layers measured other inputs than the "
+            "mode precisebn ran them in gives. Do not call model.train()/model.eval() inside forward; to measure with "
+            "the model in training mode pass mode='train', or mode='keep' (the flags as they are). The model was "
+            "left unchanged."
         )
 
     def _traced(self, i: int) -> UnsupportedLayerError:
@@ -571,6 +588,8 @@ class Collector:
             self._entered(self._last, nested=False)  # (as if the next call started: after the last one)
         if self.per_call:
             self._check_calls_per_batch()
+        if any(map(_TRAINING, self._evaluating)):  # (model.train() in forward: every module ran in training mode)
+            raise self._put_in_training_mode()
         self._in_batch = [0] * len(self.layers)
         if self._spots:
             self._run_spot_checks()

@@ -485,6 +485,10 @@ class RecalibrationState:
     originals: ValueCopies | None = None  # the values of the buffers swapped out
     owners: list[tuple[int, str]] = field(default_factory=list)  # (layer, buffer name) of each of them
     _wrapped: list[tuple[nn.Module, object]] = field(default_factory=list)
+    # the modules the mode put in eval mode (the passes check after every batch that none was put in training
+    # mode: model.train() in forward, probe 37), and every module's name by id (for the message)
+    evaluating: list[nn.Module] = field(default_factory=list)
+    names: dict[int, str] = field(default_factory=dict)
 
     def refuse_written_elsewhere(self) -> None:
         """Raises :class:`~precisebn.errors.UnsupportedLayerError` if a selected layer's own ``running_mean``/
@@ -681,7 +685,8 @@ def recalibration_state(
                 m._buffers["num_batches_tracked"] = counter
             counters.append(counter)
             _set_attribute(m, "momentum", 1.0)
-        _set_modes(mods, {id(m) for m in norms}, mode)
+        state.evaluating = _set_modes(mods, {id(m) for m in norms}, mode)
+        state.names = {id(m): name for name, m in modules}
         yield state
 
 
@@ -720,18 +725,24 @@ def _compiled_code_runs_eagerly() -> Iterator[None]:
                 _eager_stance = None
 
 
-def _set_modes(modules: list[nn.Module], selected: set[int], mode: Mode) -> None:
+def _set_modes(modules: list[nn.Module], selected: set[int], mode: Mode) -> list[nn.Module]:
+    """Sets the modules' flags for ``mode``; returns those set to eval mode."""
     # Flags are assigned directly rather than through Module.train(), which models
     # may override with side effects (freezing, re-initialising...).
     if mode == "keep":
-        return
+        return []
+    evaluating = []
     for m in modules:
         if id(m) in selected or mode == "all":
             _set_flag(m, True)
         elif isinstance(m, _NormBase) and m.track_running_stats:
             _set_flag(m, False)
+            evaluating.append(m)
         else:
             _set_flag(m, mode == "train")
+            if mode != "train":
+                evaluating.append(m)
+    return evaluating
 
 
 def _set_flag(m: nn.Module, training: bool) -> None:
