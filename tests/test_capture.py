@@ -512,3 +512,31 @@ def test_estimate_inside_a_torch_dispatch_mode_is_exact(mode: str) -> None:
         assert stats[name].path == "fast"
         assert max_rel_error(stats[name].mean, truth[name].mean, truth[name].var.sqrt()) <= 1e-5
         assert max_rel_error(stats[name].var, truth[name].var) <= 1e-5
+
+
+class WarmedUp(nn.BatchNorm2d):
+    """Scales its output by a factor that its ``num_batches_tracked`` warms up (as Batch Renormalization's r_max and
+    d_max do): 1 at step 0, 3 once trained."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        warm = float(self.num_batches_tracked.clamp(max=1000)) / 1000
+        return super().forward(x) * (1 + 2 * warm)
+
+
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+def test_a_forward_reading_its_num_batches_tracked_reads_the_models_count(capture: str) -> None:
+    """Probe 37: during the passes a layer's num_batches_tracked read 0 (precisebn's counter, reset every batch), so
+    a layer whose forward depends on it ran as at step 0: the next layer was 0.64 σ and 87 % off in the probe,
+    reported "updated". It reads the model's own count (and the calls of the batch so far, as in training)."""
+    from conftest import compute_truth, max_rel_error
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), WarmedUp(4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+    model[1].num_batches_tracked.fill_(100_000)
+    before = model[1].num_batches_tracked.clone()
+    batches = [torch.randn(4, 3, 8, 8) + 1 for _ in range(4)]
+    truth = compute_truth(model, batches)["3"]
+    stats = precisebn.estimate(model, batches, capture=capture)["3"]
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(stats.var, truth.var) < 1e-6
+    assert torch.equal(model[1].num_batches_tracked, before)

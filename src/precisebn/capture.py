@@ -148,6 +148,7 @@ class Collector:
         # that was done, and per layer the increments of calls that raised (each counter's version is then
         # calls + resets + those); with the buffer dicts they are put back in (a forward may replace them)
         self._counter_list = [t for t in self._counters if t is not None]
+        self._counter_starts = [t.clone() for t in self._counter_list]  # (the layers' own counts: see end_batch)
         self._counter_homes = [
             (layer.module._buffers, t) for layer, t in zip(self.layers, self._counters) if t is not None
         ]
@@ -607,7 +608,7 @@ class Collector:
         if self._counter_list:  # each batch shows a layer the counts the verified one did (a forward may use them)
             first = self._counter_list[0]
             before = first._version
-            torch._foreach_zero_(self._counter_list)
+            torch._foreach_copy_(self._counter_list, self._counter_starts)  # (the layers' own counts again)
             # (what a reset adds to each counter's version: 1, but 0 under a TorchDispatchMode, where the foreach
             # kernel bumps none — counted as 1, every layer was refused as never computing batch statistics)
             self._resets += first._version - before

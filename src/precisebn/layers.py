@@ -680,7 +680,9 @@ def recalibration_state(
             m._buffers["running_mean"] = mean_view
             m._buffers["running_var"] = var_view
             tracked = m._buffers.get("num_batches_tracked")
-            counter = torch.zeros_like(tracked) if isinstance(tracked, Tensor) else None
+            # (from the layer's own count, as every batch starts: a forward reading it — Batch Renormalization's
+            # warm-up — runs as the model does; from 0 it ran as at step 0, probe 37)
+            counter = tracked.detach().clone() if isinstance(tracked, Tensor) else None
             if counter is not None:
                 m._buffers["num_batches_tracked"] = counter
             counters.append(counter)
