@@ -149,6 +149,11 @@ class Collector:
         # calls + resets + those); with the buffer dicts they are put back in (a forward may replace them)
         self._counter_list = [t for t in self._counters if t is not None]
         self._counter_starts = [t.clone() for t in self._counter_list]  # (the layers' own counts: see end_batch)
+        # what the counters counted, by value, over the batches (on their devices: read in finish), and where each
+        # layer's counter is in the list: on the float64 path, torch's own forward counts each call once, so more
+        # counts are calls that went around precisebn's wrapper (see finish)
+        self._counted = [torch.zeros_like(t) for t in self._counter_list]
+        self._counter_at = {i: k for k, i in enumerate(i for i, t in enumerate(self._counters) if t is not None)}
         self._counter_homes = [
             (layer.module._buffers, t) for layer, t in zip(self.layers, self._counters) if t is not None
         ]
@@ -608,6 +613,7 @@ class Collector:
         if self._counter_list:  # each batch shows a layer the counts the verified one did (a forward may use them)
             first = self._counter_list[0]
             before = first._version
+            torch._foreach_add_(self._counted, torch._foreach_sub(self._counter_list, self._counter_starts))
             torch._foreach_copy_(self._counter_list, self._counter_starts)  # (the layers' own counts again)
             # (what a reset adds to each counter's version: 1, but 0 under a TorchDispatchMode, where the foreach
             # kernel bumps none — counted as 1, every layer was refused as never computing batch statistics)
@@ -855,6 +861,25 @@ class Collector:
         """
         if self._refused is not None:  # (a call refused after the last batch: while the data ran out)
             raise self._refused
+        unseen = [  # (float64 path, torch's own forward: each call it made counts one)
+            i
+            for i, path in enumerate(self.paths)
+            if path == "float64" and self._calls[i].own_forward and i in self._counter_at
+        ]
+        if unseen:
+            counted = torch.stack([self._counted[self._counter_at[i]].reshape(()) for i in unseen]).tolist()
+            for i, n in zip(unseen, counted):
+                if n - self._lost[i] > self.calls[i]:
+                    layer = self.layers[i]
+                    raise UnsupportedLayerError(
+                        f"layer {layer.name!r} ({layer.type_name}) ran {n - self._lost[i] - self.calls[i]} times "
+                        "around precisebn's wrapper of its forward, which saw and measured "
+                        f"{self.calls[i]} calls (its num_batches_tracked counted {n - self._lost[i]}): the model's "
+                        "modules had their forward attribute removed during the passes, or a copy sharing their "
+                        "buffers ran, so that what those calls normalised was not measured (probe 37). Run the model "
+                        "itself in forward=, and leave its modules' forward attributes alone during the passes. The "
+                        "model was left unchanged."
+                    )
         for i, layer in enumerate(self.layers):
             counter = self._counters[i]
             if not self._checked_calls[i] or counter is None:
@@ -864,10 +889,12 @@ class Collector:
                 raise UnsupportedLayerError(
                     f"layer {layer.name!r} ({layer.type_name}): its num_batches_tracked, which torch's BatchNorm "
                     f"forward increments once per call that computes batch statistics, changed {computed} times in "
-                    f"{self.calls[i]} calls: its forward (or a hook) also writes the counter (e.g. "
-                    "reset_running_stats()), so precisebn cannot tell from it that every call left figures to read. "
-                    "Pass capture='float64' (every layer measured in float64 as it is called), or exclude the layer "
-                    "with layers=. The model was left unchanged."
+                    f"the {self.calls[i]} calls precisebn saw: its forward (or a hook) also writes the counter (e.g. "
+                    "reset_running_stats()), so precisebn cannot tell from it that every call left figures to read — "
+                    "pass capture='float64' (every layer measured in float64 as it is called), or exclude the layer "
+                    "with layers= — or calls of it went around precisebn's wrapper of its forward (its forward "
+                    "attribute removed during the passes), and what they normalised was not measured: run the model "
+                    "itself in forward=. The model was left unchanged."
                 )
             if computed != self.calls[i]:
                 raise UnsupportedLayerError(
