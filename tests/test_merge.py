@@ -302,3 +302,13 @@ def test_layers_in_a_container_named_calls_merge_whatever_each_input_holds() -> 
         x = torch.cat(data)
         want = dataclasses.replace(merged[name], mean=x.mean(0), var=x.var(0, unbiased=False))
         assert_close_stats(merged[name], want)
+
+
+def test_merged_statistics_keep_what_produced_each_input() -> None:
+    """Probe 37: inputs written by other versions merged into statistics stamped with this version's."""
+    model, data = net(), batches()
+    a, b = measure(model, data[:2]), measure(model, data[2:])
+    b = dataclasses.replace(b, versions={"precisebn": "0.0.9", "torch": a.versions["torch"]})
+    merged = a.merge(b)
+    assert merged.versions == {"precisebn": f"{a.versions['precisebn']} + 0.0.9", "torch": a.versions["torch"]}
+    assert a.merge(measure(model, data[2:])).versions == a.versions

@@ -267,7 +267,10 @@ class PopulationStats(Mapping[str, LayerStats]):
             )
             if held != total:
                 merged[name] = replace(merged[name], samples=held)
-        versions = inputs[0].versions if all(s.versions == inputs[0].versions for s in inputs) else None
+        # what produced the inputs: per package, its version where they agree, else each of them (probe 37: this
+        # version's stamp replaced theirs)
+        keys = sorted({k for s in inputs for k in s.versions})
+        versions = {k: " + ".join(dict.fromkeys(s.versions.get(k, "?") for s in inputs)) for k in keys}
         return PopulationStats(
             merged,
             sum(s.samples for s in inputs),
@@ -275,7 +278,7 @@ class PopulationStats(Mapping[str, LayerStats]):
             self.mode,
             sum(s.seconds for s in inputs),
             sum(s.world_size for s in inputs),
-            *([dict(versions)] if versions is not None else []),
+            versions,
         )
 
     def _header(self) -> dict[str, object]:
