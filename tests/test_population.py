@@ -85,9 +85,12 @@ def test_load_rejects_other_files(tmp_path) -> None:
 
 
 def _damaged(tmp_path, tensors=None, **header_changes):
-    """A saved statistics file with its tensors or header edited by hand."""
+    """A saved statistics file with its tensors or header edited by hand — its checksum written again, as an editor
+    who knows the format would (else the checksum refuses it first: see the test after the next)."""
     from safetensors import safe_open
     from safetensors.torch import save
+
+    from precisebn.population import _digest
 
     good = tmp_path / "good.safetensors"
     precisebn.estimate(net(), batches(), forward=forward).save(good)
@@ -101,7 +104,8 @@ def _damaged(tmp_path, tensors=None, **header_changes):
             header[key] = value
     content.update(tensors or {})
     bad = tmp_path / "bad.safetensors"
-    bad.write_bytes(save(content, metadata={**metadata, "precisebn": json.dumps(header)}))
+    text = json.dumps(header)
+    bad.write_bytes(save(content, metadata={**metadata, "precisebn": text, "sha256": _digest(text, content)}))
     return bad
 
 
@@ -130,6 +134,41 @@ def test_a_damaged_file_is_refused_by_name(tmp_path, case) -> None:
     with pytest.raises((StatsMismatchError, InvalidArgumentError), match=phrase) as raised:
         precisebn.PopulationStats.load(bad)
     assert str(bad) in str(raised.value)
+
+
+@pytest.mark.parametrize("damage", ["a flipped bit", "a layer taken out of the header", "no checksum"])
+def test_a_file_that_does_not_match_its_checksum_is_refused(tmp_path, damage: str) -> None:
+    """Probe 37: of 200 single-bit flips in a statistics file's values, 196 loaded silently (wrong statistics,
+    applied), and a layer taken out of the header loaded one layer short. The file carries the sha256 of its
+    header and tensors, checked on load; a file without one (written before) loads as before."""
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    stats = precisebn.estimate(net(), batches(), forward=forward)
+    good = tmp_path / "good.safetensors"
+    stats.save(good)
+    assert precisebn.PopulationStats.load(good) == stats
+    with safe_open(str(good), "pt") as f:
+        metadata, content = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    bad = tmp_path / "bad.safetensors"
+    if damage == "a flipped bit":
+        raw = bytearray(good.read_bytes())
+        at = raw.index(content["1.var"][2].numpy().tobytes())  # (a value of layer '1''s variance)
+        raw[at + 3] ^= 0x10
+        bad.write_bytes(bytes(raw))
+        with safe_open(str(bad), "pt") as f:
+            assert not torch.equal(f.get_tensor("1.var"), content["1.var"])  # (the flip is in the values)
+    elif damage == "a layer taken out of the header":
+        header = json.loads(metadata["precisebn"])
+        del header["layers"][next(iter(header["layers"]))]
+        bad.write_bytes(save(content, metadata={**metadata, "precisebn": json.dumps(header)}))
+    else:
+        del metadata["sha256"]
+        bad.write_bytes(save(content, metadata=metadata))
+        assert precisebn.PopulationStats.load(bad) == stats
+        return
+    with pytest.raises(StatsMismatchError, match="do not match the checksum written with them"):
+        precisebn.PopulationStats.load(bad)
 
 
 def test_merged_statistics_of_both_paths_load_again(tmp_path) -> None:
@@ -210,6 +249,9 @@ def test_load_refuses_mean_and_var_that_do_not_pair(tmp_path, mean, var) -> None
         metadata = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     tensors["1.mean"], tensors["1.var"] = mean.double(), var.double()
+    from precisebn.population import _digest  # (the checksum written again: the pairing check is tested)
+
+    metadata["sha256"] = _digest(metadata["precisebn"], tensors)
     save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=metadata)
     with pytest.raises(StatsMismatchError, match=r"layer '1' of .*bad\.safetensors"):
         precisebn.PopulationStats.load(tmp_path / "bad.safetensors")
