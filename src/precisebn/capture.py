@@ -149,6 +149,8 @@ class Collector:
         # calls + resets + those); with the buffer dicts they are put back in (a forward may replace them)
         self._counter_list = [t for t in self._counters if t is not None]
         self._counter_starts = [t.clone() for t in self._counter_list]  # (the layers' own counts: see end_batch)
+        # each counter's version now (0, but 1 for a clone of an inference tensor: a model built in inference mode)
+        self._born = [0 if t is None else t._version for t in self._counters]
         # what the counters counted, by value, over the batches (on their devices: read in finish), and where each
         # layer's counter is in the list: on the float64 path, torch's own forward counts each call once, so more
         # counts are calls that went around precisebn's wrapper (see finish)
@@ -884,7 +886,7 @@ class Collector:
             counter = self._counters[i]
             if not self._checked_calls[i] or counter is None:
                 continue
-            computed = counter._version - self._resets - self._lost[i]  # increments by calls that returned
+            computed = counter._version - self._born[i] - self._resets - self._lost[i]  # by calls that returned
             if computed > self.calls[i]:  # (its forward wrote the counter besides torch's increments)
                 raise UnsupportedLayerError(
                     f"layer {layer.name!r} ({layer.type_name}): its num_batches_tracked, which torch's BatchNorm "
