@@ -12,6 +12,15 @@ from precisebn.data import batch_size, default_forward, model_device, to_device
 from precisebn.errors import BatchTypeError
 
 
+def _assert_exact(stats, truth) -> None:
+    """A layer's statistics against the float64 truth of its inputs (conftest.compute_truth)."""
+    from conftest import max_rel_error
+
+    assert stats.count == truth.count
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(stats.var, truth.var) < 1e-6
+
+
 def test_batch_size() -> None:
     x = torch.zeros(7, 3)
     assert batch_size(x) == 7
@@ -233,7 +242,7 @@ def test_model_calls_in_a_loaders_worker_processes_are_not_refused() -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     import precisebn
-    from conftest import compute_truth, max_rel_error
+    from conftest import compute_truth
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6))
@@ -248,9 +257,7 @@ def test_model_calls_in_a_loaders_worker_processes_are_not_refused() -> None:
     )
     truth = compute_truth(model, [images[k : k + 8] for k in range(0, 24, 8)])["1"]
     stats = precisebn.estimate(model, loader, num_batches=3)["1"]
-    assert stats.count == truth.count
-    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
-    assert max_rel_error(stats.var, truth.var) < 1e-6
+    _assert_exact(stats, truth)
 
 
 class _Scoring:
@@ -279,7 +286,7 @@ def test_model_calls_in_a_loaders_spawned_worker_processes_are_not_refused() -> 
     from torch.utils.data import DataLoader, TensorDataset
 
     import precisebn
-    from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
+    from conftest import assert_unchanged, compute_truth, state_snapshot
     from precisebn.errors import ModelChangedWarning
 
     torch.manual_seed(0)
@@ -298,9 +305,7 @@ def test_model_calls_in_a_loaders_spawned_worker_processes_are_not_refused() -> 
         warnings.simplefilter("error", ModelChangedWarning)
         stats = precisebn.estimate(model, loader, num_batches=3)["1"]
     assert_unchanged(model, before)
-    assert stats.count == truth.count
-    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
-    assert max_rel_error(stats.var, truth.var) < 1e-6
+    _assert_exact(stats, truth)
 
 
 @pytest.mark.parametrize("how", ["copy.deepcopy", "torch.save"])
@@ -313,7 +318,7 @@ def test_a_copy_of_the_model_made_during_the_passes_is_a_model_of_its_own(how: s
     import io
 
     import precisebn
-    from conftest import compute_truth, max_rel_error
+    from conftest import compute_truth
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
@@ -336,9 +341,7 @@ def test_a_copy_of_the_model_made_during_the_passes_is_a_model_of_its_own(how: s
 
     truth = compute_truth(model, batches)["1"]
     stats = precisebn.estimate(model, batches, forward=forward)["1"]
-    assert stats.count == truth.count
-    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
-    assert max_rel_error(stats.var, truth.var) < 1e-6
+    _assert_exact(stats, truth)
     teacher = copies[0].eval()
     x = torch.randn(2, 3, 8, 8)
     with torch.no_grad():
@@ -442,7 +445,7 @@ def test_another_thread_running_a_copy_during_forward_leaves_the_statistics_exac
     import threading
 
     import precisebn
-    from conftest import compute_truth, max_rel_error
+    from conftest import compute_truth
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
@@ -458,6 +461,4 @@ def test_another_thread_running_a_copy_during_forward_leaves_the_statistics_exac
 
     truth = compute_truth(model, batches)["1"]
     stats = precisebn.estimate(model, batches, forward=forward)["1"]
-    assert stats.count == truth.count
-    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-6
-    assert max_rel_error(stats.var, truth.var) < 1e-6
+    _assert_exact(stats, truth)
