@@ -151,14 +151,16 @@ class Collector:
         self._counter_starts = [t.clone() for t in self._counter_list]  # (the layers' own counts: see end_batch)
         # each counter's version now (0, but 1 for a clone of an inference tensor: a model built in inference mode)
         self._born = [0 if t is None else t._version for t in self._counters]
-        # what the counters counted, by value, over the batches (on their devices: read in finish), and where each
-        # layer's counter is in the list: on the float64 path, torch's own forward counts each call once, so more
-        # counts are calls that went around precisebn's wrapper (see finish)
-        self._counted = [torch.zeros_like(t) for t in self._counter_list]
-        self._counter_at = {i: k for k, i in enumerate(i for i, t in enumerate(self._counters) if t is not None)}
+        # for the layers on the float64 path whose forward is torch's own (which counts each call once): what their
+        # counters counted, by value, over the batches (on their devices: read in finish) — more counts than calls
+        # are calls that went around precisebn's wrapper (see finish); kept for those layers only (see _unseen_now)
+        self._counted: dict[int, Tensor] = {}
+        self._unseen_lists: tuple[list[Tensor], list[Tensor], list[Tensor]] = ([], [], [])
         self._counter_homes = [
             (layer.module._buffers, t) for layer, t in zip(self.layers, self._counters) if t is not None
         ]
+        held = (i for i, t in enumerate(self._counters) if t is not None)
+        self._start_of = dict(zip(held, self._counter_starts))  # (each layer's start: see _unseen_now)
         self._resets = 0
         self._lost = [0] * n
         # a layer refused during a call, raised again at the end of the batch in case the model caught it
@@ -230,6 +232,7 @@ class Collector:
         self._names = state.names
         self._stack: list[int] = []  # layers whose call is running (a call may run inside another's)
         self._last = -1  # the layer whose call returned last
+        self._unseen_now()  # (capture="float64": their paths are set already)
 
     # -- calls -------------------------------------------------------------------------
 
@@ -603,6 +606,7 @@ class Collector:
             self._run_spot_checks()
         if self._trials:
             self._settle()
+            self._unseen_now()
         if self._beyond:
             self._check_beyond()
         fold = self._batch % FOLDS
@@ -615,7 +619,9 @@ class Collector:
         if self._counter_list:  # each batch shows a layer the counts the verified one did (a forward may use them)
             first = self._counter_list[0]
             before = first._version
-            torch._foreach_add_(self._counted, torch._foreach_sub(self._counter_list, self._counter_starts))
+            if self._unseen_lists[0]:  # (what they counted: see _unseen_now)
+                counters, starts, counted = self._unseen_lists
+                torch._foreach_add_(counted, torch._foreach_sub(counters, starts))
             torch._foreach_copy_(self._counter_list, self._counter_starts)  # (the layers' own counts again)
             # (what a reset adds to each counter's version: 1, but 0 under a TorchDispatchMode, where the foreach
             # kernel bumps none — counted as 1, every layer was refused as never computing batch statistics)
@@ -625,6 +631,23 @@ class Collector:
                     buffers["num_batches_tracked"] = counter
         self._wrote()  # (the resets wrote the scratch)
         self._batch += 1
+
+    def _unseen_now(self) -> None:
+        """The layers whose counts by value :meth:`finish` compares with their calls (on the float64 path, torch's
+        own forward, a counter): after their paths are settled, or set (capture="float64")."""
+        ids = [
+            i
+            for i, path in enumerate(self.paths)
+            if path == "float64" and self._calls[i].own_forward and self._counters[i] is not None
+        ]
+        for i in ids:
+            if i not in self._counted:
+                self._counted[i] = torch.zeros_like(self._counters[i])  # type: ignore[arg-type]
+        self._unseen_lists = (
+            [self._counters[i] for i in ids],  # type: ignore[misc]
+            [self._start_of[i] for i in ids],
+            [self._counted[i] for i in ids],
+        )
 
     def _check_beyond(self) -> None:
         """Checks the figures of this batch's calls beyond their layer's verified size (on the CPU)
@@ -863,13 +886,9 @@ class Collector:
         """
         if self._refused is not None:  # (a call refused after the last batch: while the data ran out)
             raise self._refused
-        unseen = [  # (float64 path, torch's own forward: each call it made counts one)
-            i
-            for i, path in enumerate(self.paths)
-            if path == "float64" and self._calls[i].own_forward and i in self._counter_at
-        ]
+        unseen = [i for i in self._counted if self.paths[i] == "float64"]  # (torch's own forward counts each call)
         if unseen:
-            counted = torch.stack([self._counted[self._counter_at[i]].reshape(()) for i in unseen]).tolist()
+            counted = torch.stack([self._counted[i].reshape(()) for i in unseen]).tolist()
             for i, n in zip(unseen, counted):
                 if n - self._lost[i] > self.calls[i]:
                     layer = self.layers[i]
