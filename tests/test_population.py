@@ -255,3 +255,13 @@ def test_load_refuses_mean_and_var_that_do_not_pair(tmp_path, mean, var) -> None
     save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=metadata)
     with pytest.raises(StatsMismatchError, match=r"layer '1' of .*bad\.safetensors"):
         precisebn.PopulationStats.load(tmp_path / "bad.safetensors")
+
+
+@pytest.mark.parametrize("name", ["x.safetensors/", "folder"])
+def test_saving_to_a_folder_says_so(tmp_path, name: str) -> None:
+    """Probe 37: ``save("x.safetensors/")`` said the name "does not say safetensors"."""
+    (tmp_path / "folder").mkdir()
+    stats = precisebn.estimate(net(), batches(), forward=forward)
+    with pytest.raises(InvalidArgumentError, match="names a folder"):
+        stats.save(tmp_path / name if name == "folder" else f"{tmp_path}/{name}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]

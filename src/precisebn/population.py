@@ -345,6 +345,8 @@ class PopulationStats(Mapping[str, LayerStats]):
         """
         if format not in (None, "safetensors"):
             raise InvalidArgumentError(f"PopulationStats.save(format={format!r}): the only format is 'safetensors'.")
+        if os.fspath(path).endswith(("/", os.sep)) or os.path.isdir(path):  # (probe 37: "does not say safetensors")
+            raise InvalidArgumentError(f"PopulationStats.save({os.fspath(path)!r}) names a folder; give a file path.")
         if format is None and not os.fspath(path).lower().endswith(".safetensors"):
             raise InvalidArgumentError(
                 f"PopulationStats.save({os.fspath(path)!r}): statistics are written as safetensors, which that "
