@@ -929,6 +929,24 @@ def test_diff_refuses_unrelated_checkpoints_and_compares_dtypes(tiny, files, wor
     assert f"other tensors: {n_other - 1} identical, 1 differ" in text
 
 
+@pytest.mark.parametrize("side", ["A", "B"])
+def test_diff_compares_a_checkpoint_with_a_wrapper_prefix(tiny, work, capsys, side):
+    """Probe 37: diff of a plain and a DDP checkpoint (every name under module.) refused them as having no layer in
+    common, although apply and recalibrate recognise the prefix. The prefix is taken off, and said."""
+    sd = torch.load(work["ckpt"], weights_only=True)
+    changed = {k: v * 2 if k.endswith("running_var") else v for k, v in sd.items()}  # (every variance doubled)
+    torch.save({f"module.{k}": v for k, v in changed.items()}, work["dir"] / "ddp.pt")
+    pair = [str(work["ckpt"]), str(work["dir"] / "ddp.pt")]
+    assert main(["diff", *(pair if side == "B" else pair[::-1])]) == 0
+    text = capsys.readouterr().out
+    assert f"{'B' if side == 'B' else 'A'}'s names compared without their prefix 'module.'" in text
+    names = {k.removesuffix(".running_var") for k in sd if k.endswith(".running_var")}
+    assert f"{len(names)} layers compared, 0 identical" in text
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] and line.split()[0] in names]
+    assert len(rows) == len(names)
+    assert all(row[-2] == ("2" if side == "B" else "0.5") for row in rows)  # the variances' B/A, every layer
+
+
 def test_apply_patches_a_checkpoint_from_a_statistics_file(tiny, work, capsys):
     import cli_tiny
 

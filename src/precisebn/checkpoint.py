@@ -34,6 +34,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointMismatchError",
+    "best_prefix",
     "buffer_names",
     "checkpoint_format",
     "load_checkpoint",
@@ -390,7 +391,7 @@ def stats_replacement(
     wanted = stats.state_dict()  # type: ignore[attr-defined]
     if not wanted:
         raise CheckpointMismatchError("the statistics file has no layer that was reached; nothing to apply.")
-    prefix = _best_prefix(list(ckpt.state_dict), set(wanted))
+    prefix = best_prefix(list(ckpt.state_dict), set(wanted))
     missing = [prefix + k for k in wanted if prefix + k not in ckpt.state_dict]
     shapes = [
         f"{prefix + k}: checkpoint {tuple(ckpt.state_dict[prefix + k].shape)}, statistics {tuple(v.shape)}"
@@ -480,7 +481,7 @@ def load_into(model: nn.Module, ckpt: Checkpoint) -> str:
         CheckpointMismatchError: Missing or unexpected names, or shapes that differ.
     """
     expected = model.state_dict()
-    prefix = _best_prefix(list(ckpt.state_dict), set(expected))
+    prefix = best_prefix(list(ckpt.state_dict), set(expected))
     stripped = {k[len(prefix) :]: v for k, v in ckpt.state_dict.items() if k.startswith(prefix)}
     # (torch's own load accepts a BatchNorm without num_batches_tracked, as written before torch 0.4.1)
     missing = [k for k in expected if k not in stripped and not k.endswith("num_batches_tracked")]
@@ -511,7 +512,7 @@ def load_into(model: nn.Module, ckpt: Checkpoint) -> str:
     return prefix
 
 
-def _best_prefix(names: list[str], expected: set[str]) -> str:
+def best_prefix(names: list[str], expected: set[str]) -> str:
     """The dotted prefix (``""``, ``module.``, ``model.``...) whose removal from the checkpoint's names
     matches the most names in ``expected``. Among prefixes that match as many: the one that every name of the
     checkpoint carries (a wrapper's: ``module.``, Lightning's ``model.`` — then ``model.bn`` is the model's

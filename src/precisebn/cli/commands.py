@@ -656,7 +656,7 @@ def check_diff(args: argparse.Namespace) -> Any:
 
 
 def run_diff(args: argparse.Namespace) -> int:
-    from ..checkpoint import CheckpointMismatchError, load_checkpoint
+    from ..checkpoint import CheckpointMismatchError, best_prefix, load_checkpoint
     from ..health import diff_stats, format_diff, norm_entries
 
     a = load_checkpoint(args.a, trust=args.trust_checkpoint, key=args.key)
@@ -665,6 +665,17 @@ def run_diff(args: argparse.Namespace) -> int:
     if b.path.resolve() != a.path.resolve():
         _say_others(b)
     diff = diff_stats(a.state_dict, b.state_dict)
+    if not diff.report.layers:  # a wrapper's prefix on one side (module., model.: probe 37), as apply recognises it
+        for one, other, label in ((a, b, "A"), (b, a, "B")):
+            prefix = best_prefix(list(one.state_dict), set(other.state_dict))
+            if not prefix:
+                continue
+            bare = {k[len(prefix) :]: v for k, v in one.state_dict.items() if k.startswith(prefix)}
+            tried = diff_stats(bare, b.state_dict) if label == "A" else diff_stats(a.state_dict, bare)
+            if tried.report.layers:
+                diff = tried
+                _say(f"{label}'s names compared without their prefix {prefix!r}")
+                break
     if not diff.report.layers:
         na, nb = len(norm_entries(a.state_dict)), len(norm_entries(b.state_dict))
         why = f" ({_plural(len(diff.mismatched), 'layer')} share a name but not their channels)"
