@@ -947,6 +947,27 @@ def test_diff_compares_a_checkpoint_with_a_wrapper_prefix(tiny, work, capsys, si
     assert all(row[-2] == ("2" if side == "B" else "0.5") for row in rows)  # the variances' B/A, every layer
 
 
+def test_an_error_in_the_data_after_the_first_batch_names_the_data(tiny, work, capsys):
+    """Probe 37: a --data generator raising at its second batch gave "unexpected RuntimeError: boom" (one raising
+    at once names --data: resolve_data calls it)."""
+    (work["dir"] / "cli_later.py").write_text(
+        "import torch\n\ndef data():\n    yield torch.rand(4, 3, 32, 32)\n    raise RuntimeError('boom in batch 2')\n"
+    )
+    sys.path.insert(0, str(work["dir"]))
+    try:
+        args = _tiny_args(tiny, work["ckpt"], "out.pt")
+        args[args.index("--data") + 1] = "cli_later:data"
+        i = args.index("--batch-size")
+        del args[i : i + 2]  # (a data function makes its own batches)
+        assert main(args) == 1
+        err = capsys.readouterr().err
+        assert "the code of --data 'cli_later:data' raised RuntimeError while precisebn ran it: boom in batch 2" in err
+        assert not Path("out.pt").exists()
+    finally:
+        sys.path.remove(str(work["dir"]))
+        sys.modules.pop("cli_later", None)
+
+
 def test_apply_patches_a_checkpoint_from_a_statistics_file(tiny, work, capsys):
     import cli_tiny
 

@@ -355,7 +355,7 @@ def run_recalibrate(args: argparse.Namespace) -> int:
     from ..checkpoint import buffer_names, load_checkpoint, load_into
     from ..images import resolve_preprocessing
     from ..recalibrate import DEFAULT_NUM_SAMPLES
-    from ..specs import resolve_data, resolve_model
+    from ..specs import SpecError, resolve_data, resolve_model
 
     device = _device(args.device)
     if args.trust_checkpoint:
@@ -428,6 +428,16 @@ def run_recalibrate(args: argparse.Namespace) -> int:
             f"--data {args.data!r}: every image was unreadable and skipped ({_plural(len(skipped), 'image')}, "
             f"e.g. {skipped[0]}), so there is nothing to measure. Check the files. Nothing was written."
         ) from None
+    except Exception as exc:  # raised in the code of --data or --model, as the passes ran it: say whose (probe 37)
+        if isinstance(exc, (PreciseBNError, OSError)):
+            raise
+        whose = _raised_in(exc, args)
+        if whose is None:
+            raise
+        raise SpecError(
+            f"the code of {whose} raised {type(exc).__name__} while precisebn ran it: {exc}. Nothing was written; "
+            "run again with `precisebn --debug ...` for the traceback."
+        ) from exc
     print(report)
     extra: dict[str, Any] = {}
     if args.prior or args.adapt != "both":
@@ -477,6 +487,24 @@ def _write_outputs(
             plot_report(report, tmp["--report's PNG"], title=f"precisebn: {args.checkpoint.name}", format="png")
     written = [text for text, _ in args.plan.outputs.values()]
     _say(f"wrote {', '.join(written[:-1])}{' and ' if len(written) > 1 else ''}{written[-1]}")
+
+
+def _raised_in(exc: BaseException, args: argparse.Namespace) -> str | None:
+    """``"--data 'SPEC'"`` or ``"--model 'SPEC'"`` if ``exc`` was raised in that module's code (its traceback's
+    innermost frame of either), else ``None``."""
+    import traceback
+
+    files = {}
+    for option, spec in (("--model", args.model), ("--data", args.data)):
+        module = sys.modules.get(spec.partition(":")[0]) if ":" in spec else None
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str):
+            files[os.path.realpath(file)] = f"{option} {spec!r}"
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        whose = files.get(os.path.realpath(frame.filename))
+        if whose is not None:
+            return whose
+    return None
 
 
 def _sources(args: argparse.Namespace) -> dict[str, Path]:
