@@ -50,7 +50,7 @@ forward of its own at an input shape not seen before, watched (:meth:`LayerCall.
 float64 unless it normalises one tensor of its input's size once with batch figures into its own buffers;
 the counter increments of watched calls are left out of :meth:`Collector.finish`'s check); what
 keeps the verified batch valid for them: each
-layer's scratch ``num_batches_tracked`` is set back to 0 after every batch, and put back in the
+layer's scratch ``num_batches_tracked`` is set back to the layer's own count after every batch, and put back in the
 layer if its forward replaced it (a forward that counts its calls sees the verified counts again); a
 fast-path call whose layer's momentum is no longer 1.0 is refused; a call that raises counts for
 nothing, and what it wrote into the scratch is taken back (:meth:`LayerCall.unstash`,
@@ -144,7 +144,7 @@ class Collector:
         # "verify" until the end of the first batch that calls the layer, then "fast", "float64" or "none"
         self.paths = ["verify" if layer.path == "fast" else "float64" for layer in self.layers]
         self._checked_calls = [False] * n  # whether finish() may check calls against the layer's counter
-        # the layers' scratch num_batches_tracked, set back to 0 after every batch (see end_batch), how often
+        # the layers' scratch num_batches_tracked, set back to the layers' own counts after every batch (see end_batch), how often
         # that was done, and per layer the increments of calls that raised (each counter's version is then
         # calls + resets + those); with the buffer dicts they are put back in (a forward may replace them)
         self._counter_list = [t for t in self._counters if t is not None]
