@@ -144,9 +144,10 @@ class Collector:
         # "verify" until the end of the first batch that calls the layer, then "fast", "float64" or "none"
         self.paths = ["verify" if layer.path == "fast" else "float64" for layer in self.layers]
         self._checked_calls = [False] * n  # whether finish() may check calls against the layer's counter
-        # the layers' scratch num_batches_tracked, set back to the layers' own counts after every batch (see end_batch), how often
-        # that was done, and per layer the increments of calls that raised (each counter's version is then
-        # calls + resets + those); with the buffer dicts they are put back in (a forward may replace them)
+        # the layers' scratch num_batches_tracked, set back to the layers' own counts after every batch (see
+        # end_batch), how often that was done, and per layer the increments of calls that raised (each counter's
+        # version is then calls + resets + those); with the buffer dicts they are put back in (a forward may
+        # replace them)
         self._counter_list = [t for t in self._counters if t is not None]
         self._counter_starts = [t.clone() for t in self._counter_list]  # (the layers' own counts: see end_batch)
         # each counter's version now (0, but 1 for a clone of an inference tensor: a model built in inference mode)
