@@ -440,6 +440,15 @@ def test_apply_refuses_batchnorm_statistics_for_an_instancenorm_and_reports_the_
     ):
         precisebn.apply(other, stats)
     assert_unchanged(other, before)
+    class AdaNorm(nn.InstanceNorm2d):  # (a subclass of another name: refused by recalibrate itself, a review)
+        pass
+
+    other[1] = AdaNorm(net[1].num_features, track_running_stats=True)
+    truth = compute_truth(other, images())["1"]
+    report = precisebn.recalibrate(other, images())
+    assert report["1"].layer_type == "AdaNorm" and max_rel_error(other[1].running_var, truth.var) < 1e-6
+    with pytest.raises(StatsMismatchError, match=r"'1' \(AdaNorm\) was given statistics measured on a BatchNorm2d"):
+        precisebn.apply(other, stats)
     synced = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(net))
     truth = compute_truth(net, images())["1"]
     report = precisebn.apply(net, precisebn.estimate(synced, images()))

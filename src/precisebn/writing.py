@@ -77,9 +77,20 @@ def _misfit(t: object, shape: tuple[int, ...]) -> str | None:
     return "is on the meta device (it holds no values)" if t.is_meta else None
 
 
-def _instance(type_name: str, module: nn.Module | None = None) -> bool:
-    """Whether a layer (by its class name, or the module) normalises each sample apart (InstanceNorm)."""
-    return "InstanceNorm" in type_name or isinstance(module, nn.modules.instancenorm._InstanceNorm)
+def _other_kind(m: nn.Module, type_name: str) -> bool:
+    """Whether statistics measured on a layer of class ``type_name`` are of another kind than module ``m``'s: an
+    InstanceNorm's (each sample normalised apart) against a BatchNorm's, or the reverse — told where the name is
+    torch's own class, or says InstanceNorm; a class of another name (a subclass) is taken as ``m``'s own kind."""
+    if type_name == type(m).__name__:
+        return False
+    known = getattr(nn, type_name, None)
+    if isinstance(known, type) and issubclass(known, nn.Module):
+        theirs = issubclass(known, nn.modules.instancenorm._InstanceNorm)
+    elif "InstanceNorm" in type_name:
+        theirs = True
+    else:
+        return False
+    return theirs != isinstance(m, nn.modules.instancenorm._InstanceNorm)
 
 
 def plan_writes(
@@ -112,7 +123,7 @@ def plan_writes(
             )
         elif not has_running_stats(m):
             problems.append(f"{name!r} ({type(m).__name__}) has no running statistics")
-        elif _instance(type(m).__name__, m) != _instance(s.layer_type):
+        elif _other_kind(m, s.layer_type):
             problems.append(
                 f"{name!r} ({type(m).__name__}) was given statistics measured on a {s.layer_type}: an InstanceNorm's "
                 "running variance is the mean of each sample's variance, a BatchNorm's the variance of all values "
