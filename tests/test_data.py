@@ -274,12 +274,14 @@ class _Scoring:
 
 
 @pytest.mark.slow
-def test_model_calls_in_a_loaders_spawned_worker_processes_are_not_refused() -> None:
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+def test_model_calls_in_a_loaders_spawned_worker_processes_are_not_refused(capture: str) -> None:
     """Left over from probe 36a: a loader whose workers are spawned (the start method of macOS, Windows and of
     Python 3.14 on Linux: forkserver) gets the model pickled — and the wrapped forwards could not be ("Can't
     pickle local object"), after which a ModelChangedWarning said the parameters had been changed in place
     (pickling had moved them into shared memory, values and all). The workers' copies run the model's own
-    forward, as forked ones do, and the statistics are exact."""
+    forward, as forked ones do, and the statistics are exact. (Their copies share the layers' counters' memory:
+    with capture="float64" their counts read as calls around the wrapper, a review found.)"""
     import multiprocessing
     import warnings
 
@@ -303,7 +305,7 @@ def test_model_calls_in_a_loaders_spawned_worker_processes_are_not_refused() -> 
     before = state_snapshot(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ModelChangedWarning)
-        stats = precisebn.estimate(model, loader, num_batches=3)["1"]
+        stats = precisebn.estimate(model, loader, num_batches=3, capture=capture)["1"]
     assert_unchanged(model, before)
     _assert_exact(stats, truth)
 
@@ -462,3 +464,53 @@ def test_another_thread_running_a_copy_during_forward_leaves_the_statistics_exac
     truth = compute_truth(model, batches)["1"]
     stats = precisebn.estimate(model, batches, forward=forward)["1"]
     _assert_exact(stats, truth)
+
+
+@pytest.mark.parametrize("forward_of", ["the class", "a partial"])
+def test_a_model_pickled_during_the_passes_names_nothing_of_precisebn(forward_of: str) -> None:
+    """Probe 37 and its review: pickled during the passes, a layer's forward was precisebn's wrapper, then a
+    function of precisebn's; the pickle loaded only where precisebn is installed. It pickles as the layer's own
+    forward would: a bound method, or a forward the instance holds (a functools.partial)."""
+    import functools
+    import pickle
+
+    import precisebn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    if forward_of == "a partial":
+        model[1].forward = functools.partial(nn.BatchNorm2d.forward, model[1])
+    assert b"precisebn" not in pickle.dumps(model)  # (the premise: before the passes)
+    pickled = []
+
+    def forward(m: nn.Module, x: torch.Tensor) -> None:
+        pickled.append(pickle.dumps(m))
+        m(x)
+
+    precisebn.estimate(model, [torch.randn(2, 3, 8, 8)], forward=forward)
+    assert b"precisebn" not in pickled[0]
+    copy = pickle.loads(pickled[0])
+    assert copy(torch.randn(2, 3, 8, 8)).shape == (2, 4, 6, 6)
+
+
+def test_a_shallow_copy_of_a_layer_made_during_the_passes_says_why_it_is_refused_after_them() -> None:
+    """Review of probe 37: copy.copy(layer) in forward keeps precisebn's wrapper in the copy's own attributes
+    (documented); called after the passes it was refused as "called while the next batch was being drawn"."""
+    import copy
+
+    import precisebn
+    from precisebn.errors import InvalidArgumentError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    kept = []
+
+    def forward(m: nn.Module, x: torch.Tensor) -> None:
+        kept.append(copy.copy(m[1]))
+        m(x)
+
+    precisebn.estimate(model, [torch.randn(2, 3, 8, 8)], forward=forward)
+    with pytest.raises(InvalidArgumentError, match=r"after the passes that put it there had ended: .* shallow copy"):
+        kept[0](torch.randn(2, 4, 6, 6))
+    del kept[0].forward  # (the remedy the message names)
+    assert kept[0](torch.randn(2, 4, 6, 6)).shape == (2, 4, 6, 6)

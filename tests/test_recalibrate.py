@@ -440,6 +440,7 @@ def test_apply_refuses_batchnorm_statistics_for_an_instancenorm_and_reports_the_
     ):
         precisebn.apply(other, stats)
     assert_unchanged(other, before)
+
     class AdaNorm(nn.InstanceNorm2d):  # (a subclass of another name: refused by recalibrate itself, a review)
         pass
 

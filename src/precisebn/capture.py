@@ -136,6 +136,7 @@ class Collector:
         # whether the pass's forward(model, batch) is running: a layer called otherwise (by the data, between
         # forwards) is refused (see LayerCall.__call__)
         self.in_forward = False
+        self.over = False  # the passes are over (a layer still called through this collector is a shallow copy)
         self.pid = os.getpid()  # (a loader's worker process, forked during a pass, runs its own copy: not refused)
         # the thread that runs the passes (it makes the collector): a call from another is refused, even during a
         # forward — a data thread running the model then would be counted, its calls mixed with the batch's
@@ -276,6 +277,16 @@ class Collector:
             "model being recalibrated, and those calls would count in its statistics as if they were the "
             "batches'. Have the data run another copy of the model (copy.deepcopy(model)), or compute what it "
             "needs from the model beforehand. The model was left unchanged."
+        )
+
+    def _after_passes(self, i: int) -> InvalidArgumentError:
+        layer = self.layers[i]
+        return InvalidArgumentError(
+            f"layer {layer.name!r} ({layer.type_name}) was called through precisebn's wrapper of its forward after "
+            "the passes that put it there had ended: the module called is a shallow copy of the layer "
+            "(copy.copy) made during those passes, which kept the wrapper in its own attributes. Make copies "
+            "before or after a recalibration, or with copy.deepcopy (which gives the copy its own forward); "
+            "del copy.forward gives this one back its class's forward."
         )
 
     def _other_thread(self, i: int) -> InvalidArgumentError:
@@ -891,7 +902,11 @@ class Collector:
         if unseen:
             counted = torch.stack([self._counted[i].reshape(()) for i in unseen]).tolist()
             for i, n in zip(unseen, counted):
-                if n - self._lost[i] > self.calls[i]:
+                counter = self._counters[i]
+                version = counter._version - self._born[i] - self._resets - self._lost[i]  # type: ignore[union-attr]
+                # more counts by value and by version: a value alone may be another process's (a spawned loader
+                # worker's copy shares the counter's memory, not its version), a version alone a reset in forward
+                if n - self._lost[i] > self.calls[i] and version > self.calls[i]:
                     layer = self.layers[i]
                     raise UnsupportedLayerError(
                         f"layer {layer.name!r} ({layer.type_name}) ran {n - self._lost[i] - self.calls[i]} times "

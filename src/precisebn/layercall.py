@@ -267,6 +267,8 @@ class LayerCall:
         if not c.in_forward or get_ident() != c.thread or _is_tracing():  # (before anything is counted)
             if c.pid != os.getpid():  # a loader's worker process, forked with the wrappers on: its own copy, left
                 return forward(*args, **kwargs)  # to the model's own forward, in whatever mode (probe 35a)
+            if c.over:  # (a shallow copy of the layer, made during the passes, called after them)
+                raise c._after_passes(i)
             # between forwards, in another thread than the passes' (a data thread's, while forward runs), or traced
             if not c.in_forward:
                 c._refused = c._outside_forward(i)

@@ -818,11 +818,11 @@ class _Routed:
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return copy.deepcopy(self.forward, memo)  # (a bound method: the copy's own, bound to the copy)
 
-    def __reduce__(self) -> Any:
+    def __reduce_ex__(self, protocol: Any) -> Any:
         forward = self.forward
-        if isinstance(forward, types.MethodType):  # (the class's forward, bound: loads without precisebn)
-            return getattr, (forward.__self__, forward.__name__)
-        return _itself, (forward,)  # (a forward of the instance's own: as it would pickle without precisebn)
+        if isinstance(forward, types.FunctionType):  # (a function: pickled by name, which would name this object's)
+            return _itself, (forward,)
+        return forward.__reduce_ex__(protocol)  # (a bound method, a partial...: as without precisebn)
 
 
 def _itself(x: Any) -> Any:

@@ -95,9 +95,12 @@ class Pass:
         start = time.perf_counter()
         with torch.no_grad(), recalibration_state(self.model, selected, self.mode, modules) as state:
             collector = Collector(state, per_call=self.per_call)
-            samples, batches = self._loop(collector, abort)
-            state.refuse_written_elsewhere()
-            parts = collector.finish(pool=not keep_folds, overwrite=True)
+            try:
+                samples, batches = self._loop(collector, abort)
+                state.refuse_written_elsewhere()
+                parts = collector.finish(pool=not keep_folds, overwrite=True)
+            finally:
+                collector.over = True  # (a wrapper left in a shallow copy of a layer says so: see LayerCall)
         entries: list[tuple[NormLayer, RunningMoments, int, int, str, int]] = []
         pooled = {}
         for i, (layer, per_call) in enumerate(zip(selected, parts)):
