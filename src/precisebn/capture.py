@@ -150,7 +150,9 @@ class Collector:
         # version is then calls + resets + those); with the buffer dicts they are put back in (a forward may
         # replace them)
         self._counter_list = [t for t in self._counters if t is not None]
-        self._counter_starts = [t.clone() for t in self._counter_list]  # (the layers' own counts: see end_batch)
+        # each layer's own count (what its counter is set back to: see end_batch), by layer and as a list
+        self._starts = [None if t is None else t.clone() for t in self._counters]
+        self._counter_starts = [t for t in self._starts if t is not None]
         # each counter's version now (0, but 1 for a clone of an inference tensor: a model built in inference mode)
         self._born = [0 if t is None else t._version for t in self._counters]
         # for the layers on the float64 path whose forward is torch's own (which counts each call once): what their
@@ -161,8 +163,6 @@ class Collector:
         self._counter_homes = [
             (layer.module._buffers, t) for layer, t in zip(self.layers, self._counters) if t is not None
         ]
-        held = (i for i, t in enumerate(self._counters) if t is not None)
-        self._start_of = dict(zip(held, self._counter_starts))  # (each layer's start: see _unseen_now)
         self._resets = 0
         self._lost = [0] * n
         # a layer refused during a call, raised again at the end of the batch in case the model caught it
@@ -231,7 +231,7 @@ class Collector:
         )
         self._seen = self._version()
         self._evaluating = state.evaluating  # (see end_batch)
-        self._names = state.names
+        self._modules = state.modules  # (their names, for its message)
         self._stack: list[int] = []  # layers whose call is running (a call may run inside another's)
         self._last = -1  # the layer whose call returned last
         self._unseen_now()  # (capture="float64": their paths are set already)
@@ -265,14 +265,13 @@ class Collector:
         """Layer ``i`` refused during the passes, after its verification: ``what`` happened, ``remedy``."""
         layer = self.layers[i]
         return UnsupportedLayerError(
-            f"layer {layer.name!r} ({layer.type_name}) {what}, after precisebn had verified that {remedy} "
-            "The model was left unchanged."
+            f"{layer.label} {what}, after precisebn had verified that {remedy} The model was left unchanged."
         )
 
     def _outside_forward(self, i: int) -> InvalidArgumentError:
         layer = self.layers[i]
         return InvalidArgumentError(
-            f"layer {layer.name!r} ({layer.type_name}) was called while the next batch was being drawn from the "
+            f"{layer.label} was called while the next batch was being drawn from the "
             "data, not by forward(model, batch): the data (a generator, a loader, a collate function) runs the "
             "model being recalibrated, and those calls would count in its statistics as if they were the "
             "batches'. Have the data run another copy of the model (copy.deepcopy(model)), or compute what it "
@@ -280,9 +279,8 @@ class Collector:
         )
 
     def _after_passes(self, i: int) -> InvalidArgumentError:
-        layer = self.layers[i]
         return InvalidArgumentError(
-            f"layer {layer.name!r} ({layer.type_name}) was called through precisebn's wrapper of its forward after "
+            f"{self.layers[i].label} was called through precisebn's wrapper of its forward after "
             "the passes that put it there had ended: the module called is a shallow copy of the layer "
             "(copy.copy) made during those passes, which kept the wrapper in its own attributes. Make copies "
             "before or after a recalibration, or with copy.deepcopy (which gives the copy its own forward); "
@@ -290,10 +288,9 @@ class Collector:
         )
 
     def _other_thread(self, i: int) -> InvalidArgumentError:
-        layer = self.layers[i]
         here = threading.current_thread().name
         return InvalidArgumentError(
-            f"layer {layer.name!r} ({layer.type_name}) was called in thread {here!r} while forward(model, batch) "
+            f"{self.layers[i].label} was called in thread {here!r} while forward(model, batch) "
             "ran in another thread: precisebn counts the calls of the thread that runs the passes only — a call "
             "from another thread (the data's, prefetching with the model) would count in the statistics as if "
             "it were the batch's, and calls from two threads at once would mix in its bookkeeping. Have the "
@@ -303,7 +300,7 @@ class Collector:
 
     def _put_in_training_mode(self) -> InvalidArgumentError:
         m = next(m for m in self._evaluating if m.training)
-        name = self._names.get(id(m), "?") or "(the model)"
+        name = next((name for name, module in self._modules if module is m), "?") or "(the model)"
         return InvalidArgumentError(
             f"module {name!r} ({type(m).__name__}) was put in training mode during the passes (model.train() "
             "called by the model or forward=), so that it ran as in training — dropout active, normalization layers "
@@ -314,9 +311,8 @@ class Collector:
         )
 
     def _traced(self, i: int) -> UnsupportedLayerError:
-        layer = self.layers[i]
         return UnsupportedLayerError(
-            f"layer {layer.name!r} ({layer.type_name}) was called by torch.jit.trace during the passes: the trace "
+            f"{self.layers[i].label} was called by torch.jit.trace during the passes: the trace "
             "would record precisebn's bookkeeping with the layer, and the layers as the passes hold them (in "
             "training mode, momentum 1, precisebn's own buffers), and the traced module would run them ever "
             "after. Trace the model before or after the recalibration. The model was left unchanged."
@@ -327,7 +323,7 @@ class Collector:
         :meth:`~precisebn.layercall.LayerCall._unseen`)."""
         layer = self.layers[i]
         return UnsupportedLayerError(
-            f"layer {layer.name!r} ({layer.type_name}) wrote its running buffers during its forward, as torch's "
+            f"{layer.label} wrote its running buffers during its forward, as torch's "
             "BatchNorm forward does when it normalises with batch statistics, but precisebn saw no normalization "
             "with them whole, so it cannot tell what the layer normalised (on either path): its forward "
             "computes the statistics itself (a BatchNorm written from scratch), normalises with a part of its "
@@ -352,7 +348,7 @@ class Collector:
         if self.per_call:
             layer = self.layers[i]
             return UnsupportedLayerError(
-                f"per_call=True: layer {layer.name!r} ({layer.type_name}) was called inside its own call (its "
+                f"per_call=True: {layer.label} was called inside its own call (its "
                 "forward calls itself), so its calls have no order to number them by. Estimate without per_call, "
                 "or exclude the layer with layers=. The model was left unchanged."
             )
@@ -657,7 +653,7 @@ class Collector:
                 self._counted[i] = torch.zeros_like(self._counters[i])  # type: ignore[arg-type]
         self._unseen_lists = (
             [self._counters[i] for i in ids],  # type: ignore[misc]
-            [self._start_of[i] for i in ids],
+            [self._starts[i] for i in ids],  # type: ignore[misc]
             [self._counted[i] for i in ids],
         )
 
@@ -757,7 +753,7 @@ class Collector:
             if version is not None and version_of(seen[0]) != version:
                 layer = self.layers[i]
                 raise UnsupportedLayerError(
-                    f"layer {layer.name!r} ({layer.type_name}): its own batch figures did not match what it "
+                    f"{layer.label}: its own batch figures did not match what it "
                     "normalised, and that tensor was changed in place after the layer's call, before precisebn "
                     "could measure it in float64. Pass capture='float64' (every layer measured in float64 as it "
                     "is called), or exclude the layer with layers=. The model was left unchanged."
@@ -774,7 +770,7 @@ class Collector:
                 continue
             layer = self.layers[i]
             raise InvalidArgumentError(
-                f"per_call=True: layer {layer.name!r} ({layer.type_name}) was called {times(self.per_batch[i])} in "
+                f"per_call=True: {layer.label} was called {times(self.per_batch[i])} in "
                 f"batch {self._first_batch[i] + 1} (the first to call it) but {times(k)} in batch {self._batch + 1}; "
                 "per-call statistics need the same number of calls in every forward (statistics i are those of "
                 "call i). Feed every batch the same way (e.g. the same number of feature levels), or estimate "
@@ -909,7 +905,7 @@ class Collector:
                 if n - self._lost[i] > self.calls[i] and version > self.calls[i]:
                     layer = self.layers[i]
                     raise UnsupportedLayerError(
-                        f"layer {layer.name!r} ({layer.type_name}) ran {n - self._lost[i] - self.calls[i]} times "
+                        f"{layer.label} ran {n - self._lost[i] - self.calls[i]} times "
                         "around precisebn's wrapper of its forward, which saw and measured "
                         f"{self.calls[i]} calls (its num_batches_tracked counted {n - self._lost[i]}): the model's "
                         "modules had their forward attribute removed during the passes, or a copy sharing their "
@@ -924,7 +920,7 @@ class Collector:
             computed = counter._version - self._born[i] - self._resets - self._lost[i]  # by calls that returned
             if computed > self.calls[i]:  # (its forward wrote the counter besides torch's increments)
                 raise UnsupportedLayerError(
-                    f"layer {layer.name!r} ({layer.type_name}): its num_batches_tracked, which torch's BatchNorm "
+                    f"{layer.label}: its num_batches_tracked, which torch's BatchNorm "
                     f"forward increments once per call that computes batch statistics, changed {computed} times in "
                     f"the {self.calls[i]} calls precisebn saw: its forward (or a hook) also writes the counter (e.g. "
                     "reset_running_stats()), so precisebn cannot tell from it that every call left figures to read — "
@@ -935,7 +931,7 @@ class Collector:
                 )
             if computed != self.calls[i]:
                 raise UnsupportedLayerError(
-                    f"layer {layer.name!r} ({layer.type_name}) was called {self.calls[i]} times, but its forward "
+                    f"{layer.label} was called {self.calls[i]} times, but its forward "
                     f"computed batch statistics {computed} times: for some calls after the first batch it did not "
                     "(a forward that normalises some inputs with its running statistics instead, or torch's "
                     "BatchNorm forward replaced at run time), so the figures precisebn would read for those were "

@@ -29,6 +29,7 @@ from .adapt import WRITTEN
 from .errors import InvalidArgumentError, StatsMismatchError
 from .files import Terminated, atomic_path
 from .population import buffer_key
+from .state import geometry
 
 __all__ = [
     "Checkpoint",
@@ -420,28 +421,17 @@ def _with_aliases(sd: Mapping[str, Any], replace: dict[str, Tensor]) -> dict[str
     name holds: a layer registered under two names (a shared layer, ``self.head = nn.Sequential(self.bn2)``) is
     saved once, and loads as two views of one storage — given new values under one name only, loading the
     written checkpoint read the other's old ones last (probe 37: ``apply`` exited 0, and the model kept them)."""
-    by_view: dict[tuple[Any, ...], list[str]] = {}
+    by_view: dict[tuple[Any, ...], list[str]] = {}  # (the same geometry: the same storage, offset, shape, strides)
     for name, t in sd.items():
-        key = _view_key(t)
-        if key is not None:
+        if isinstance(t, Tensor) and (key := geometry(t)) is not None:
             by_view.setdefault(key, []).append(name)
     out = dict(replace)
-    for name, value in replace.items():
-        key = _view_key(sd.get(name))
+    for name in replace:
+        t = sd.get(name)
+        key = geometry(t) if isinstance(t, Tensor) else None
         for other in by_view.get(key, []) if key is not None else []:
-            out.setdefault(other, value)
+            out.setdefault(other, replace[name])
     return out
-
-
-def _view_key(t: Any) -> tuple[Any, ...] | None:
-    """What makes two tensors the same values in memory (``None``: not a tensor with memory of its own)."""
-    if not isinstance(t, Tensor) or t.layout != torch.strided or t.is_meta or not t.numel():
-        return None
-    try:
-        address = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
-    return (t.device, address, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype) if address else None
 
 
 def _pooled_with_checkpoint(ckpt: Checkpoint, stats: Any, prefix: str, prior: float) -> Any:

@@ -113,7 +113,7 @@ class LayerCall:
         if watch.changed():
             layer = self.c.layers[self.i]
             raise UnsupportedLayerError(
-                f"layer {layer.name!r} ({layer.type_name}) changed the tensor it normalised with its running "
+                f"{layer.label} changed the tensor it normalised with its running "
                 "buffers in place, later in its own forward, so what that tensor holds now is not what the layer "
                 "normalised, and precisebn cannot measure it. Make the layer's forward leave that tensor as it "
                 "is (e.g. use an out-of-place operation), or exclude the layer with layers=. The model was left "

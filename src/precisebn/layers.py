@@ -122,6 +122,11 @@ class NormLayer:
     def type_name(self) -> str:
         return type(self.module).__name__
 
+    @property
+    def label(self) -> str:
+        """How messages name the layer: ``layer 'name' (Type)``."""
+        return f"layer {self.name!r} ({self.type_name})"
+
 
 def _path(module: _NormBase, capture: Capture) -> Path:
     fast = (
@@ -377,7 +382,7 @@ def refuse_parameter_statistics(layers: Sequence[NormLayer]) -> None:
                 f"layer.register_buffer({missing[0]!r}, data)"
             )
             raise UnsupportedLayerError(
-                f"layer {layer.name!r} ({layer.type_name}) keeps its {' and '.join(missing)} as "
+                f"{layer.label} keeps its {' and '.join(missing)} as "
                 f"{'a parametrization' if parametrized else kind}, not as buffers; precisebn measures a layer by "
                 f"standing scratch buffers in for its running buffers. Make them buffers (e.g. {remedy}), or exclude "
                 "the layer with layers=. The model was left unchanged."
@@ -486,9 +491,9 @@ class RecalibrationState:
     owners: list[tuple[int, str]] = field(default_factory=list)  # (layer, buffer name) of each of them
     _wrapped: list[tuple[nn.Module, object]] = field(default_factory=list)
     # the modules the mode put in eval mode (the passes check after every batch that none was put in training
-    # mode: model.train() in forward, probe 37), and every module's name by id (for the message)
+    # mode: model.train() in forward, probe 37), and the model's named modules (for the message)
     evaluating: list[nn.Module] = field(default_factory=list)
-    names: dict[int, str] = field(default_factory=dict)
+    modules: list[tuple[str, nn.Module]] = field(default_factory=list)
 
     def refuse_written_elsewhere(self) -> None:
         """Raises :class:`~precisebn.errors.UnsupportedLayerError` if a selected layer's own ``running_mean``/
@@ -688,7 +693,7 @@ def recalibration_state(
             counters.append(counter)
             _set_attribute(m, "momentum", 1.0)
         state.evaluating = _set_modes(mods, {id(m) for m in norms}, mode)
-        state.names = {id(m): name for name, m in modules}
+        state.modules = modules
         yield state
 
 
@@ -797,23 +802,21 @@ class _Routed:
     wrapper, its layers ran the original's forward, counted in its statistics, and refused every call after the
     passes."""
 
-    __slots__ = ("call", "forward", "inferring")
+    __slots__ = ("call", "forward")
 
     def __init__(self, forward: Callable[..., Any], call: Callable[..., Any]) -> None:
         self.forward = forward
         self.call = call
 
-        def inferring(*args: Any, **kwargs: Any) -> Any:
-            with torch.inference_mode():
-                return forward(*args, **kwargs)
-
-        self.inferring = inferring
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_inference_mode_enabled():  # the model's forward runs the layer in inference mode: so
             with torch.inference_mode(False):  # does the layer, but what `call` keeps (figures, moments, the
-                return self.call(self.inferring, args, kwargs)  # workspace) must stay writable outside it
+                return self.call(self._inferring, args, kwargs)  # workspace) must stay writable outside it
         return self.call(self.forward, args, kwargs)
+
+    def _inferring(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.inference_mode():
+            return self.forward(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return copy.deepcopy(self.forward, memo)  # (a bound method: the copy's own, bound to the copy)

@@ -275,7 +275,7 @@ class PopulationStats(Mapping[str, LayerStats]):
         versions = {k: " + ".join(dict.fromkeys(s.versions.get(k, "?") for s in inputs)) for k in keys}
         return PopulationStats(
             merged,
-            sum(s.samples for s in inputs),
+            total,
             sum(s.batches for s in inputs),
             self.mode,
             sum(s.seconds for s in inputs),

@@ -44,6 +44,7 @@ __all__ = [
     "ValueCopies",
     "copy_all",
     "exclusive",
+    "geometry",
     "overlapping",
     "refuse_uninitialized",
     "restore_on_error",
@@ -189,7 +190,7 @@ class ValueCopies:
                 storage = t.untyped_storage()
                 self._where[k] = (storage, t.storage_offset(), t.shape, t.data_ptr(), storage.nbytes())
                 continue
-            saved = _Saved("", t, version_of(t), None, geometry=_geometry(t))
+            saved = _Saved("", t, version_of(t), None, geometry=geometry(t))
             if saved.geometry is not None:
                 saved.storage = t.untyped_storage()
                 saved.nbytes = saved.storage.nbytes()
@@ -227,7 +228,7 @@ class ValueCopies:
                     at += size
             for k, saved in self._own.items():
                 t = self._tensors[k]
-                if _geometry(t) != saved.geometry or (
+                if geometry(t) != saved.geometry or (
                     saved.copy is not None and not _bitwise_equal(t.detach(), saved.copy)
                 ):
                     out.append(k)
@@ -252,7 +253,7 @@ class ValueCopies:
                 t = self._tensors[k]
                 if k in self._own:
                     saved = self._own[k]
-                    if saved.geometry is None or (_geometry(t) != saved.geometry and not _reshape(saved)):
+                    if saved.geometry is None or (geometry(t) != saved.geometry and not _reshape(saved)):
                         continue
                     values = saved.copy
                 else:
@@ -310,15 +311,8 @@ def _addresses(tensors: list[Tensor]) -> list[int | None]:
         return [_address(t) for t in tensors]
 
 
-def _storages(tensors: list[Tensor]) -> list[int | None]:
-    """Each tensor's storage (its ``_cdata``; ``None`` for a tensor without one)."""
-    try:
-        return [t.untyped_storage()._cdata for t in tensors]
-    except (RuntimeError, NotImplementedError):
-        return [_storage(t) for t in tensors]
-
-
 def _storage(t: Tensor) -> int | None:
+    """``t``'s storage (its ``_cdata``; ``None`` for a tensor without one)."""
     try:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
@@ -392,7 +386,7 @@ class StateSnapshot:
                             self._watched_versions.append(version_of(t))
                             continue
                         saved = _Saved(f"{prefix}.{key}" if prefix else key, t, version_of(t), None)
-                        saved.geometry = _geometry(t)
+                        saved.geometry = geometry(t)
                         if saved.geometry is not None:
                             saved.storage = t.untyped_storage()
                             saved.nbytes = saved.storage.nbytes()
@@ -428,7 +422,7 @@ class StateSnapshot:
         # and where their data are: a forward assigning ``p.data`` (clipping weights, ``module.double()``) moves
         # no version counter (probe 33b: unwarned, a model left with float64 weights and float32 buffers)
         self._watched_addresses = _addresses(self._watched)
-        self._watched_storages = _storages(self._watched)
+        self._watched_storages = list(map(_storage, self._watched))
 
     def restore(self) -> list[str]:
         """Puts every object and changed value back.
@@ -468,7 +462,7 @@ class StateSnapshot:
         ]
         with torch.no_grad():
             for s in self._saved:  # first the shapes (a forward may resize a buffer in place), then the values
-                if s.geometry is not None and _geometry(s.tensor) != s.geometry and not _reshape(s):
+                if s.geometry is not None and geometry(s.tensor) != s.geometry and not _reshape(s):
                     lost.append(s.name)
             for s, span in self._changed_in_blobs():
                 device, start, length = s.blob  # type: ignore[misc]
@@ -521,7 +515,7 @@ class StateSnapshot:
             span.copy_(values)
 
 
-def _geometry(t: Tensor) -> tuple[Any, ...] | None:
+def geometry(t: Tensor) -> tuple[Any, ...] | None:
     """``t``'s dtype, device, shape, strides, storage offset, storage (its address: ``resize_`` may move
     the memory of the same storage) and that storage's size (``untyped_storage().resize_(0)`` frees it under
     the same shape, as FSDP does: its values could no longer be read, probe 26) — ``None`` unless strided and
@@ -552,7 +546,7 @@ def _reshape(s: _Saved) -> bool:
             t.set_(storage, offset, shape, stride)
     except RuntimeError:
         return False
-    return _geometry(t)[:5] == s.geometry[:5]  # type: ignore[index]
+    return geometry(t)[:5] == s.geometry[:5]  # type: ignore[index]
 
 
 def _unchanged(containers: list[Any], contents: list[Any], dict_flags: list[bool]) -> bool:

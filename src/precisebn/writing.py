@@ -125,9 +125,9 @@ def plan_writes(
             problems.append(f"{name!r} ({type(m).__name__}) has no running statistics")
         elif _other_kind(m, s.layer_type):
             problems.append(
-                f"{name!r} ({type(m).__name__}) was given statistics measured on a {s.layer_type}: an InstanceNorm's "
-                "running variance is the mean of each sample's variance, a BatchNorm's the variance of all values "
-                "(merge refuses such a pair as well)"
+                f"{name!r} ({type(m).__name__}) was given statistics measured on a {s.layer_type}, a layer of the "
+                "other kind (InstanceNorm and BatchNorm), which a model of this one's does not hold there: apply "
+                "statistics measured on this model (merge refuses such a pair as well)"
             )
         elif (running_mean := m.running_mean).is_meta:
             problems.append(f"{name!r} is on the meta device (not materialised: nothing to write to)")
