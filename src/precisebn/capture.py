@@ -190,6 +190,7 @@ class Collector:
         self._ratio_steps: dict[int, tuple[Tensor, Tensor]] = {}  # group: (eps per channel, segment lengths)
         self._bound_tests: dict[tuple[Any, ...], list[tuple[int, Tensor, Tensor, int, int]]] = {}
         self._fronts = 0  # changes of the layers' checked calls (see LayerCall.passed): the cached bounds' version
+        self._passing: list[tuple[LayerCall, int, Tensor, float, float]] = []  # (see LayerCall.passed)
         self._count_vectors: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
         self._groups: list[_Group] = []
         self._scratch = state.groups
@@ -446,6 +447,7 @@ class Collector:
             UnsupportedLayerError: As said.
         """
         pending, self._pending, self._pending_bytes = self._pending, [], 0
+        self._take_passed()  # (the bounds read below)
         # per scratch group, the ratio each pending call's checked calls vouch for, spread over its channels
         # (cached: usually the same layers with the same counts in every batch, and the same checked calls)
         key = (self._fronts, *[(call.i, n) for call, _, n, _, _ in pending])
@@ -617,6 +619,7 @@ class Collector:
             self._unseen_now()
         if self._beyond:
             self._check_beyond()
+        self._take_passed()
         fold = self._batch % FOLDS
         if self._groups:
             self._sum_figures(fold)
@@ -656,6 +659,24 @@ class Collector:
             [self._starts[i] for i in ids],  # type: ignore[misc]
             [self._counted[i] for i in ids],
         )
+
+    def _take_passed(self) -> None:
+        """Gives the calls recorded by :meth:`LayerCall.passed` their largest mean² / (var + eps) over the channels
+        whose data vary (NaN where a figure is), in their figures' dtype: a few kernels per dtype and one host read,
+        whatever their number."""
+        passing, self._passing = self._passing, []
+        by_dtype: dict[torch.dtype, list[tuple[LayerCall, int, Tensor, float, float]]] = {}
+        for entry in passing:
+            by_dtype.setdefault(entry[2].dtype, []).append(entry)
+        for dtype, entries in by_dtype.items():
+            pairs = [pair for _, _, pair, _, _ in entries]
+            sizes = torch.tensor([pair.shape[1] for pair in pairs], device="cpu")
+            mean, var = torch.cat(pairs, 1) if len(pairs) > 1 else pairs[0]
+            eps = torch.tensor([e for _, _, _, e, _ in entries], dtype=dtype, device="cpu").repeat_interleave(sizes)
+            terms = torch.where(var > 0, mean.square().div_(var + eps), 0.0)
+            r2 = torch.segment_reduce(terms, "max", lengths=sizes, unsafe=True).tolist()
+            for (call, n, _, _, reach_), value in zip(entries, r2):
+                call.vouch(n, value, reach_)
 
     def _check_beyond(self) -> None:
         """Checks the figures of this batch's calls beyond their layer's verified size (on the CPU)
@@ -779,6 +800,7 @@ class Collector:
 
     def _settle(self) -> None:
         """Decides the path of every layer verified in this batch (one host read per device)."""
+        self._take_passed()  # (their checked calls read below)
         trials, self._trials = self._trials, {}
         # each call's figures: those kept when the layer was called again, then what is in its buffers now
         figures: dict[int, list[tuple[Tensor, Tensor]]] = {}

@@ -238,9 +238,13 @@ class LayerCall:
         calls, as ``1 + r`` — the kernel's error grows at most as ``(1 + r)²`` (a float32 sum of squares; a sum,
         or two passes, as ``1 + r``), so figures that passed within a quarter of the tolerance vouch for calls up
         to ``2r + 1`` (reach 2), ones whose error was a fraction f of it up to ``(1 + r)/√f − 1``. Non-finite
-        figures vouch for nothing."""
-        mean, var = pair[0], pair[1]
-        r2 = float(torch.where(var > 0, mean.square().div_(var + float(self.module.eps)), 0.0).amax())
+        figures vouch for nothing. Kept as a copy of the figures until the collector computes every such call's
+        ``r`` at once (:meth:`~precisebn.capture.Collector._take_passed`, before any bound is read: a few kernels
+        in all rather than a few per call), then given to :meth:`vouch`."""
+        self.c._passing.append((self, n, pair.detach().clone(), float(self.module.eps), reach))
+
+    def vouch(self, n: int, r2: float, reach: float) -> None:
+        """:meth:`passed`, with the call's largest mean² / (var + eps) over the channels whose data vary: ``r2``."""
         if r2 != r2 or r2 == float("inf"):
             return
         if reach > 1.0:

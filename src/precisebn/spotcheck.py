@@ -214,10 +214,15 @@ def rounding_passes(pair: Tensor, eps: float, unit: float, tolerance: float) -> 
     and a host read), computed over every channel only where that bound is too loose. NaN or Inf
     anywhere fails."""
     low, high = pair.aminmax(dim=1)  # (min mean, min var), (max mean, max var)
-    (low_mean, low_var), (high_mean, high_var) = low.tolist(), high.tolist()
-    if not all(map(math.isfinite, (low_mean, low_var, high_mean, high_var))):
+    return _rounding_passes(pair, torch.cat([low, high]).tolist(), eps, unit, tolerance)
+
+
+def _rounding_passes(pair: Tensor, extremes: list[float], eps: float, unit: float, tolerance: float) -> bool:
+    """:func:`rounding_passes` with the figures' extremes read already: ``[min mean, min var, max mean, max var]``."""
+    if not all(map(math.isfinite, extremes)):
         return False  # NaN figures, or Inf (an infinite variance made the term 0: a kernel's float32 sum of
         # squares that overflowed on finite values, |x| ~ 1e18, on a channel not checked — probe 32a)
+    low_mean, low_var, high_mean, _ = extremes
     scale = max(abs(low_mean), abs(high_mean)) * unit
     if scale * scale / (max(low_var, 0.0) + eps) <= tolerance:  # >= every channel's rounding term
         return True
@@ -351,14 +356,18 @@ class SpotChecks:
             _copy_checked(t, step, k, values)
             figures = pair[:, checked_channels(pair.shape[1])]
             block = values.view(k, n).sub_(figures[0].unsqueeze(1))  # shifted by the figures' means
-            sums = torch.stack([_row_sums(block), _row_sums(block.square_())])  # (new: the workspace is free)
+            s1 = _row_sums(block)  # (new: the workspace is free)
+            s2 = _row_sums(block.square_())
         finally:
             if taken is not None:
                 _give_back(taken)
-        fig_mean, fig_var = figures.tolist()
-        if not rounding_passes(pair, eps, self.unit, self.tolerance):
+        # one host read: the checked figures, the extremes of every channel's (for the rounding term), the sums
+        low, high = pair.aminmax(dim=1)
+        host = torch.cat([figures[0], figures[1], low, high, s1, s2]).tolist()
+        if not _rounding_passes(pair, host[2 * k : 2 * k + 4], eps, self.unit, self.tolerance):
             return False
-        checked = zip(fig_mean, fig_var, *sums.tolist())  # (each shifted by its figure's mean: fm)
+        fig_mean, fig_var, s1s, s2s = host[:k], host[k : 2 * k], host[2 * k + 4 : 3 * k + 4], host[3 * k + 4 :]
+        checked = zip(fig_mean, fig_var, s1s, s2s)  # (each shifted by its figure's mean: fm)
         return all(_passes_one(fm, fv, fm, s1, s2, n, eps, self.tolerance) for fm, fv, s1, s2 in checked)
 
     def _check_every(self, t: Tensor, pair: Tensor, eps: float) -> bool | None:
