@@ -232,9 +232,11 @@ def test_a_non_finite_prior_names_the_layer_and_writes_nothing() -> None:
     with torch.no_grad():
         model[5].running_var[2] = float("nan")
     snap = state_snapshot(model)
-    with pytest.raises(StatsMismatchError, match=r"'5': its current running statistics, the prior, are NaN"):
+    with pytest.raises(StatsMismatchError, match=r"'5': its current running statistics, the prior, are NaN") as raised:
         precisebn.recalibrate(model, batches, prior=4)
     assert_unchanged(model, snap)
+    # (not the hint about statistics of another model, which said to apply them to their own: a probe)
+    assert str(raised.value).endswith("recalibrate it without prior= first. Nothing was written."), str(raised.value)
     precisebn.recalibrate(model, batches, prior=4, layers=["1"])  # the other layer is fine
     assert not torch.equal(model[1].running_mean, snap["state"]["1.running_mean"])
 

@@ -316,3 +316,18 @@ def test_a_zero_dimensional_tensor_as_the_loader_is_refused_with_the_model_uncha
     with pytest.raises(InvalidArgumentError, match="0-dimensional tensor"):
         compat.update_bn(torch.tensor(1.0), model)
     assert_unchanged(model, before)
+
+
+def test_the_drop_ins_refuse_a_model_that_is_not_a_module_and_say_when_the_arguments_look_swapped() -> None:
+    """The two drop-ins take their arguments in opposite orders (fvcore's model first, torch's loader first): mixed
+    up, they raised a bare AttributeError from deep inside (a probe)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
+    loader = [torch.randn(8, 4) for _ in range(2)]
+    before = state_snapshot(model)
+    with pytest.raises(InvalidArgumentError, match=r"update_bn: model must be a torch.nn.Module, got list \(the arg"):
+        compat.update_bn(model, loader)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"update_bn_stats: model must be .*got list \(the arguments look"):
+        compat.update_bn_stats(loader, model, num_iters=2)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"got str; the call is update_bn\(loader, model, device=None\)"):
+        compat.update_bn(loader, "model")  # type: ignore[arg-type]
+    assert_unchanged(model, before)

@@ -162,6 +162,34 @@ def test_an_averaged_copy_is_recalibrated_with_the_frozen_layers_of_the_model_tr
     assert all(torch.equal(a, b) for a, b in zip(kept, statistics(averaged.module.body[1])))
 
 
+def test_a_copy_of_the_model_named_by_trains_leaves_its_frozen_layers_before_any_observation(
+    float64_truth: Any,
+) -> None:
+    """``trains(model)`` (Ignite's ``trained_model=``) names the model trained without observing it, and update()
+    read no modes at all then: a computation before any observation (an evaluation at the trainer's start, a loop
+    that never calls observe()) recalibrated the copy's frozen layer (a probe: mean 5 → -0.13, var 9 → 0.27 in an
+    EMA copy). update() now reads the frozen layers off the model trained, when that model is in training mode."""
+    model = NormEval(frozen=False)
+    averaged = AveragedModel(model)  # made before the model was frozen: its flags say nothing
+    model.frozen = True
+    model.train()
+    data = batches()
+    kept = statistics(averaged.module.body[1])
+    scheduler = precisebn.PreciseBNScheduler(averaged, data, num_samples="all")
+    scheduler.trains(model)
+    report = scheduler.update(1)
+    assert report is not None and report.updated == [f"module.{TRAINED}"]
+    assert scheduler.frozen_layers == (FROZEN,)
+    assert all(torch.equal(a, b) for a, b in zip(kept, statistics(averaged.module.body[1])))
+    # the truth: the frozen layer normalising with its own statistics, the trained one measured in training mode
+    name = f"module.{TRAINED}"
+    truth = float64_truth(averaged, data, select=lambda n, m: n == name)[name]
+    assert max_rel_error(averaged.module.head[1].running_mean, truth.mean, truth.var.sqrt()) < 1e-6
+    assert max_rel_error(averaged.module.head[1].running_var, truth.var) < 1e-5
+    model.eval()  # evaluating: says nothing, and the observation holds
+    assert scheduler.update(2, force=True).updated == [f"module.{TRAINED}"]  # type: ignore[union-attr]
+
+
 def test_a_wrapper_still_training_around_a_model_in_eval_mode_says_nothing() -> None:
     # e.g. a rank that evaluates alone through ddp_model.module: the wrapper's flag stays True
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 5), nn.BatchNorm1d(5))

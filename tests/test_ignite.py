@@ -278,6 +278,45 @@ def test_an_ema_copy_leaves_the_layers_frozen_in_the_model_trained() -> None:
         PreciseBN(model, trained_model="model")  # type: ignore[arg-type]
 
 
+def test_an_evaluation_at_the_start_leaves_the_frozen_layers_of_an_ema_copy() -> None:
+    """An evaluation at the trainer's STARTED, before any step, recalibrated the EMA copy's frozen layer (a probe:
+    mean 5 → -0.13, var 9 → 0.27): trained_model was named but not yet observed. The model trained is in training
+    mode by then, and its frozen layers are read off it."""
+    from ignite.handlers import EMAHandler
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 4, generator=g) * 3 + 1, torch.randn(16, 1, generator=g)) for _ in range(4)]
+    torch.manual_seed(0)
+    model = NormEval()  # body.1 frozen (statistics 0.5 and 4.0), in training mode before the run
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def step(engine: Engine, batch: Any) -> None:
+        loss = torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    trainer = Engine(step)
+    ema = EMAHandler(model, momentum=0.5)
+    ema.attach(trainer, name="ema_momentum")
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    evaluator = Engine(
+        lambda e, b: seen.append(
+            (ema.ema_model.body[1].running_mean.clone(), ema.ema_model.body[1].running_var.clone())
+        )
+    )
+    precise = PreciseBN(ema.ema_model, [x for x, _ in data], num_samples="all", trained_model=model)
+    precise.attach(evaluator, Events.STARTED, step_engine=trainer)
+    trainer.add_event_handler(Events.STARTED, lambda e: evaluator.run(data[:1]))
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: evaluator.run(data[:1]))
+    trainer.run(data, max_epochs=2)
+    assert precise.computations == 3 and precise.last_report is not None
+    assert precise.last_report.updated == ["head.1"]
+    assert len(seen) == 3
+    for mean, var in seen:
+        assert torch.equal(mean, torch.full((6,), 0.5)) and torch.equal(var, torch.full((6,), 4.0))
+
+
 def test_an_evaluation_before_the_first_iteration_leaves_frozen_layers() -> None:
     # the evaluator runs at the trainer's STARTED, before any iteration noted what training freezes
     x, y = make_data()

@@ -331,3 +331,28 @@ def test_fold_errors_from_sums_equal_a_jackknife_of_the_raw_values(
     assert bool(((pooled.var - var).abs() / var <= 1e-9 + cancel).all())
     assert bool(((se_mean - truth_mean).abs() <= 1e-6 * truth_mean + 1e-9 + cancel.sqrt()).all())
     assert bool(((se_var - truth_var).abs() <= 1e-6 * truth_var + 1e-9 + cancel).all())
+
+
+@pytest.mark.parametrize("scale", [1e-150, 1e-100, 1.0, 1e100, 1e150])
+@pytest.mark.parametrize("dense", [True, False])
+def test_fold_errors_do_not_depend_on_the_scale_of_the_data(scale: float, dense: bool) -> None:
+    """The errors are relative (in σ, and to the variance): scaling the data changes none of them. Squared in the
+    data's units, the jackknife's variances overflowed float64 from about 1e78 times these values and underflowed
+    below about 1e-80: every error reported infinite, or 0 ("±0%") where it is about 15% (a probe's float64 layer).
+    Both paths (every fold holding values; a fold without a channel's values), against the jackknife of the raw
+    values computed at scale 1 (the relative errors of the scaled data)."""
+    g = torch.Generator().manual_seed(0)
+    values = [[torch.randn(8, generator=g, dtype=torch.float64) + c for c in range(3)] for _ in range(4)]
+    if not dense:
+        values[1][0] = values[1][0][:0]
+    truth_mean, truth_var = jackknife_from_values(values)
+    stacked = RunningMoments(
+        *(
+            torch.stack([torch.stack([getattr(RunningMoments.from_data(v[:, None] * scale), key)[0] if v.numel()
+                                      else torch.tensor(0.0, dtype=torch.float64) for v in fold]) for fold in values])
+            for key in ("count", "mean", "m2")
+        )
+    )  # fmt: skip
+    _, se_mean, se_var = fold_errors(stacked)
+    torch.testing.assert_close(se_mean, truth_mean, rtol=1e-9, atol=0)
+    torch.testing.assert_close(se_var, truth_var, rtol=1e-9, atol=0)

@@ -65,6 +65,7 @@ def update_bn_stats(
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train()
         >>> update_bn_stats(model, [torch.randn(8, 4) for _ in range(10)], num_iters=10)
     """
+    _refuse_non_module(model, "update_bn_stats(model, data_loader, ...)", data_loader)
     if progress not in (None, "tqdm"):
         raise InvalidArgumentError(f"progress must be None or 'tqdm', got {progress!r}")
     num_iters = _positive(num_iters)
@@ -123,6 +124,8 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
         >>> update_bn([(torch.randn(8, 4), torch.zeros(8)) for _ in range(5)], model)
     """
 
+    _refuse_non_module(model, "update_bn(loader, model, device=None)", loader)
+
     def selected(name: str, module: nn.Module) -> bool:
         return isinstance(module, _BatchNorm)
 
@@ -158,6 +161,18 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
             )
             return
         plan_writes(unwrap(model), stats, modules=walk, shared_checked=True).commit()
+
+
+def _refuse_non_module(model: Any, signature: str, other: Any) -> None:
+    """Refuses a ``model`` that is not an ``nn.Module`` — saying so when it is the other argument that is one: the two
+    drop-ins take their arguments in opposite orders, as fvcore's and torch's do."""
+    if isinstance(model, nn.Module):
+        return
+    swapped = " (the arguments look swapped)" if isinstance(other, nn.Module) else ""
+    raise InvalidArgumentError(
+        f"{signature.split('(')[0]}: model must be a torch.nn.Module, got {type(model).__name__}{swapped}; the call is "
+        f"{signature}. Nothing was changed."
+    )
 
 
 def _positive(num_iters: Any) -> int:

@@ -149,8 +149,7 @@ class PreciseBNScheduler:
         self.frozen = frozen
         self.preserve_rng = preserve_rng
         self._frozen = FrozenLayers()
-        self._own_modes = True  # whether update() notes the modes of the model it computes on (see observe)
-        self._trained: nn.Module = model  # the model being trained (see observe)
+        self._trained: nn.Module = model  # the model being trained, whose modes update() reads (see observe)
         self._skipped: list[str] | None = None  # the frozen layers last logged
         self._unsure_noted = False
         self._options: dict[str, Any] = {
@@ -200,7 +199,7 @@ class PreciseBNScheduler:
         by the next computations (``frozen="skip"``). :meth:`update` does so itself; call
         this during training when :meth:`update` runs with the model in eval mode (after
         ``model.eval()``), or with the trained model when the scheduler recalibrates an
-        averaged copy of it (:meth:`update` then no longer looks at the copy's own flags).
+        averaged copy of it (:meth:`update` then reads that model's flags, never the copy's own).
         A host-only scan of the layers' flags.
 
         Returns:
@@ -209,15 +208,16 @@ class PreciseBNScheduler:
         if model is None or model is self.model:
             return self._frozen.observe(self.model)
         seen = self._frozen.observe(model)  # (refuses a non-module first)
-        self._own_modes, self._trained = False, model  # from now on the modes that count are those of the model trained
+        self._trained = model  # from now on the modes that count are those of the model trained
         return seen
 
     def trains(self, model: nn.Module) -> None:
         """Names the model being trained, when it is not the scheduler's (an averaged copy of it), without
-        observing it yet: :meth:`update` then reads the frozen layers from the observations of ``model``."""
+        observing it yet: :meth:`update` then reads the frozen layers off ``model`` — its modes at the computation if
+        it is in training mode then (an evaluation before the first step included), else its last observation."""
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(f"trains() takes the model being trained, got {type(model).__name__}")
-        self._own_modes, self._trained = model is self.model, model
+        self._trained = model
 
     def is_current(self, step: int) -> bool:
         """Whether the statistics were computed at ``step`` and nothing invalidated them since."""
@@ -272,7 +272,9 @@ class PreciseBNScheduler:
         override = None  # a train() override that may freeze layers
         if self.frozen == "skip":
             unseen = not frozen.seen
-            seen_now = self._own_modes and frozen.observe(self.model, relist=True)
+            # the modes of the model trained (this one, or the one trains()/observe() named: an averaged copy's own
+            # flags say nothing), if it is training now; else the last observation holds
+            seen_now = frozen.observe(self._trained, relist=True)
             if before_training and unseen and not seen_now:
                 override = train_override(self._trained)
         names, unsure = agreed_names(

@@ -308,7 +308,18 @@ def fold_errors_from_sums(
     inv_rest = torch.sub(n, count, out=count).reciprocal_()  # 1 / (n - n_k)
     mean_out = torch.sub(total1, s1, out=s1).mul_(inv_rest)  # mean_(-k) - K
     var_out = torch.sub(total2, s2, out=s2).mul_(inv_rest).addcmul_(mean_out, mean_out, value=-1).clamp_min_(0)
-    return pooled, *_relative(_spread(mean_out, k), _spread(var_out, k), pooled.m2 / n)
+    scale, var = _scales(pooled.m2 / n)
+    se_mean, se_var = _spread(mean_out.div_(scale.sqrt()), k), _spread(var_out.div_(scale), k)
+    return pooled, *_relative(se_mean, se_var, var)
+
+
+def _scales(var: Tensor) -> tuple[Tensor, Tensor]:
+    """The jackknife's estimates are divided by the pooled variance (its square root for the means) before their
+    spread is taken, where it is positive: squared in the units of the data, variances beyond about 1e154 overflowed
+    float64 and below 1e-154 underflowed (a float64 layer: every error infinite, or 0 — "±0%"). Returns that divisor
+    (1 elsewhere) and what :func:`_relative` then divides by: 1 where it divided already, else the variance."""
+    positive = var > 0
+    return torch.where(positive, var, 1.0), torch.where(positive, 1.0, var)
 
 
 def _spread(values: Tensor, k: int) -> Tensor:
@@ -350,7 +361,8 @@ def _fold_errors_general(folds: RunningMoments) -> tuple[RunningMoments, Tensor,
         centre = values.sum(0).div_(k.clamp_min(1))
         return values.sub_(centre).masked_fill_(~used, 0).square_().sum(0).mul_(factor).sqrt_()
 
-    se_mean, se_var = spread(mean_out), spread(var_out)
-    rel_mean, rel_var = _relative(se_mean, se_var, m2 / n.clamp_min(1))
+    scale, var = _scales(m2 / n.clamp_min(1))
+    se_mean, se_var = spread(mean_out.div_(scale.sqrt())), spread(var_out.div_(scale))
+    rel_mean, rel_var = _relative(se_mean, se_var, var)
     nan = torch.full_like(rel_mean, float("nan"))
     return pooled, torch.where(k >= 2, rel_mean, nan), torch.where(k >= 2, rel_var, nan)

@@ -146,7 +146,12 @@ def plan_writes(
             "these batches (a custom batch type?): give batches as tensors, or tuples, lists or dicts of tensors, or "
             "pass prior=None. Nothing was written."
         )
-        _refuse("the statistics cannot be pooled with the model's", problems, unknown if stats.samples <= 0 else None)
+        # (the problems say what to do: the default hint, about statistics of another model, would mislead)
+        _refuse(
+            "the statistics cannot be pooled with the model's",
+            problems,
+            unknown if stats.samples <= 0 else "Nothing was written.",
+        )
     write = tuple(name in WRITTEN[adapt] for name in _BUFFERS)  # running_mean, running_var
     buffers = [(m.running_mean, m.running_var) for _, m, _ in entries]  # read once: Module.__getattr__ is slow
     updated = [(pair, s) for pair, (_, _, s) in zip(buffers, entries) if s.reached]
