@@ -179,6 +179,36 @@ def failure_in_a_subgroup(rank: int, world_size: int) -> Result:
     return result
 
 
+def scheduler_data_fails(rank: int, world_size: int) -> Result:
+    """Probe 38: a scheduler's data callable raising on rank 1 (a missing shard) raised there before the passes,
+    and the other ranks waited in the passes' first collective until the process group's timeout."""
+    model = make_model()
+    before = buffers(model)
+
+    def data() -> list[torch.Tensor]:
+        if rank == 1:
+            raise FileNotFoundError("shard-1.tar on rank 1")
+        return shard(rank, world_size)
+
+    start = time.time()
+    try:
+        precisebn.PreciseBNScheduler(model, data, num_samples="all").update(1)
+    except DistributedError as exc:
+        return {**_error(exc), "unchanged": same_state(before, buffers(model)), "seconds": time.time() - start}
+    return {"error": None}
+
+
+def mismatch_in_a_subgroup(rank: int, world_size: int) -> Result:
+    """A group of global ranks 1 and 2 passing different tolerances to num_samples="auto" (probe 38: named "rank 0"
+    and "rank 1", the ranks within the group — global rank 0 is not in it)."""
+    group = torch.distributed.new_group([1, 2])
+    result: Result = {"error": None}
+    if rank > 0:
+        result = expect_failure(_stream(rank), num_samples="auto", tolerance=[1e-9, 0.5][rank - 1], process_group=group)
+    torch.distributed.barrier()
+    return result
+
+
 def expect_failure(data: Any, **options: Any) -> Result:
     """Recalibrates a fresh model expecting every rank to raise; records the error and
     whether the model kept its exact state."""
@@ -549,6 +579,8 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         failure_surfaces_fast,
         group_released,
         collectives_let_go,
+        scheduler_data_fails,
+        mismatch_in_a_subgroup,
     )
 }
 

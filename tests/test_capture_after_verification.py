@@ -1555,3 +1555,55 @@ def test_calls_around_the_wrapper_are_refused_on_either_path(capture: str) -> No
     report = precisebn.recalibrate(model, batches, capture=capture)  # (the model itself, its wrappers in place)
     assert report["1"].count == truth.count
     assert_exact(model, "1", truth.mean, truth.var)
+
+
+class AroundItsForward(nn.Module):
+    """A conv and a BatchNorm ``bn`` normalised every forward, but never through ``bn``'s forward attribute: a
+    bound method kept at construction, a call through its class, or ``F.batch_norm`` with its buffers in the
+    parent's forward (with or without counting the call); then a second BatchNorm, called as usual. ``how="unused"``:
+    ``bn`` is not used at all (the control)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.norm = self.bn.forward  # (bound before the passes wrap it)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x)
+        bn = self.bn
+        if self.how == "bound method":
+            x = self.norm(x)
+        elif self.how == "through the class":
+            x = nn.BatchNorm2d.forward(bn, x)
+        elif self.how.startswith("F.batch_norm"):
+            x = F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, True, bn.momentum, bn.eps)
+            if self.how.endswith("counted"):
+                bn.num_batches_tracked.add_(1)
+        return self.bn2(x)
+
+
+@pytest.mark.parametrize("how", ["bound method", "through the class", "F.batch_norm", "F.batch_norm, counted"])
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+def test_a_layer_normalised_only_around_its_forward_is_refused(how: str, capture: str, snapshot, unchanged) -> None:
+    """Probe 38: a layer every call of which went around precisebn's wrapper — its bound forward kept at
+    construction (self.norm = self.bn.forward), a call through its class, a parent calling F.batch_norm with its
+    buffers — was reported "not reached (kept)" and kept stale statistics (mean 0 where the data's is 0.85),
+    silently: its counter was compared only for layers seen called. Refused by name, the model unchanged; a layer
+    that is really not used is still reported so, and the other layer is exact."""
+    model = AroundItsForward(how)
+    batches = images([4, 4, 4])
+    before = snapshot(model)
+    # (on the float64 path a counted call is refused already by the count of calls around the wrapper)
+    refusal = r"layer 'bn' \(BatchNorm2d\)(: never called through its forward| ran 3 times around precisebn's wrapper)"
+    with pytest.raises(UnsupportedLayerError, match=refusal):
+        precisebn.recalibrate(model, batches, capture=capture)
+    unchanged(model, before)
+    model.how = "unused"
+    truth = compute_truth(model, batches)["bn2"]
+    report = precisebn.recalibrate(model, batches, capture=capture)
+    assert report["bn"].status == "not reached (kept)" and report.updated == ["bn2"]
+    assert torch.equal(model.bn.running_mean, before["state"]["bn.running_mean"])
+    assert_exact(model, "bn2", truth.mean, truth.var)

@@ -213,7 +213,8 @@ def test_collectives_are_let_go_of_before_precisebn_goes_on(tmp_path: Path) -> N
 
 
 def test_three_uneven_ranks(tmp_path: Path) -> None:
-    results = run_ranks(3, ["union", "empty_rank", "outside_the_group", "failure_in_a_subgroup"], tmp_path)
+    names = ["union", "empty_rank", "outside_the_group", "failure_in_a_subgroup", "mismatch_in_a_subgroup"]
+    results = run_ranks(3, names, tmp_path)
     check_union(results, 3)
     for res in results:
         assert res["empty_rank"]["failed_ranks"] == [1] and res["empty_rank"]["unchanged"]
@@ -224,6 +225,10 @@ def test_three_uneven_ranks(tmp_path: Path) -> None:
         f = res["failure_in_a_subgroup"]
         assert f["error"] == "DistributedError" and f["unchanged"], f
         assert "failed on rank 2 of the group of ranks 1, 2 (rank 2: InvalidArgumentError" in f["message"], f
+        assert f["failed_ranks"] == [2], f  # (probe 38: [1], the rank within the group)
+        m = res["mismatch_in_a_subgroup"]
+        assert m["error"] == "DistributedError" and m["unchanged"], m
+        assert "tolerance (rank 1: 1e-09, rank 2: 0.5)" in m["message"], m  # (probe 38: "rank 0", "rank 1")
 
 
 def test_failure_on_one_rank_surfaces_fast_everywhere(tmp_path: Path) -> None:
@@ -284,6 +289,18 @@ def test_mistakes_on_one_rank_reach_every_rank_at_once(tmp_path: Path) -> None:
     i0, i1 = results[0]["interrupted_in_the_merge"], results[1]["interrupted_in_the_merge"]
     assert i1["error"] == "KeyboardInterrupt" and i1["unchanged"], i1
     assert i0["error"] == "DistributedError" and i0["failed_ranks"] == [1] and i0["unchanged"], i0
+
+
+def test_a_scheduler_whose_data_fails_on_one_rank_fails_on_every_rank_at_once(tmp_path: Path) -> None:
+    """Probe 38: PreciseBNScheduler's data callable raised on rank 1 before the passes began; rank 0 waited in
+    the first collective for the process group's timeout (60 s here, 30 minutes by default) and then raised gloo's
+    own error. Now the failure goes through the passes: every rank raises the same DistributedError naming rank 1,
+    at once, the models unchanged."""
+    results = run_ranks(2, ["scheduler_data_fails"], tmp_path, timeout=100)
+    for res in results:
+        f = res["scheduler_data_fails"]
+        assert f["error"] == "DistributedError" and f["failed_ranks"] == [1] and f["unchanged"], f
+        assert "rank 1: FileNotFoundError: shard-1.tar on rank 1" in f["message"] and f["seconds"] < 20, f
 
 
 def test_an_error_whose_message_cannot_be_stored_still_reaches_every_rank_at_once(tmp_path: Path) -> None:

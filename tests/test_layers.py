@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+import warnings
 from typing import Any
 
 import hypothesis.strategies as st
@@ -459,6 +460,49 @@ def test_an_exported_graph_is_refused_with_the_reason() -> None:
         with pytest.raises(LayerNotFoundError) as plain:  # (no word of graphs)
             precisebn.estimate(other, [torch.randn(2, 3, 8, 8)])
         assert "exported" not in str(plain.value)
+
+
+class _TracedThrough(torch.fx.Tracer):
+    """Traces through the BatchNorm layers of the class below (into F.batch_norm operations on their buffers)."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return not isinstance(m, _Inlined) and super().is_leaf_module(m, qualname)
+
+
+class _Inlined(nn.BatchNorm2d):
+    def _check_input_dim(self, input: torch.Tensor) -> None:  # (a branch on the input: not traceable)
+        pass
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_torch_fx_graph_with_layers_traced_into_operations_says_so(kept: bool) -> None:
+    """Probe 38: a torch.fx graph in which one BatchNorm was traced through (an operation on its buffers) and
+    another kept as a module was recalibrated without a word of the first: its statistics stayed stale. Now a
+    warning names its buffers; with no layer kept, the refusal says why — a symbolic_trace result's class is named
+    after the module traced (not "GraphModule"), and the refusal had left the reason out."""
+    from precisebn.errors import LayerNotFoundError, PreciseBNWarning
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), _Inlined(4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4) if kept else nn.ReLU())
+    graph = torch.fx.GraphModule(model, _TracedThrough().trace(model), "Net")
+    assert type(graph).__name__ == "Net"
+    batches = [torch.randn(2, 3, 8, 8) for _ in range(2)]
+    if not kept:
+        with pytest.raises(LayerNotFoundError, match=r"Its buffers '1\.running_mean' are running statistics that no"):
+            precisebn.estimate(graph, batches)
+        layer = _Inlined(3)  # traced itself: the buffers on the graph's root, whose class is named "_Inlined"
+        root = torch.fx.GraphModule(layer, _TracedThrough().trace(layer), "_Inlined")
+        with pytest.raises(LayerNotFoundError, match=r"Its buffers 'running_mean' are running statistics that no"):
+            precisebn.estimate(root, batches)
+        return
+    before = graph.get_submodule("1").running_mean.clone()
+    with pytest.warns(PreciseBNWarning, match=r"1 running statistics buffer\(s\) of Net, a torch.fx graph, .*'1\.run"):
+        report = precisebn.recalibrate(graph, batches)
+    assert report.updated == ["3"]
+    assert torch.equal(graph.get_submodule("1").running_mean, before)  # (kept, as the warning says)
+    plain = torch.fx.symbolic_trace(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))  # (layers kept as modules)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PreciseBNWarning)
+        precisebn.recalibrate(plain, batches)
 
 
 def test_a_model_whose_only_normalization_is_frozen_says_so() -> None:

@@ -216,6 +216,9 @@ class Collector:
             for i, pair in zip(scratch.layer_ids, scratch.slices(scratch.initial)):
                 self._initial_pairs[i] = pair
                 self._initial_views[i] = (pair[0], pair[1])
+        # and as they were: a layer never called through its forward must still hold them at the end (see
+        # _refuse_written_around)
+        self._pristine = [scratch.initial.clone() for scratch in state.groups]  # type: ignore[union-attr]
         self._calls: list[LayerCall] = []
         for i, layer in enumerate(self.layers):
             self._calls.append(LayerCall(self, i))  # (it looks at the forward before it is wrapped)
@@ -660,6 +663,31 @@ class Collector:
             [self._counted[i] for i in ids],
         )
 
+    def _refuse_written_around(self, never: list[int]) -> None:
+        """Refuses a layer that precisebn's wrapper never saw called but whose running buffers were written during the
+        passes: its counter moved (torch's forward counts each call that computes batch figures), or what it holds
+        between calls changed. Something normalised with them around its forward — a bound method kept from before
+        the passes (``self.norm = self.bn.forward``), a call through its class, another module calling
+        ``F.batch_norm`` with its buffers — and what that normalised was not measured: reported "not reached
+        (kept)", its statistics stayed stale (a probe). Host reads for such layers only, once, at the end."""
+        written = []
+        for i in never:
+            counter, (g, slot) = self._counters[i], self._ratio_plans[i]
+            moved = 0 if counter is None else counter._version - self._born[i] - self._resets - self._lost[i]
+            held = self._initial_pairs[i]
+            if moved > 0 or not torch.equal(held, self._scratch[g].slices(self._pristine[g])[slot]):  # type: ignore[arg-type]
+                written.append(self.layers[i].label)
+        if written:
+            shown = ", ".join(written[:5]) + (f" and {len(written) - 5} more" if len(written) > 5 else "")
+            raise UnsupportedLayerError(
+                f"{shown}: never called through its forward during the passes, yet its running buffers were "
+                "written as a normalization in training mode writes them: something ran it around the layer's "
+                "forward — a bound method kept from before the passes (self.norm = self.bn.forward), a call through "
+                "its class (nn.BatchNorm2d.forward(self.bn, x)), or another module calling F.batch_norm with its "
+                "buffers — so what it normalised was not measured. Call the layer itself (self.bn(x)) in the model's "
+                "forward, or exclude it with layers=. The model was left unchanged."
+            )
+
     def _take_passed(self) -> None:
         """Gives the calls recorded by :meth:`LayerCall.passed` their largest mean² / (var + eps) over the channels
         whose data vary (NaN where a figure is), in their figures' dtype: a few kernels per dtype and one host read,
@@ -930,11 +958,15 @@ class Collector:
                         f"{layer.label} ran {n - self._lost[i] - self.calls[i]} times "
                         "around precisebn's wrapper of its forward, which saw and measured "
                         f"{self.calls[i]} calls (its num_batches_tracked counted {n - self._lost[i]}): the model's "
-                        "modules had their forward attribute removed during the passes, or a copy sharing their "
-                        "buffers ran, so that what those calls normalised was not measured (probe 37). Run the model "
-                        "itself in forward=, and leave its modules' forward attributes alone during the passes. The "
-                        "model was left unchanged."
+                        "modules had their forward attribute removed during the passes, a bound method of the layer "
+                        "kept from before them ran (self.norm = self.bn.forward; or a call through its class), or a "
+                        "copy sharing their buffers ran, so that what those calls normalised was not measured. Run "
+                        "the model itself in forward=, call the layer itself (self.bn(x)), and leave its modules' "
+                        "forward attributes alone during the passes. The model was left unchanged."
                     )
+        never = [i for i, calls in enumerate(self.calls) if not calls]
+        if never:
+            self._refuse_written_around(never)
         for i, layer in enumerate(self.layers):
             counter = self._counters[i]
             if not self._checked_calls[i] or counter is None:

@@ -185,7 +185,7 @@ class RankContext:
         except Exception as comm_exc:
             if peer:
                 raise DistributedError(
-                    f"rank {self.rank}: another rank failed, and the status exchange failed too "
+                    f"rank {self._global(self.rank)}: another rank failed, and the status exchange failed too "
                     f"({comm_exc}); this rank's model was left unchanged."
                 ) from comm_exc
             raise exc from None
@@ -197,7 +197,7 @@ class RankContext:
     def _failure_error(self, table: list[list[float]]) -> DistributedError:
         failed = tuple(r for r, row in enumerate(table) if row[0] == _FAILED)
         if not failed:  # (every rank in a failure exchange stopped for another's failure: not expected)
-            stopped = [r for r, row in enumerate(table) if row[0] == _STOPPED]
+            stopped = [self._global(r) for r, row in enumerate(table) if row[0] == _STOPPED]
             return DistributedError(
                 f"precisebn stopped on rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} of "
                 f"{self.world_size} without an error of its own (see the other ranks' logs). No rank's model was "
@@ -224,7 +224,7 @@ class RankContext:
             f"precisebn failed on rank{'s' if len(failed) > 1 else ''} "
             f"{', '.join(str(self._global(r)) for r in failed)} of {of} ({'; '.join(details)}). No rank's model was "
             "changed; fix the cause on that rank and call again on every rank.",
-            failed,
+            tuple(map(self._global, failed)),  # (global ranks, as named: a subgroup's 1 is not global 1)
         )
 
     def _global(self, r: int) -> int:
@@ -296,7 +296,7 @@ class RankContext:
             if any(row[0] != _VOTE for row in table):  # a rank not voting: this was its status exchange
                 raise _FailedAtVote(self._auto_mismatch(table))
             if len({row[3] for row in table}) > 1:
-                given = ", ".join(f"rank {r}: {row[4]!r}" for r, row in enumerate(table))
+                given = ", ".join(f"rank {self._global(r)}: {row[4]!r}" for r, row in enumerate(table))
                 raise _FailedAtVote(
                     DistributedError(
                         f"ranks disagree on when to stop num_samples='auto': tolerance ({given}) or num_samples "
@@ -313,8 +313,8 @@ class RankContext:
         return vote
 
     def _auto_mismatch(self, table: list[list[float]]) -> DistributedError:
-        voting = [r for r, row in enumerate(table) if row[0] == _VOTE]
-        others = [r for r, row in enumerate(table) if row[0] != _VOTE]
+        voting = [self._global(r) for r, row in enumerate(table) if row[0] == _VOTE]
+        others = [self._global(r) for r, row in enumerate(table) if row[0] != _VOTE]
         return DistributedError(
             f"ranks disagree on num_samples: rank{'s' if len(voting) > 1 else ''} {', '.join(map(str, voting))} "
             f"use{'' if len(voting) > 1 else 's'} num_samples='auto' (the ranks vote on when to stop), "
@@ -361,7 +361,7 @@ class RankContext:
             raise self._auto_mismatch(table)
         digests = {int(row[3]) for row in table}
         if len(digests) > 1:
-            per_rank = ", ".join(f"rank {r}: {int(row[3]):08x}" for r, row in enumerate(table))
+            per_rank = ", ".join(f"rank {self._global(r)}: {int(row[3]):08x}" for r, row in enumerate(table))
             raise DistributedError(
                 f"ranks selected different normalization layers or passed different options (digests {per_rank}; "
                 f"this rank: mode={local.mode!r}, {options or 'no other options'}): every rank must pass the same "

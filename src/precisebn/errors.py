@@ -98,7 +98,7 @@ class DistributedError(PreciseBNError, RuntimeError):
     """Ranks disagree about the recalibration, or one of them failed.
 
     Attributes:
-        failed_ranks: The ranks that reported a failure (empty when the ranks only
+        failed_ranks: The global ranks that reported a failure (empty when the ranks only
             disagreed).
     """
 

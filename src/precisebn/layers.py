@@ -323,16 +323,25 @@ def find_norm_layers(
         "code that no hook sees: recalibrate the nn.Module before scripting or tracing it, then script or "
         "trace it again."
     )
+    fx = sys.modules.get("torch.fx")  # (a graph module's class is named after the module traced: not by name)
+    graph_module = fx is not None and isinstance(model, fx.GraphModule)
+    if found and graph_module and layers is None:  # some layers traced into operations, others kept as modules
+        orphans = _orphan_statistics(model, graph_module)
+        if orphans:
+            warnings.warn(
+                f"{len(orphans)} running statistics buffer(s) of {type(model).__name__}, a torch.fx graph, are held by "
+                f"no normalization layer ({', '.join(repr(n) for n in orphans[:3])}"
+                f"{' and others' if len(orphans) > 3 else ''}): layers traced into operations, which precisebn cannot "
+                "watch, and their statistics are kept. Recalibrate the nn.Module before tracing it (or trace with "
+                "its normalization layers as leaf modules).",
+                PreciseBNWarning,
+                stacklevel=4,
+            )
     if require and not found:
         chosen = repr(layers)  # (the command line's selection shows itself as its option: "--layers ...")
         # running statistics held by no normalization layer: a graph (torch.export, torch.fx) with the layers
         # turned into operations (a probe: refused without a word of why)
-        graph_module = type(model).__name__ == "GraphModule"
-        orphans = [  # (in plain Module containers, as exported graphs keep them: not a FrozenBatchNorm's)
-            f"{name}.running_mean" if name else "running_mean"
-            for name, m in model.named_modules()
-            if "running_mean" in m._buffers and (graph_module or type(m) is nn.Module)
-        ]
+        orphans = _orphan_statistics(model, graph_module)
         graph = (
             f" Its buffers {orphans[0]!r}{' and others' if len(orphans) > 1 else ''} are running statistics that no "
             "such layer holds: in an exported or traced graph (torch.export, torch.fx) the layers are operations, "
@@ -363,6 +372,16 @@ def find_norm_layers(
         kept = "Its statistics are" if len(scripted) == 1 else "Their statistics are"
         warnings.warn(f"The {script} {kept} kept.", PreciseBNWarning, stacklevel=4)  # recalibrate's caller
     return found
+
+
+def _orphan_statistics(model: nn.Module, graph_module: bool) -> list[str]:
+    """The ``running_mean`` buffers that no normalization layer holds: in a graph module's submodules, or in plain
+    ``nn.Module`` containers as exported graphs keep them (not a FrozenBatchNorm's)."""
+    return [
+        f"{name}.running_mean" if name else "running_mean"
+        for name, m in model.named_modules()
+        if "running_mean" in m._buffers and not isinstance(m, _NormBase) and (graph_module or type(m) is nn.Module)
+    ]
 
 
 def refuse_parameter_statistics(layers: Sequence[NormLayer]) -> None:

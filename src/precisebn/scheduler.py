@@ -254,11 +254,11 @@ class PreciseBNScheduler:
             return None
         if self.preserve_rng:
             with preserved_rng(self.model):
-                batches = fresh_batches(self.data)
+                batches = _batches_or_failure(self.data)
                 with preserved_generators(data_generators(self.data, batches)), preserved_epochs(self.data, batches):
                     report = recalibrate(self.model, batches, **options)
         else:
-            report = recalibrate(self.model, fresh_batches(self.data), **options)
+            report = recalibrate(self.model, _batches_or_failure(self.data), **options)
         self._last_step, self._stale, self._last_report = step, False, report
         self._computations += 1
         return report
@@ -619,6 +619,27 @@ def preserved_generators(generators: Iterable[Any]) -> Iterator[None]:
     finally:
         for restore in restorers:
             restore()
+
+
+class _Failed(Iterable[Any]):
+    """Data whose iteration raises ``error``, what getting a computation's data raised (:func:`_batches_or_failure`)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __iter__(self) -> Iterator[Any]:
+        raise self.error
+
+
+def _batches_or_failure(data: Data) -> Iterable[Any]:
+    """:func:`fresh_batches`, or, if that raises (a data callable that fails), data that raise the same error once
+    the passes iterate them: inside :func:`~precisebn.recalibrate`, where every rank learns of a rank's failure at
+    once (raised before it, the other ranks waited in the passes' first collective until the process group's
+    timeout, a probe: 30 minutes by default), and the model is left unchanged as for any failure of the data."""
+    try:
+        return fresh_batches(data)
+    except Exception as exc:
+        return _Failed(exc)
 
 
 def fresh_batches(data: Data) -> Iterable[Any]:
