@@ -410,6 +410,33 @@ def interrupted_in_the_merge(rank: int, world_size: int) -> Result:
         distributed.RankContext.all_reduce = original  # type: ignore[method-assign]
 
 
+def interrupted_before_the_writes(rank: int, world_size: int) -> Result:
+    """Ctrl-C on rank 1 as the last exchange (all ranks agreeing to write) begins (probe 38: rank 1 raised at once
+    and wrote nothing while rank 0 wrote — or waited for it until the group's timeout): held until this rank's
+    writes are done too, then raised there. Every rank writes, or none."""
+    import signal
+
+    from precisebn import distributed
+
+    original = distributed.RankContext.agree
+
+    def agree(self, digest=0):  # type: ignore[no-untyped-def]
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self, digest)
+
+    distributed.RankContext.agree = agree  # type: ignore[method-assign]
+    model = make_model()
+    try:
+        precisebn.recalibrate(model, shard(rank, world_size), num_samples="all")
+        raised = None
+    except KeyboardInterrupt:
+        raised = "KeyboardInterrupt"
+    finally:
+        distributed.RankContext.agree = original  # type: ignore[method-assign]
+    return {"raised": raised, "state": buffers(model)}
+
+
 def layer_mismatch(rank: int, world_size: int) -> Result:
     return expect_failure(shard(rank, world_size), layers=None if rank == 0 else ["1"])
 
@@ -581,6 +608,7 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         collectives_let_go,
         scheduler_data_fails,
         mismatch_in_a_subgroup,
+        interrupted_before_the_writes,
     )
 }
 

@@ -303,6 +303,18 @@ def test_a_scheduler_whose_data_fails_on_one_rank_fails_on_every_rank_at_once(tm
         assert "rank 1: FileNotFoundError: shard-1.tar on rank 1" in f["message"] and f["seconds"] < 20, f
 
 
+def test_ctrl_c_on_one_rank_before_the_writes_leaves_every_rank_written_alike(tmp_path: Path) -> None:
+    """Probe 38: Ctrl-C on one rank during the last exchange, once every rank had agreed to write, raised there at
+    once: that rank's model was left as it was while the others wrote (or waited for it). Held until its writes
+    are done, then raised: every rank holds the union's statistics, bit for bit the same."""
+    results = run_ranks(2, ["union", "interrupted_before_the_writes"], tmp_path, timeout=100)
+    assert [res["interrupted_before_the_writes"]["raised"] for res in results] == [None, "KeyboardInterrupt"]
+    expected = results[0]["union"]["state"]  # (the same data and model: the union's statistics)
+    for res in results:
+        state = res["interrupted_before_the_writes"]["state"]
+        assert all(torch.equal(state[k], v) for k, v in expected.items()), state
+
+
 def test_an_error_whose_message_cannot_be_stored_still_reaches_every_rank_at_once(tmp_path: Path) -> None:
     """Found by a hostile probe: a rank's error whose message held a lone surrogate (an undecodable file name
     through os.fsdecode), or whose __str__ raised, could not be stored; the other ranks learnt of the failure

@@ -52,7 +52,7 @@ from .errors import DistributedError, InvalidArgumentError
 from .measure import Measurement
 from .stats import RunningMoments
 
-__all__ = ["COLLECTIVES", "LET_GO_SECONDS", "POLL_SECONDS", "RankContext"]
+__all__ = ["COLLECTIVES", "LET_GO_SECONDS", "POLL_SECONDS", "RankContext", "interrupts_held"]
 
 COLLECTIVES = 5
 """Collective calls per distributed recalibration (1 status + 2 statistics + 1 calls per forward + 1
@@ -348,7 +348,7 @@ class RankContext:
         must have passed alike besides the mode (which function was called, per_call...): in the layers'
         digest (a different function, e.g. estimate on one rank and recalibrate on another, would make
         different collectives after this one: every rank would wait for the others)."""
-        with _interrupts_held():  # (Ctrl-C between this rank's collectives would leave the others waiting)
+        with interrupts_held():  # (Ctrl-C between this rank's collectives would leave the others waiting)
             return self._merge(local, options)
 
     def _merge(self, local: Measurement, options: str) -> Measurement:
@@ -429,10 +429,12 @@ class RankContext:
 
 
 @contextlib.contextmanager
-def _interrupts_held() -> Iterator[None]:
+def interrupts_held() -> Iterator[None]:
     """Ctrl-C (SIGINT) held until the block ends, then raised: a rank interrupted between the merge's
     collectives would leave the other ranks waiting in the next one (a probe: 30 minutes, the group's
-    timeout). Only in the main thread, with Python's own handler in place (else as it is)."""
+    timeout), and one interrupted between the last exchange and its writes would leave them writing alone (a
+    probe: the ranks' models differed). Only in the main thread, with Python's own handler in place (else as it
+    is); a block that raises keeps its own exception."""
     if threading.current_thread() is not threading.main_thread() or (
         signal.getsignal(signal.SIGINT) is not signal.default_int_handler
     ):

@@ -421,6 +421,9 @@ def _estimate(
         except BaseException as exc:
             ctx.fail(exc)
             raise
+        # Ctrl-C held from the last exchange to the end of the writes (guard closes after them), then raised: once
+        # every rank has agreed, each writes — one interrupted in between would leave the others writing alone
+        guard.enter_context(_dist.interrupts_held())
         ctx.agree(planned.digest())  # raises on every rank if any failed to plan its writes, or would write otherwise
         return stats, planned
     finally:
