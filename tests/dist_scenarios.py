@@ -209,6 +209,13 @@ def mismatch_in_a_subgroup(rank: int, world_size: int) -> Result:
     return result
 
 
+def standard_errors(rank: int, world_size: int) -> Result:
+    """The standard errors of the union's statistics (probe 38: each rank's folds merged with the same-numbered
+    folds of the others, three ranks of one batch each filled one fold, and every error was NaN)."""
+    stats = precisebn.estimate(make_model(), shard(rank, world_size), num_samples="all")
+    return {name: (s.se_mean, s.se_var) for name, s in stats.items()}
+
+
 def expect_failure(data: Any, **options: Any) -> Result:
     """Recalibrates a fresh model expecting every rank to raise; records the error and
     whether the model kept its exact state."""
@@ -609,6 +616,7 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         scheduler_data_fails,
         mismatch_in_a_subgroup,
         interrupted_before_the_writes,
+        standard_errors,
     )
 }
 

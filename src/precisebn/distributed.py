@@ -11,8 +11,9 @@ whatever the model's depth or the data's size — all of them after the batch lo
 2. ``all_reduce`` (sum) of one flat float64 buffer holding every channel's count
    ``n_r`` and ``n_r·μ_r`` per fold (and each layer's calls, counts, and whether this rank
    read it through its figures or in float64): gives the global count and mean of each fold
-   (fold k of the union is fold k of every rank, so the standard errors stay those of
-   interleaved batches), and each layer's path over the ranks ("mixed" where they differ);
+   (each rank's folds moved by the batches of the ranks before it, so that the union's folds are
+   those of its batches in rank order, and the standard errors those of one process over them),
+   and each layer's path over the ranks ("mixed" where they differ);
 3. ``all_reduce`` (sum) of ``M2_r + n_r·(μ_r − μ)²``: gives the global M2;
 4. ``all_reduce`` (max) of each layer's most calls in one batch: every rank reports the same.
 
@@ -376,7 +377,11 @@ class RankContext:
                 "with call i on every rank). Feed every rank's batches the same way, or estimate without "
                 "per_call to pool all calls. No model was changed."
             )
-        moments = [_all_folds(m) for m in local.moments]  # a rank with few batches keeps fewer folds
+        # fold k of this rank's is fold (k + offset) of the union's, offset the batches of the ranks before it: the
+        # folds the union's batches would fall in, in rank order (probe 38: merged fold by fold, 3 ranks of one
+        # batch each filled one fold, and every standard error was NaN; uneven shards' were 27-68 % off)
+        offset = int(sum(row[2] for row in table[: self.rank])) % FOLDS
+        moments = [_all_folds(m, offset) for m in local.moments]  # a rank with few batches keeps fewer folds
         sizes = [m.mean.numel() for m in moments]
         shapes = [m.mean.shape for m in moments]  # (FOLDS, channels): folds merge fold by fold
         home = [m.mean.device for m in moments]
@@ -475,9 +480,12 @@ def _layout(local: Measurement) -> str:
     return "\n".join(lines)
 
 
-def _all_folds(m: RunningMoments) -> RunningMoments:
-    """``m`` (shape ``(K, channels)``, K <= FOLDS) with empty folds appended up to FOLDS."""
+def _all_folds(m: RunningMoments, offset: int = 0) -> RunningMoments:
+    """``m`` (shape ``(K, channels)``, K <= FOLDS) with empty folds appended up to FOLDS, fold k moved to
+    ``(k + offset) % FOLDS``."""
     missing = FOLDS - m.count.shape[0]
-    if missing <= 0:
-        return m
-    return RunningMoments(*(torch.cat([t, t.new_zeros((missing, *t.shape[1:]))]) for t in (m.count, m.mean, m.m2)))
+    if missing > 0:
+        m = RunningMoments(*(torch.cat([t, t.new_zeros((missing, *t.shape[1:]))]) for t in (m.count, m.mean, m.m2)))
+    if offset:
+        m = RunningMoments(*(t.roll(offset, 0) for t in (m.count, m.mean, m.m2)))
+    return m
