@@ -392,6 +392,13 @@ def writes_differ(rank: int, world_size: int) -> Result:
         out["functions"] = {"error": None}
     except DistributedError as exc:
         out["functions"] = {**_error(exc), "unchanged": same_state(before, buffers(model))}
+    model = make_model() if rank == 0 else make_model().double()  # (probe 38: "a different prior= or adapt=")
+    before = buffers(model)
+    try:
+        precisebn.recalibrate(model, [b.to(next(model.parameters()).dtype) for b in shard(rank, world_size)])
+        out["dtypes"] = {"error": None}
+    except DistributedError as exc:
+        out["dtypes"] = {**_error(exc), "unchanged": same_state(before, buffers(model))}
     return out
 
 

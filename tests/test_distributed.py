@@ -290,11 +290,17 @@ def test_mistakes_on_one_rank_reach_every_rank_at_once(tmp_path: Path) -> None:
         assert "tolerance (rank 0: 1e-09, rank 1: 0.5)" in t["message"], t
         c = res["per_call_mismatch"]
         assert c["error"] == "DistributedError" and "per_call=" in c["message"], c
-        for case in ("prior", "adapt", "own statistics", "functions"):
+        here = "none" if res is results[0] else "'1' 2, '6' 2"  # (probe 38: no layer, no rank named)
+        assert (
+            f"rank {results.index(res)}'s layers called more than once per batch, with their calls: {here}"
+            in (c["message"])
+        ), c
+        for case in ("prior", "adapt", "own statistics", "functions", "dtypes"):
             w = res["writes_differ"][case]
             assert w["error"] == "DistributedError" and w["unchanged"], (case, w)
         assert "would write different statistics" in res["writes_differ"]["own statistics"]["message"]
         assert "call the same function" in res["writes_differ"]["functions"]["message"]
+        assert "whose buffers differ in dtype" in res["writes_differ"]["dtypes"]["message"]
     i0, i1 = results[0]["interrupted_in_the_merge"], results[1]["interrupted_in_the_merge"]
     assert i1["error"] == "KeyboardInterrupt" and i1["unchanged"], i1
     assert i0["error"] == "DistributedError" and i0["failed_ranks"] == [1] and i0["unchanged"], i0

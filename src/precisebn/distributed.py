@@ -47,7 +47,7 @@ from typing import Any, ClassVar, NoReturn
 
 import torch
 
-from .calls import call_name
+from .calls import call_indices, call_name
 from .capture import FOLDS
 from .errors import DistributedError, InvalidArgumentError
 from .measure import Measurement
@@ -336,11 +336,12 @@ class RankContext:
         if len({int(row[3]) for row in table}) > 1:
             raise DistributedError(
                 "the ranks would write different statistics: the merged ones are the same on every rank, but "
-                "pooled with each rank's own model (prior=) or written in part (adapt=) they differ — a different "
-                "prior= or adapt= on some rank, or running statistics that differ between the ranks' models (e.g. "
-                "DDP with broadcast_buffers=False) used as the prior. Pass the same prior= and adapt= everywhere, "
-                "and give every rank the same statistics first (e.g. broadcast them from rank 0). No model was "
-                "changed.",
+                "pooled with each rank's own model (prior=), written in part (adapt=) or into buffers of another "
+                "dtype they differ — a different prior= or adapt= on some rank, running statistics that differ "
+                "between the ranks' models (e.g. DDP with broadcast_buffers=False) used as the prior, or models "
+                "whose buffers differ in dtype (float32 on one rank, float64 on another). Pass the same prior= and "
+                "adapt= everywhere, give every rank the same statistics first (e.g. broadcast them from rank 0), "
+                "and the same model in the same dtype. No model was changed.",
                 (),
             )
 
@@ -371,10 +372,13 @@ class RankContext:
                 "changed."
             )
         if len({int(row[7]) for row in table}) > 1:
+            split = call_indices(layer.name for layer in local.layers)
+            here = ", ".join(f"{name or 'the model'!r} {len(calls)}" for name, calls in split.items()) or "none"
             raise DistributedError(
                 "per_call=True: the ranks' forwards called some layer a different number of times per batch (or "
                 "never, on some rank), so their per-call statistics do not match up (call i of a layer is merged "
-                "with call i on every rank). Feed every rank's batches the same way, or estimate without "
+                f"with call i on every rank); rank {self._global(self.rank)}'s layers called more than once per "
+                f"batch, with their calls: {here}. Feed every rank's batches the same way, or estimate without "
                 "per_call to pool all calls. No model was changed."
             )
         # fold k of this rank's is fold (k + offset) of the union's, offset the batches of the ranks before it: the
