@@ -499,7 +499,11 @@ def test_a_torch_fx_graph_with_layers_traced_into_operations_says_so(kept: bool)
         report = precisebn.recalibrate(graph, batches)
     assert report.updated == ["3"]
     assert torch.equal(graph.get_submodule("1").running_mean, before)  # (kept, as the warning says)
-    plain = torch.fx.symbolic_trace(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))  # (layers kept as modules)
+    from torchvision.ops import FrozenBatchNorm2d
+
+    plain = torch.fx.symbolic_trace(  # (layers kept as modules, a frozen one too: nothing to warn of)
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), FrozenBatchNorm2d(4))
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error", PreciseBNWarning)
         precisebn.recalibrate(plain, batches)

@@ -375,12 +375,13 @@ def find_norm_layers(
 
 
 def _orphan_statistics(model: nn.Module, graph_module: bool) -> list[str]:
-    """The ``running_mean`` buffers that no normalization layer holds: in a graph module's submodules, or in plain
-    ``nn.Module`` containers as exported graphs keep them (not a FrozenBatchNorm's)."""
+    """The ``running_mean`` buffers that no normalization layer holds: in plain ``nn.Module`` containers, as traced
+    and exported graphs keep them, or on a graph module itself — not a module of another class that holds some (a
+    FrozenBatchNorm kept as a module)."""
     return [
         f"{name}.running_mean" if name else "running_mean"
         for name, m in model.named_modules()
-        if "running_mean" in m._buffers and not isinstance(m, _NormBase) and (graph_module or type(m) is nn.Module)
+        if "running_mean" in m._buffers and (type(m) is nn.Module or (graph_module and m is model))
     ]
 
 
