@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -1607,3 +1608,113 @@ def test_a_layer_normalised_only_around_its_forward_is_refused(how: str, capture
     assert report["bn"].status == "not reached (kept)" and report.updated == ["bn2"]
     assert torch.equal(model.bn.running_mean, before["state"]["bn.running_mean"])
     assert_exact(model, "bn2", truth.mean, truth.var)
+
+
+def _pooled(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 mean and population variance per channel (dimension 1) of every value of ``tensors``: the truth,
+    by construction, for layers that normalise exactly these."""
+    values = torch.cat([t.double().transpose(0, 1).reshape(t.shape[1], -1) for t in tensors], 1)
+    return values.mean(1), values.var(1, unbiased=False)
+
+
+class NormalisesItsSecond(nn.BatchNorm1d):
+    """Normalises ``y`` when given one, else ``x``."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x if y is None else y)
+
+
+class GhostOnRequest(nn.BatchNorm2d):
+    """Normalises each of ``chunks`` chunks of the batch with batch statistics; counts the call once."""
+
+    def forward(self, x: torch.Tensor, chunks: int = 1) -> torch.Tensor:
+        if chunks == 1:
+            return super().forward(x)
+        self.num_batches_tracked.add_(1)
+        parts = [
+            F.batch_norm(c, self.running_mean, self.running_var, self.weight, self.bias, True, self.momentum, self.eps)
+            for c in x.chunk(chunks)
+        ]
+        return torch.cat(parts)
+
+
+class Freezable(nn.BatchNorm2d):
+    """Counts the call first (as timm's BatchNormAct2d does), then normalises with batch statistics, or with the
+    running ones when asked."""
+
+    def forward(self, x: torch.Tensor, use_running: bool = False) -> torch.Tensor:
+        self.num_batches_tracked.add_(1)
+        return F.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, not use_running, self.momentum, self.eps
+        )
+
+
+@pytest.mark.parametrize("case", ["second argument", "chunks=", "use_running="])
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+def test_a_call_with_other_arguments_at_a_verified_shape_is_watched_again(case: str, capture: str) -> None:
+    """Probe 38: a layer with a forward of its own was read unwatched at any input shape verified before,
+    whatever its other arguments — which may choose what it normalises (forward(x, y) normalising y: 1.34 σ and
+    97 % off, "fast") or how (a ghost BatchNorm's chunks=: 136 %; use_running=True, counted before normalising
+    with the running statistics: 35 %). A call with other arguments than the verified ones is watched again.
+    The truth, by construction: every tensor normalised with the running buffers (whole or chunk by chunk)."""
+    g = torch.Generator().manual_seed(0)
+    spread = torch.linspace(0.2, 3, 16)[:, None, None, None]
+    if case == "second argument":
+        layer: nn.Module = NormalisesItsSecond(3)
+        first = torch.randn(128, 3, generator=g)
+        later = [(torch.randn(128, 3, generator=g), torch.randn(128, 3, generator=g) * 3 + 2) for _ in range(3)]
+        batches: list[tuple[Any, ...]] = [(first,), *later]
+        normalised = [first] + [y for _, y in later]
+    elif case == "chunks=":
+        layer = GhostOnRequest(3)
+        batches = [(torch.randn(16, 3, 4, 4, generator=g), {})]
+        batches += [(torch.randn(16, 3, 4, 4, generator=g) * spread, {"chunks": 4}) for _ in range(4)]
+        normalised = [b[0] for b in batches]
+    else:
+        layer = Freezable(3)
+        batches = [(torch.randn(8, 3, 4, 4, generator=g), {})]
+        batches += [(torch.randn(8, 3, 4, 4, generator=g) * 2 + 1, {"use_running": i % 2 == 0}) for i in range(6)]
+        normalised = [b[0] for b in batches]
+
+    def forward(m: nn.Module, batch: tuple[Any, ...]) -> torch.Tensor:
+        if isinstance(batch[-1], dict):
+            return m(batch[0], **batch[-1])
+        return m(*batch)
+
+    mean, var = _pooled(normalised)
+    report = precisebn.recalibrate(layer, batches, forward=forward, num_samples="all", capture=capture)
+    assert report.updated == [""]
+    assert max_rel_error(layer.running_mean, mean, (var + layer.eps).sqrt()) < 1e-6
+    assert max_rel_error(layer.running_var, var) < 1e-6
+
+
+class Scaled(nn.BatchNorm1d):
+    """Normalises ``x * scale``, skipping the product while ``scale`` is 1 (state its arguments do not show)."""
+
+    scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x if self.scale == 1 else x * self.scale)
+
+
+def test_figures_recomputed_from_an_input_the_layer_did_not_normalise_are_not_taken() -> None:
+    """Probe 38: on the CPU, an (N, C) or channels_last call of more than 84 values per channel of a layer with a
+    forward of its own, at a shape where it had normalised its input itself, had its figures recomputed from that
+    input — but the layer normalised x * 3 this time (its scale changed after the first batch): 0.58 σ and 88 %
+    off, "fast", where its own figures were right. Recomputed figures that disagree with the layer's own beyond
+    the kernel's rounding are not taken."""
+    g = torch.Generator().manual_seed(0)
+    layer = Scaled(3)
+    batches = [torch.randn(128, 3, generator=g) + 1 for _ in range(4)]
+    normalised = [batches[0]] + [b * 3 for b in batches[1:]]
+
+    def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = m(x)
+        m.scale = 3.0  # (after the first batch)
+        return out
+
+    mean, var = _pooled(normalised)
+    report = precisebn.recalibrate(layer, batches, forward=forward, num_samples="all")
+    assert report[""].path == "fast"
+    assert max_rel_error(layer.running_mean, mean, (var + layer.eps).sqrt()) < 1e-6
+    assert max_rel_error(layer.running_var, var) < 1e-6
