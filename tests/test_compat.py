@@ -331,3 +331,27 @@ def test_the_drop_ins_refuse_a_model_that_is_not_a_module_and_say_when_the_argum
     with pytest.raises(InvalidArgumentError, match=r"got str; the call is update_bn\(loader, model, device=None\)"):
         compat.update_bn(loader, "model")  # type: ignore[arg-type]
     assert_unchanged(model, before)
+
+
+def test_update_bn_stats_leaves_the_warning_filters_alone_during_its_passes() -> None:
+    """Probe 38: update_bn_stats silenced ShortDataWarning with warnings.catch_warnings(), which changes the
+    process-wide filters: another thread's recalibration lost its warning meanwhile, and two overlapping calls left
+    the filter in place for good. The filters are now those of the caller throughout."""
+    import warnings
+
+    seen: list[list[Any]] = []
+
+    class Looks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(list(warnings.filters))
+            return self.bn(x)
+
+    model = Looks().train()
+    before = list(warnings.filters)
+    compat.update_bn_stats(model, [torch.randn(8, 3) for _ in range(2)], num_iters=2)
+    assert seen and all(filters == before for filters in seen)
+    assert list(warnings.filters) == before

@@ -177,6 +177,34 @@ def test_compiled_submodule_before_torch_2_6_is_still_exact(monkeypatch: pytest.
         assert max_rel_error(bn.running_var, t.var) < 1e-5, name
 
 
+def test_ctrl_c_while_the_stance_is_put_back_still_puts_it_back() -> None:
+    """Probe 38: Ctrl-C landing as the compile stance was put back (entering set_stance's __exit__) left it at
+    "force_eager" for the rest of the process: every torch.compile afterwards ran eagerly, silently."""
+    import sys
+
+    import torch._dynamo
+    import torch._dynamo.eval_frame as eval_frame
+
+    fired: list[bool] = []
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        caller = frame.f_back.f_code.co_name if frame.f_back is not None else ""
+        if event == "call" and frame.f_code.co_name == "__exit__" and not fired and "eager" in caller:
+            fired.append(True)
+            raise KeyboardInterrupt  # (what Python's SIGINT handler raises as the call starts)
+        return None
+
+    before = eval_frame._stance.stance
+    sys.settrace(calls)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            precisebn.recalibrate(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)), [torch.randn(8, 4)])
+    finally:
+        sys.settrace(None)
+    assert fired
+    assert eval_frame._stance.stance == before
+
+
 def test_the_eager_stance_is_put_back_by_the_last_of_concurrent_passes() -> None:
     """Two threads recalibrating two models at once: the global stance is set once and put
     back when the last pass ends, not when the first does."""
@@ -210,12 +238,12 @@ def test_the_eager_stance_is_put_back_by_the_last_of_concurrent_passes() -> None
     for t in threads:
         t.start()
     started.wait(timeout=30)
-    assert layers_module._eager_calls == 2
+    assert len(layers_module._eager_holders) == 2
     release.set()
     for t in threads:
         t.join(timeout=30)
     assert not errors, errors
-    assert layers_module._eager_calls == 0 and layers_module._eager_stance is None
+    assert not layers_module._eager_holders and layers_module._eager_stance is None
     graphs = 0
 
     def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:

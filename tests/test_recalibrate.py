@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import warnings
 from collections.abc import Iterator
 
@@ -771,3 +772,32 @@ def test_statistics_of_the_wrong_dtype_or_on_meta_are_named_for_what_they_are() 
         with pytest.raises(StatsMismatchError, match=said):
             precisebn.apply(model, bad)
         assert_unchanged(model, before)
+
+
+class _Raising(logging.Handler):
+    def emit(self, record: object) -> None:
+        raise RuntimeError("the log is full")
+
+
+@pytest.mark.parametrize("call", ["recalibrate", "apply"])
+def test_a_logging_handler_that_raises_leaves_the_model_unchanged(call: str) -> None:
+    """Probe 38: the warnings logged about layers kept (not reached; not in the statistics applied) were logged after
+    the writes: a handler that raises made the call fail with every buffer changed. They are logged before."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.BatchNorm1d(3))
+    data = [torch.randn(8, 4) for _ in range(2)]
+
+    def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m[1](m[0](x))  # (layer 2 never reached)
+
+    stats = precisebn.estimate(model, data, forward=forward, layers=["1"])  # (for apply: layer 2 not in them)
+    before = state_snapshot(model)
+    handler = _Raising(level=logging.WARNING)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        run = (lambda: precisebn.recalibrate(model, data, forward=forward)) if call == "recalibrate" else None
+        with pytest.raises(RuntimeError, match="the log is full"):
+            run() if run is not None else precisebn.apply(model, stats)
+    finally:
+        root.removeHandler(handler)
+    assert_unchanged(model, before)

@@ -78,22 +78,21 @@ def update_bn_stats(
     data_loader = _batches_of(data_loader, "update_bn_stats")
     walk: list[tuple[str, nn.Module]] = []
     with contextlib.ExitStack() as guard:  # one hold on the model from the passes to the writes
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", ShortDataWarning)
-                stats = _measure(
-                    guard,
-                    walk,
-                    model,
-                    data_loader,
-                    num_samples=None,
-                    num_batches=num_iters,
-                    forward=lambda m, b: m(b),
-                    layers=selected,
-                    device=None,
-                    progress=progress == "tqdm",
-                    _mode="keep",
-                )
+        try:  # (a short loader is its own error here: no warning first — nor a filter that would hide other threads')
+            stats = _measure(
+                guard,
+                walk,
+                model,
+                data_loader,
+                num_samples=None,
+                num_batches=num_iters,
+                forward=lambda m, b: m(b),
+                layers=selected,
+                device=None,
+                progress=progress == "tqdm",
+                _mode="keep",
+                warn_short=False,
+            )
         except EmptyDataError as exc:
             raise ShortLoaderError(
                 f"update_bn_stats is meant to run for {num_iters} iterations, but the data loader is empty"

@@ -717,8 +717,8 @@ def recalibration_state(
         yield state
 
 
-_eager_lock = threading.Lock()
-_eager_calls = 0
+_eager_lock = threading.RLock()  # (re-entrant: a signal handler running a pass in this thread must not wait for itself)
+_eager_holders: set[object] = set()  # the passes running now (one token each: see _compiled_code_runs_eagerly)
 _eager_stance: Any = None
 
 
@@ -734,22 +734,30 @@ def _compiled_code_runs_eagerly() -> Iterator[None]:
     so it is set by the first pass to start and put back by the last to end, across
     threads. Without ``torch._dynamo`` loaded (1.9 s to import) nothing can be compiled.
     """
-    global _eager_calls, _eager_stance
+    global _eager_stance
     if "torch._dynamo" not in sys.modules or not hasattr(torch.compiler, "set_stance"):  # set_stance: torch >= 2.6
         yield
         return
-    with _eager_lock:
-        if _eager_calls == 0:
-            _eager_stance = torch.compiler.set_stance("force_eager")  # sets it now; exiting puts back the old
-        _eager_calls += 1
-    try:
+    token = object()
+    try:  # (each pass holds the stance by its own token, added and taken away in one operation each, and the
+        # stance is put back to the end: Ctrl-C there left every later torch.compile eager, silently, a probe)
+        with _eager_lock:
+            if _eager_stance is None:
+                _eager_stance = torch.compiler.set_stance("force_eager")  # sets it now; exiting puts back the old
+            _eager_holders.add(token)
         yield
     finally:
-        with _eager_lock:
-            _eager_calls -= 1
-            if _eager_calls == 0:
-                _eager_stance.__exit__(None, None, None)
-                _eager_stance = None
+        to_the_end(_leave_eager, token)
+
+
+def _leave_eager(token: object) -> None:
+    """The pass holding ``token`` is done: the last one puts the stance back (idempotent: run to the end)."""
+    global _eager_stance
+    with _eager_lock:
+        _eager_holders.discard(token)
+        if not _eager_holders and _eager_stance is not None:
+            _eager_stance.__exit__(None, None, None)  # (puts back the stance it found: the same if run again)
+            _eager_stance = None
 
 
 def _set_modes(modules: list[nn.Module], selected: set[int], mode: Mode) -> list[nn.Module]:

@@ -302,6 +302,7 @@ def _estimate(
     check: Callable[[], None] | None = None,
     plan: Callable[[PopulationStats], Writes] | None = None,
     move: bool = True,
+    warn_short: bool = True,
 ) -> tuple[PopulationStats, Writes | None]:
     """:func:`estimate`, holding the model in ``guard`` (so that :func:`recalibrate` can
     keep it until its statistics are written), and ``torch.inference_mode(False)`` with it:
@@ -374,7 +375,7 @@ def _estimate(
             target,
             progress,
             _mode or mode,
-            explicit and not auto,
+            warn_short and explicit and not auto,  # (warn_short=False: a caller that says so itself, the drop-ins)
             tolerance if auto else None,
             vote,
             per_call,
@@ -485,16 +486,18 @@ def apply(model: nn.Module, stats: PopulationStats, *, prior: float | None = Non
     checked_prior = check_adapt(prior, adapt)
     model = unwrap(model)
     with exclusive(model), torch.inference_mode(False):
-        report = plan_writes(model, stats, checked_prior, adapt).commit()
-    others = [name for name, m in model.named_modules() if has_running_stats(m) and name not in stats]
-    if others:  # (statistics of another model, or of some layers: said, as the report lists only those written)
-        shown = ", ".join(map(repr, others[:5])) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
-        logger.warning(
-            "precisebn: %d of the model's normalization layers have no statistics in those applied and keep theirs: %s",
-            len(others),
-            shown,
-        )
-    return report
+        writes = plan_writes(model, stats, checked_prior, adapt)
+        others = [name for name, m in model.named_modules() if has_running_stats(m) and name not in stats]
+        if others:  # (statistics of another model, or of some layers: said, as the report lists only those written;
+            # before the writes, as Writes.commit logs: a logging handler that raises leaves nothing written)
+            shown = ", ".join(map(repr, others[:5])) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+            logger.warning(
+                "precisebn: %d of the model's normalization layers have no statistics in those applied and keep "
+                "theirs: %s",
+                len(others),
+                shown,
+            )
+        return writes.commit()
 
 
 def recalibrate(

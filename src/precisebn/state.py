@@ -618,8 +618,22 @@ def to_the_end(fn: Callable[..., Any], *args: Any) -> None:
         raise interrupted
 
 
-_busy: dict[int, str] = {}
-_busy_lock = threading.Lock()
+class _Owner:
+    """Who holds a model (see :func:`exclusive`): one object per call, so that a call releases only what it holds."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.name
+
+
+_busy: dict[int, _Owner] = {}
+# re-entrant: a signal handler or a __del__ (a garbage collection) running precisebn on another model while this
+# thread holds it would otherwise wait for itself forever (a probe: a hang)
+_busy_lock = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -632,29 +646,40 @@ def exclusive(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = No
             model's own forward) is using the model or one of its modules.
     """
     ids = {id(m) for _, m in modules} if modules is not None else {id(m) for m in model.modules()}
-    me = f"thread {threading.current_thread().name!r}"
-    with _busy_lock:
-        clash = ids & _busy.keys()
-        if clash:
-            owner = _busy[next(iter(clash))]
-            raise ConcurrentUseError(
-                f"model {type(model).__name__} (or a module it shares) is already being recalibrated by another "
-                f"call ({owner}; this call: {me}). A pass swaps the model's buffers for scratch tensors, so two "
-                "at once would corrupt it. Wait for the other call to return, or work on a copy "
-                "(copy.deepcopy(model)). Nothing was changed."
-            )
-        for i in ids:
-            _busy[i] = me
-    try:
+    owner = _Owner(f"thread {threading.current_thread().name!r}")
+    try:  # (marked in one operation, released by owner: Ctrl-C anywhere here leaves no module marked, a probe: a
+        # Ctrl-C between the marks left thousands behind, and every later call on the model was refused)
+        with _busy_lock:
+            clash = ids & _busy.keys()
+            if clash:
+                holder = _busy[next(iter(clash))]
+                raise ConcurrentUseError(
+                    f"model {type(model).__name__} (or a module it shares) is already being recalibrated by another "
+                    f"call ({holder}; this call: {owner}). A pass swaps the model's buffers for scratch tensors, so "
+                    "two at once would corrupt it. Wait for the other call to return, or work on a copy "
+                    "(copy.deepcopy(model)). Nothing was changed."
+                )
+            _busy.update(dict.fromkeys(ids, owner))
         yield
     finally:
-        to_the_end(_release, ids)
+        _release(ids, owner)
 
 
-def _release(ids: set[int]) -> None:
-    with _busy_lock:
-        for i in ids:
-            _busy.pop(i, None)
+def _release(ids: set[int], owner: _Owner) -> None:
+    """Unmarks what ``owner`` marked of ``ids`` — to the end, whatever a signal handler raises meanwhile (Ctrl-C, a
+    test runner's timeout), and raised once done."""
+    raised: BaseException | None = None
+    for _ in range(100):  # (nothing here raises of its own: only a signal handler can, between two operations)
+        try:
+            with _busy_lock:
+                for i in ids:
+                    if _busy.get(i) is owner:
+                        del _busy[i]
+            break
+        except BaseException as exc:
+            raised = raised or exc
+    if raised is not None:
+        raise raised
 
 
 @contextlib.contextmanager

@@ -51,17 +51,19 @@ class Writes:
         return zlib.crc32(raw.cpu().numpy().tobytes()) ^ len(self._targets)  # (one copy to the host)
 
     def commit(self) -> Report:
-        """Writes every value at once (the old values put back if that is interrupted)."""
-        with torch.no_grad(), restore_on_error(self._targets):
-            copy_all(self._targets, self._new)
+        """Writes every value at once (the old values put back if that is interrupted). What is logged is logged
+        first: a logging handler that raises then fails the call with nothing written (a probe: after the writes,
+        the call raised with the model changed)."""
         for name, calls in self._kept:
             logger.warning(
-                "precisebn: layer %r %s; its statistics were kept",
+                "precisebn: layer %r %s; its statistics are kept",
                 name,
                 f"was called {_times(calls)} but never normalised with its running buffers (or only empty inputs)"
                 if calls
                 else "was not reached by any forward pass",
             )
+        with torch.no_grad(), restore_on_error(self._targets):
+            copy_all(self._targets, self._new)
         return self.report
 
 
