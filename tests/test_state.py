@@ -677,6 +677,21 @@ def test_overlapping_lists_exactly_the_pairs_that_share_a_byte(specs: list, as_b
     assert overlapping(tensors) == expected
 
 
+def _interrupted(calls: Any, model: nn.Module, data: list[torch.Tensor]) -> None:
+    """Recalibrates under the trace function ``calls`` (which raises KeyboardInterrupt somewhere: as a signal
+    handler would), expecting it to come through."""
+    import sys
+
+    import precisebn
+
+    sys.settrace(calls)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            precisebn.recalibrate(model, data)
+    finally:
+        sys.settrace(None)
+
+
 @pytest.mark.parametrize(
     ("function", "line"),
     [
@@ -692,7 +707,6 @@ def test_ctrl_c_while_restoring_still_restores_everything(function: str, line: s
     restore used to leave momentum 1.0, a forward wrapper on the instance, or the model 'in use' forever."""
     import linecache
     import os
-    import sys
 
     import precisebn
 
@@ -715,12 +729,7 @@ def test_ctrl_c_while_restoring_still_restores_everything(function: str, line: s
     precisebn.recalibrate(done, data)
     before = state_snapshot(model)
     after = {**state_snapshot(done), "buffer_ids": before["buffer_ids"]}  # (Ctrl-C after the writes: all written)
-    sys.settrace(calls)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            precisebn.recalibrate(model, data)
-    finally:
-        sys.settrace(None)
+    _interrupted(calls, model, data)
     assert fired
     assert_unchanged(model, after if function == "_release" else before)
     precisebn.recalibrate(model, data)  # not left "in use"
@@ -731,7 +740,6 @@ def test_ctrl_c_while_marking_the_model_in_use_leaves_nothing_marked() -> None:
     between the marks that hold a model's modules left some marked: every later call on the model — re-running an
     interrupted notebook cell — was refused as "already being recalibrated by another call". Simulated here at the
     first line run once a mark is made."""
-    import sys
 
     import precisebn
     from precisebn import state
@@ -750,12 +758,7 @@ def test_ctrl_c_while_marking_the_model_in_use_leaves_nothing_marked() -> None:
     model = nn.Sequential(*[nn.Sequential(nn.Identity(), nn.Identity()) for _ in range(50)], nn.BatchNorm1d(4))
     data = [torch.randn(8, 4) for _ in range(2)]
     before = state_snapshot(model)
-    sys.settrace(calls)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            precisebn.recalibrate(model, data)
-    finally:
-        sys.settrace(None)
+    _interrupted(calls, model, data)
     assert fired
     assert not state._busy
     assert_unchanged(model, before)
