@@ -1627,7 +1627,8 @@ class NormalisesItsSecond(nn.BatchNorm1d):
 class GhostOnRequest(nn.BatchNorm2d):
     """Normalises each of ``chunks`` chunks of the batch with batch statistics; counts the call once."""
 
-    def forward(self, x: torch.Tensor, chunks: int = 1) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, chunks: int = 1, cfg: dict | None = None) -> torch.Tensor:
+        chunks = cfg["chunks"] if cfg is not None else chunks
         if chunks == 1:
             return super().forward(x)
         self.num_batches_tracked.add_(1)
@@ -1649,7 +1650,7 @@ class Freezable(nn.BatchNorm2d):
         )
 
 
-@pytest.mark.parametrize("case", ["second argument", "chunks=", "use_running="])
+@pytest.mark.parametrize("case", ["second argument", "chunks=", "use_running=", "a fresh dict"])
 @pytest.mark.parametrize("capture", ["auto", "float64"])
 def test_a_call_with_other_arguments_at_a_verified_shape_is_watched_again(case: str, capture: str) -> None:
     """Probe 38: a layer with a forward of its own was read unwatched at any input shape verified before,
@@ -1670,6 +1671,11 @@ def test_a_call_with_other_arguments_at_a_verified_shape_is_watched_again(case: 
         batches = [(torch.randn(16, 3, 4, 4, generator=g), {})]
         batches += [(torch.randn(16, 3, 4, 4, generator=g) * spread, {"chunks": 4}) for _ in range(4)]
         normalised = [b[0] for b in batches]
+    elif case == "a fresh dict":  # (keyed by identity, a fresh dict's reused id read the chunks=4 calls as chunks=1)
+        layer = GhostOnRequest(3)
+        batches = [(torch.randn(16, 3, 4, 4, generator=g), {"chunks": 1})]
+        batches += [(torch.randn(16, 3, 4, 4, generator=g) * spread, {"chunks": 4}) for _ in range(4)]
+        normalised = [b[0] for b in batches]
     else:
         layer = Freezable(3)
         batches = [(torch.randn(8, 3, 4, 4, generator=g), {})]
@@ -1677,6 +1683,8 @@ def test_a_call_with_other_arguments_at_a_verified_shape_is_watched_again(case: 
         normalised = [b[0] for b in batches]
 
     def forward(m: nn.Module, batch: tuple[Any, ...]) -> torch.Tensor:
+        if case == "a fresh dict":
+            return m(batch[0], cfg=dict(batch[1]))
         if isinstance(batch[-1], dict):
             return m(batch[0], **batch[-1])
         return m(*batch)
@@ -1697,24 +1705,29 @@ class Scaled(nn.BatchNorm1d):
         return super().forward(x if self.scale == 1 else x * self.scale)
 
 
-def test_figures_recomputed_from_an_input_the_layer_did_not_normalise_are_not_taken() -> None:
+@pytest.mark.parametrize(("scale", "rows", "offset"), [(3.0, 128, 1.0), (1.007, 32768, 0.0)])
+def test_figures_recomputed_from_an_input_the_layer_did_not_normalise_are_not_taken(
+    scale: float, rows: int, offset: float
+) -> None:
     """Probe 38: on the CPU, an (N, C) or channels_last call of more than 84 values per channel of a layer with a
     forward of its own, at a shape where it had normalised its input itself, had its figures recomputed from that
     input — but the layer normalised x * 3 this time (its scale changed after the first batch): 0.58 σ and 88 %
     off, "fast", where its own figures were right. Recomputed figures that disagree with the layer's own beyond
-    the kernel's rounding are not taken."""
+    the kernel's rounding are not taken — twice the rounding bound: with eight times it, a review found x * 1.007
+    at 32,768 values per channel taken, 1.05 % off."""
     g = torch.Generator().manual_seed(0)
     layer = Scaled(3)
-    batches = [torch.randn(128, 3, generator=g) + 1 for _ in range(4)]
-    normalised = [batches[0]] + [b * 3 for b in batches[1:]]
+    batches = [torch.randn(rows, 3, generator=g) + offset for _ in range(4)]
+    normalised = [batches[0]] + [b * scale for b in batches[1:]]
 
     def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = m(x)
-        m.scale = 3.0  # (after the first batch)
+        m.scale = scale  # (after the first batch)
         return out
 
     mean, var = _pooled(normalised)
     report = precisebn.recalibrate(layer, batches, forward=forward, num_samples="all")
     assert report[""].path == "fast"
-    assert max_rel_error(layer.running_mean, mean, (var + layer.eps).sqrt()) < 1e-6
-    assert max_rel_error(layer.running_var, var) < 1e-6
+    tolerance = 1e-5 if rows > 1000 else 1e-6  # (its own figures, torch's float32 sums of 32,768 values: 1.8e-6)
+    assert max_rel_error(layer.running_mean, mean, (var + layer.eps).sqrt()) < tolerance
+    assert max_rel_error(layer.running_var, var) < tolerance

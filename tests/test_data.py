@@ -310,6 +310,62 @@ def test_model_calls_in_a_loaders_spawned_worker_processes_are_not_refused(captu
     _assert_exact(stats, truth)
 
 
+class _TwoHeads(nn.Module):
+    """A body the passes run, and an auxiliary head only a loader's worker runs (pseudo-labels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6))
+        self.aux = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class _AuxScoring:
+    """A collate function running the auxiliary head (in the worker: its own copy of the model)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, items: list[tuple[torch.Tensor]]) -> torch.Tensor:
+        x = torch.stack([item[0] for item in items])
+        with torch.no_grad():
+            self.model.aux(x * 3 + 1)
+        return x
+
+
+@pytest.mark.slow
+def test_a_spawned_worker_running_a_layer_the_passes_never_reach_is_not_refused() -> None:
+    """Found reviewing probe 38's refusal of layers written around their forward: a spawned worker's copy shares the
+    memory that layers hold between calls, and running a layer the passes never reach wrote it — refused as
+    normalised around its forward, where it was rightly "not reached (kept)" before. Writes by another process are
+    not this one's."""
+    import multiprocessing
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import precisebn
+    from conftest import compute_truth, max_rel_error
+
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    images = torch.randn(24, 3, 12, 12) + 1
+    loader = DataLoader(
+        TensorDataset(images),
+        batch_size=8,
+        collate_fn=_AuxScoring(model),
+        num_workers=1,
+        multiprocessing_context=multiprocessing.get_context("spawn"),
+    )
+    kept = model.aux[1].running_mean.clone()
+    truth = compute_truth(model, [images[k : k + 8] for k in range(0, 24, 8)])["body.1"]
+    report = precisebn.recalibrate(model, loader, num_batches=3)
+    assert report["aux.1"].status == "not reached (kept)" and report.updated == ["body.1"]
+    assert torch.equal(model.aux[1].running_mean, kept)
+    assert max_rel_error(model.body[1].running_var, truth.var) < 1e-5
+
+
 @pytest.mark.parametrize("how", ["copy.deepcopy", "torch.save"])
 def test_a_copy_of_the_model_made_during_the_passes_is_a_model_of_its_own(how: str) -> None:
     """Found reviewing the test above: a copy made during the passes (a teacher made in forward) carried the

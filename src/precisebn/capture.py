@@ -669,13 +669,17 @@ class Collector:
         between calls changed. Something normalised with them around its forward — a bound method kept from before
         the passes (``self.norm = self.bn.forward``), a call through its class, another module calling
         ``F.batch_norm`` with its buffers — and what that normalised was not measured: reported "not reached
-        (kept)", its statistics stayed stale (a probe). Host reads for such layers only, once, at the end."""
+        (kept)", its statistics stayed stale (a probe). Host reads for such layers only, once, at the end. Writes by
+        another process into memory it shares (a spawned loader worker's copy of the model) are not this one's."""
         written = []
         for i in never:
             counter, (g, slot) = self._counters[i], self._ratio_plans[i]
             moved = 0 if counter is None else counter._version - self._born[i] - self._resets - self._lost[i]
             held = self._initial_pairs[i]
-            if moved > 0 or not torch.equal(held, self._scratch[g].slices(self._pristine[g])[slot]):  # type: ignore[arg-type]
+            # (by value only where that memory is this process's own: a spawned loader worker given the model holds
+            # it shared, and its copy may run a layer the passes never reach, a review found; versions are per process)
+            shared = self._scratch[g].initial.is_shared()  # type: ignore[union-attr]
+            if moved > 0 or (not shared and not torch.equal(held, self._scratch[g].slices(self._pristine[g])[slot])):  # type: ignore[arg-type]
                 written.append(self.layers[i].label)
         if written:
             shown = ", ".join(written[:5]) + (f" and {len(written) - 5} more" if len(written) > 5 else "")
