@@ -261,15 +261,16 @@ def test_model_calls_in_a_loaders_worker_processes_are_not_refused() -> None:
 
 
 class _Scoring:
-    """A collate function running the model (pseudo-labels): picklable, for spawned workers."""
+    """A collate function running the model, or its submodule ``part`` (pseudo-labels): picklable, for spawned
+    workers."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, part: str = "") -> None:
+        self.model, self.part = model, part
 
     def __call__(self, items: list[tuple[torch.Tensor]]) -> torch.Tensor:
         x = torch.stack([item[0] for item in items])
         with torch.no_grad():
-            self.model(x * 3 + 1)  # (in the worker: its own copy of the model)
+            self.model.get_submodule(self.part)(x * 3 + 1)  # (in the worker: its own copy of the model)
         return x
 
 
@@ -322,19 +323,6 @@ class _TwoHeads(nn.Module):
         return self.body(x)
 
 
-class _AuxScoring:
-    """A collate function running the auxiliary head (in the worker: its own copy of the model)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def __call__(self, items: list[tuple[torch.Tensor]]) -> torch.Tensor:
-        x = torch.stack([item[0] for item in items])
-        with torch.no_grad():
-            self.model.aux(x * 3 + 1)
-        return x
-
-
 @pytest.mark.slow
 def test_a_spawned_worker_running_a_layer_the_passes_never_reach_is_not_refused() -> None:
     """Found reviewing probe 38's refusal of layers written around their forward: a spawned worker's copy shares the
@@ -354,7 +342,7 @@ def test_a_spawned_worker_running_a_layer_the_passes_never_reach_is_not_refused(
     loader = DataLoader(
         TensorDataset(images),
         batch_size=8,
-        collate_fn=_AuxScoring(model),
+        collate_fn=_Scoring(model, "aux"),
         num_workers=1,
         multiprocessing_context=multiprocessing.get_context("spawn"),
     )
