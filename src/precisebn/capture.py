@@ -663,6 +663,12 @@ class Collector:
             [self._counted[i] for i in ids],
         )
 
+    def _moves(self, i: int) -> int:
+        """How many times layer ``i``'s scratch counter was written in place during the passes, besides precisebn's
+        own resets and the calls that raised or ran watched: one per call of torch's forward that computed batch
+        figures, where nothing else writes it."""
+        return self._counters[i]._version - self._born[i] - self._resets - self._lost[i]  # type: ignore[union-attr]
+
     def _refuse_written_around(self, never: list[int]) -> None:
         """Refuses a layer that precisebn's wrapper never saw called but whose running buffers were written during the
         passes: its counter moved (torch's forward counts each call that computes batch figures), or what it holds
@@ -673,8 +679,8 @@ class Collector:
         another process into memory it shares (a spawned loader worker's copy of the model) are not this one's."""
         written = []
         for i in never:
-            counter, (g, slot) = self._counters[i], self._ratio_plans[i]
-            moved = 0 if counter is None else counter._version - self._born[i] - self._resets - self._lost[i]
+            g, slot = self._ratio_plans[i]
+            moved = 0 if self._counters[i] is None else self._moves(i)
             held = self._initial_pairs[i]
             # (by value only where that memory is this process's own: a spawned loader worker given the model holds
             # it shared, and its copy may run a layer the passes never reach, a review found; versions are per process)
@@ -952,8 +958,7 @@ class Collector:
         if unseen:
             counted = torch.stack([self._counted[i].reshape(()) for i in unseen]).tolist()
             for i, n in zip(unseen, counted):
-                counter = self._counters[i]
-                version = counter._version - self._born[i] - self._resets - self._lost[i]  # type: ignore[union-attr]
+                version = self._moves(i)
                 # more counts by value and by version: a value alone may be another process's (a spawned loader
                 # worker's copy shares the counter's memory, not its version), a version alone a reset in forward
                 if n - self._lost[i] > self.calls[i] and version > self.calls[i]:
@@ -975,7 +980,7 @@ class Collector:
             counter = self._counters[i]
             if not self._checked_calls[i] or counter is None:
                 continue
-            computed = counter._version - self._born[i] - self._resets - self._lost[i]  # by calls that returned
+            computed = self._moves(i)  # by calls that returned
             if computed > self.calls[i]:  # (its forward wrote the counter besides torch's increments)
                 raise UnsupportedLayerError(
                     f"{layer.label}: its num_batches_tracked, which torch's BatchNorm "

@@ -327,7 +327,7 @@ class LayerCall:
                 new_shape = False
                 if not self.own_forward:  # a forward of its own, called with a new input shape: watched (_known_shape)
                     xl = layout
-                    key = x.shape if len(args) == 1 and not kwargs else call_key(x, args, kwargs)
+                    key = call_key(x, args, kwargs)
                     layout = self.shapes[xl].get(key) if key is not None else None  # (what it normalises: its layout)
                     new_shape = layout is None
                 # beyond the size verified for its layout (see verified_size): measured in float64
@@ -465,7 +465,7 @@ class LayerCall:
         self.verified[layout] = max(self.verified[layout], verified_size(n, layout, x.device))
         shapes = self.shapes[xl]
         once = counter is None or counter._version == before + 1
-        key = None if self.own_forward else x.shape if len(args) == 1 and not kwargs else call_key(x, args, kwargs)
+        key = None if self.own_forward else call_key(x, args, kwargs)
         if key is not None and figures and t is not None and once and len(shapes) < SHAPES:
             shapes[key] = layout
             if t is x:
@@ -485,13 +485,15 @@ class _Unkeyable(Exception):
 
 
 def call_key(x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """What a call of a layer with a forward of its own is remembered by, beside its input's shape, when it has more
-    arguments than its input: each other argument's shape, dtype and layout if a tensor, its value if a number,
-    string, ``None`` or a tuple/list of those, else its object — an argument may choose what the forward normalises
-    (``forward(x, y)`` normalising ``y``) or how (``chunks=4``, ``use_running=True``), and a call read unwatched at a
-    shape verified with other arguments was read wrong, "fast" (probe 38: 0.26 σ and 16 % off; a ghost BatchNorm's
-    ``chunks`` 136 %). ``None`` for a call with an argument of another kind (an object of its own, whose
-    identity may be reused by a fresh one, a probe): such a call is watched every time, and remembered by nothing."""
+    """What a call of a layer with a forward of its own is remembered by: its input's shape, and, when it has other
+    arguments, each one's type, shape, dtype, device and strides if a tensor, its value if a number, string or
+    ``None``, and the contents of tuples, lists and dicts of those — an argument may choose what the forward
+    normalises (``forward(x, y)`` normalising ``y``) or how (``chunks=4``, ``use_running=True``), and a call read
+    unwatched at a shape verified with other arguments was read wrong, "fast" (probe 38: 0.26 σ and 16 % off; a
+    ghost BatchNorm's ``chunks`` 136 %). ``None`` for a call with an argument of another kind (an object of its own,
+    whose identity a fresh one may reuse, a review found): such a call is watched every time, remembered by nothing."""
+    if len(args) == 1 and not kwargs:
+        return x.shape
     try:
         return (x.shape, tuple(map(_argument_key, args[1:])), tuple((k, _argument_key(v)) for k, v in kwargs.items()))
     except _Unkeyable:
@@ -512,15 +514,14 @@ def _argument_key(v: Any) -> Any:
 
 def refigured_alike(t: Tensor, pair: Tensor, eps: float) -> bool:
     """Recomputes the float32 figures ``pair`` of an unwatched call of a layer with a forward of its own from ``t``,
-    its input, as :func:`~precisebn.figures.refigure` does, where an earlier call with the same arguments normalised
-    its input itself — and tells whether the two agree within what torch's kernel may round (recursive float32
-    summation: ``(n - 1)·u`` of the values' magnitude, twice over) and the tolerance. What the forward normalised
-    differently by less than that (``x * 1.007`` at 32,768 values per channel) is not told apart: state its
-    arguments do not show stays unchecked, as the README says. They do not where the
-    forward normalised something else this time, by state the call's arguments do not show (``x * self.scale``
-    once ``scale`` changed, a clamp applied to some batches only): recomputed from the input, such figures were
-    the statistics of a tensor the layer never normalised (probe 38: 0.58 σ and 88 % off), where its own were
-    right. The layer's own figures are kept then (``pair`` is put back), and ``False`` returned."""
+    its input, as :func:`~precisebn.figures.refigure` does (where an earlier call with the same arguments normalised
+    its input itself), and tells whether the two agree within twice what torch's kernel may round (recursive float32
+    summation: ``(n - 1)·u`` of the values' mean square) and the tolerance. Where they do not, the forward normalised
+    something else this time, by state its arguments do not show (``x * self.scale`` once ``scale`` changed, a clamp
+    applied to some batches only): recomputed from the input, such figures were the statistics of a tensor the layer
+    never normalised (probe 38: 0.58 σ and 88 % off) where its own were right — its own are put back then, and
+    ``False`` returned. A change smaller than that bound (``x * 1.003`` at 32,768 values per channel) is not told
+    apart: such state stays unchecked, as the README says."""
     own = pair.clone()
     refigure(t, pair)
     n = t.numel() // t.shape[1]

@@ -662,24 +662,15 @@ def exclusive(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = No
             _busy.update(dict.fromkeys(ids, owner))
         yield
     finally:
-        _release(ids, owner)
+        to_the_end(_release, ids, owner)
 
 
 def _release(ids: set[int], owner: _Owner) -> None:
-    """Unmarks what ``owner`` marked of ``ids`` — to the end, whatever a signal handler raises meanwhile (Ctrl-C, a
-    test runner's timeout), and raised once done."""
-    raised: BaseException | None = None
-    for _ in range(100):  # (nothing here raises of its own: only a signal handler can, between two operations)
-        try:
-            with _busy_lock:
-                for i in ids:
-                    if _busy.get(i) is owner:
-                        del _busy[i]
-            break
-        except BaseException as exc:
-            raised = raised or exc
-    if raised is not None:
-        raise raised
+    """Unmarks what ``owner`` marked of ``ids`` (idempotent: run to the end, see :func:`to_the_end`)."""
+    with _busy_lock:
+        for i in ids:
+            if _busy.get(i) is owner:
+                del _busy[i]
 
 
 @contextlib.contextmanager
