@@ -166,6 +166,30 @@ def test_a_prior_is_weighted_by_the_samples_of_batches_with_file_names_first() -
     torch.testing.assert_close(bn.running_mean.double(), expected, rtol=0, atol=1e-6)
 
 
+def test_a_one_sample_batch_of_inputs_and_targets_counts_one_sample() -> None:
+    import precisebn
+
+    torch.manual_seed(0)
+    sizes = [3, 3, 1, 3]
+    xs = [torch.randn(k, 4, 3) + 2 for k in sizes]  # (three values per channel in a sample)
+    batches = [  # ((x, mask), (labels, weights)): a batch's fields, not two per-sample inputs (was counted as 2)
+        ((x, torch.ones(len(x), dtype=torch.bool)), (torch.zeros(len(x), dtype=torch.long), torch.ones(len(x))))
+        for x in xs
+    ]
+    assert [batch_size(b) for b in batches] == sizes
+    bn = nn.BatchNorm1d(4)
+    bn.running_mean.fill_(5.0)
+    report = precisebn.recalibrate(bn, batches, forward=lambda m, b: m(b[0][0]), num_samples=8, prior=8)
+    data = torch.cat(xs).double()  # 3 + 3 + 1 < 8: the fourth batch is used too (was not: 3 + 3 + 2)
+    expected = (8 * 5.0 + len(data) * data.mean((0, 2))) / (8 + len(data))  # the prior as 8 samples
+    assert (report.samples, report.batches) == (10, 4)
+    torch.testing.assert_close(bn.running_mean.double(), expected, rtol=0, atol=1e-6)
+    gray = tuple(torch.zeros(1, 8, 8) for _ in range(2))  # per-sample grayscale images and masks: alike
+    assert batch_size((gray, gray)) == 2
+    mixed = (torch.zeros(1, 8, 8), torch.zeros(3, 8, 8))  # not every first dimension 1: per-sample
+    assert batch_size((mixed, (torch.zeros(1), torch.zeros(1, dtype=torch.long)))) == 2
+
+
 def test_batches_of_unknown_size_are_named_in_the_errors() -> None:
     import dataclasses
 

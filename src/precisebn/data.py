@@ -45,14 +45,15 @@ def batch_size(batch: Any) -> int | None:
     A tensor counts its first dimension; a tuple/list counts its first element: a tensor (``(inputs,
     targets)``), a tuple of per-sample tensors when the next element holds as many targets
     (``(images, targets)``, torchvision's detection batches) and else a tuple of batched inputs
-    (``((x, extra), y)``), a mapping of inputs (``({"x": x}, y)``); a list of per-sample records (as
-    detectron2 uses) counts its length; per-sample metadata first (a list or tuple of file names,
-    ids) counts its length, unless no tensor beside it has as many (class names beside a batch of
-    images: the first tensor beside it counts); a plain value first (a task name) counts what follows
-    it. A mapping counts its first list of tensors beside as many records (per-sample, as mmengine's ``pseudo_collate``
-    gives), or its first tensor of one dimension or more. ``None`` when nothing tells. Some shapes
-    cannot be told apart (a list of per-sample images alone, three boxes per image of three
-    channels): pass ``num_batches=`` rather than ``num_samples=`` for those.
+    (``((x, extra), y)``; with one sample, where its fields differ in kind), a mapping of inputs
+    (``({"x": x}, y)``); a list of per-sample records (as detectron2 uses) counts its length;
+    per-sample metadata first (a list or tuple of file names, ids) counts its length, unless no
+    tensor beside it has as many (class names beside a batch of images: the first tensor beside it
+    counts); a plain value first (a task name) counts what follows it. A mapping counts its first
+    list of tensors beside as many records (per-sample, as mmengine's ``pseudo_collate`` gives), or
+    its first tensor of one dimension or more. ``None`` when nothing tells. Some shapes cannot be
+    told apart (a list of per-sample images alone, three boxes per image of three channels, one
+    sample's fields all of one kind): pass ``num_batches=`` rather than ``num_samples=`` for those.
 
     Example:
         >>> import torch
@@ -64,6 +65,9 @@ def batch_size(batch: Any) -> int | None:
         5
         >>> batch_size(({"x": torch.zeros(6, 2)}, torch.zeros(6)))
         6
+        >>> image, mask = torch.zeros(1, 3, 4, 4), torch.ones(1, 4, 4, dtype=torch.bool)
+        >>> batch_size(((image, mask), (torch.zeros(1, dtype=torch.long), torch.ones(1))))  # one sample's fields
+        1
         >>> batch_size((["a.png", "b.png", "c.png"], torch.zeros(3, 1, 4, 4)))  # (path, image) samples
         3
         >>> batch_size((["cat", "dog"], torch.zeros(5, 1, 4, 4)))  # names, not one per sample
@@ -88,7 +92,7 @@ def batch_size(batch: Any) -> int | None:
                 return batch_size(rest[0] if len(rest) == 1 else tuple(rest))
         if isinstance(first, (tuple, list)) and first and isinstance(first[0], Tensor):
             second, n = (batch[1] if len(batch) > 1 else None), len(first)
-            if isinstance(second, (tuple, list)) and len(second) == n and not _batched_alike(first[0], second[0]):
+            if isinstance(second, (tuple, list)) and len(second) == n and not _batched_alike(first, second):
                 return n  # per-sample inputs, with their targets (not as many batched inputs as targets)
             if isinstance(second, Tensor) and second.dim() and second.shape[0] == n:
                 return n  # per-sample inputs, with their targets stacked (batched inputs: as many as theirs)
@@ -119,10 +123,26 @@ def _metadata(value: Any) -> bool:
     return not isinstance(value, (Tensor, Mapping))
 
 
-def _batched_alike(x: Tensor, y: Any) -> bool:
-    """Whether ``y`` is a tensor with ``x``'s first dimension, above 1: a batch's inputs and targets
-    (``((x, mask), (y, weight))``), not per-sample ones (grayscale images with their masks)."""
-    return isinstance(y, Tensor) and y.dim() > 0 and x.dim() > 0 and y.shape[0] == x.shape[0] > 1
+def _batched_alike(first: tuple[Any, ...] | list[Any], second: tuple[Any, ...] | list[Any]) -> bool:
+    """Whether ``first`` and ``second`` are a batch's inputs and targets (``((x, mask), (y, weight))``), not
+    per-sample ones (grayscale images with their masks): their first tensors share a first dimension above 1,
+    or of 1 in every tensor of both where either holds tensors of different kinds (a batch's fields: an image
+    and its mask, labels and weights), as items collated side by side are not (one image after another)."""
+    x, y = first[0], second[0]
+    if not (isinstance(y, Tensor) and y.dim() > 0 and x.dim() > 0 and y.shape[0] == x.shape[0]):
+        return False
+    if x.shape[0] > 1:
+        return True
+    tensors = [t for t in (*first, *second) if isinstance(t, Tensor)]
+    if any(t.dim() == 0 or t.shape[0] != 1 for t in tensors):
+        return False
+    return not (_one_kind(first) and _one_kind(second))
+
+
+def _one_kind(items: tuple[Any, ...] | list[Any]) -> bool:
+    """Whether ``items`` are tensors of one dtype and number of dimensions, as per-sample items are."""
+    head = items[0]
+    return all(isinstance(t, Tensor) and t.dim() == head.dim() and t.dtype == head.dtype for t in items)
 
 
 def to_device(batch: Any, device: torch.device | None) -> Any:
