@@ -204,6 +204,7 @@ class OutputPlan:
         ...     _ = tmp["--out"].write_text("done")
         >>> (folder / "out.txt").read_text()
         'done'
+        >>> import shutil; shutil.rmtree(folder)
     """
 
     def __init__(
@@ -462,12 +463,13 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     its permission bits; a symlink is written through to its target.
 
     Example:
-        >>> import tempfile, pathlib
+        >>> import tempfile, pathlib, shutil
         >>> target = pathlib.Path(tempfile.mkdtemp()) / "out.txt"
         >>> with atomic_path(target) as tmp:
         ...     _ = tmp.write_text("done")
         >>> target.read_text()
         'done'
+        >>> shutil.rmtree(target.parent)
     """
     plan = OutputPlan()
     plan.add("output", path)

@@ -28,13 +28,15 @@ Example:
     ...         return {"loss": torch.nn.functional.mse_loss(out, data_samples)} if mode == "loss" else out
     >>> data = [{"inputs": torch.randn(4), "data_samples": torch.randn(())} for _ in range(64)]
     >>> hook = ExactPreciseBNHook(num_samples="all", interval=1)
-    >>> runner = Runner(Net(), tempfile.mkdtemp(), train_dataloader=torch.utils.data.DataLoader(data, batch_size=16),
+    >>> work_dir = tempfile.mkdtemp()
+    >>> runner = Runner(Net(), work_dir, train_dataloader=torch.utils.data.DataLoader(data, batch_size=16),
     ...                 train_cfg=dict(by_epoch=True, max_epochs=2),
     ...                 optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1)),
     ...                 custom_hooks=[hook], default_hooks=dict(checkpoint=None), log_level="ERROR")
     >>> _ = runner.train()
     >>> hook.computations, hook.last_step  # at the end of each epoch
     (2, 8)
+    >>> import shutil; shutil.rmtree(work_dir)
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ Example:
     ...         out = self.net(x).squeeze(1)
     ...         return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
     >>> data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(64)]
-    >>> args = TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=16, num_train_epochs=2,
+    >>> output_dir = tempfile.mkdtemp()
+    >>> args = TrainingArguments(output_dir, per_device_train_batch_size=16, num_train_epochs=2,
     ...                          eval_strategy="epoch", save_strategy="no", report_to=[], use_cpu=True,
     ...                          disable_tqdm=True)
     >>> precise = PreciseBNCallback(num_samples="all")
@@ -25,6 +26,7 @@ Example:
     >>> _ = trainer.train()
     >>> precise.computations, precise.last_step  # before each of the two evaluations
     (2, 8)
+    >>> import shutil; shutil.rmtree(output_dir)
 """
 
 from __future__ import annotations
