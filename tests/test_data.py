@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict, namedtuple
+from typing import Any
 
 import pytest
 import torch
@@ -188,6 +189,34 @@ def test_a_one_sample_batch_of_inputs_and_targets_counts_one_sample() -> None:
     assert batch_size((gray, gray)) == 2
     mixed = (torch.zeros(1, 8, 8), torch.zeros(3, 8, 8))  # not every first dimension 1: per-sample
     assert batch_size((mixed, (torch.zeros(1), torch.zeros(1, dtype=torch.long)))) == 2
+
+
+_X = [torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(k)) * 2 + 1 for k in range(6)]
+
+
+@pytest.mark.parametrize(
+    ("make", "forward"),
+    [  # each counted 2, 3, 5 or 1 per batch before (a probe)
+        (lambda x: ({"x": x}, {"y": torch.zeros(len(x))}), lambda m, b: m(b[0]["x"])),  # named inputs and targets
+        (lambda x: [{"x": x}, {"y": torch.zeros(len(x))}], lambda m, b: m(b[0]["x"])),  # the same, collated
+        (lambda x: [(x[i], i % 2) for i in range(len(x))], lambda m, b: m(torch.stack([s[0] for s in b]))),  # records
+        (lambda x: {"boxes": [torch.zeros(5, 4)] * len(x), "image": x}, lambda m, b: m(b["image"])),
+        (lambda x: (torch.tensor(7), x), lambda m, b: m(b[1])),  # a step count first
+    ],
+    ids=["dict-pair", "dict-pair-list", "records", "boxes-first", "step-first"],
+)
+def test_num_samples_counts_the_samples_of_every_batch_form(make: Any, forward: Any) -> None:
+    import precisebn
+
+    batches = [make(x) for x in _X]
+    assert [batch_size(b) for b in batches] == [8] * 6
+    bn = nn.BatchNorm2d(3)
+    bn.running_mean.fill_(0.5)
+    report = precisebn.recalibrate(bn, batches, forward=forward, num_samples=16, prior=16)
+    data = torch.cat(_X[:2]).double()  # 16 samples: two batches
+    expected = (16 * 0.5 + 16 * data.mean((0, 2, 3))) / 32  # the prior as 16 samples of pseudo-data
+    assert (report.samples, report.batches) == (16, 2)
+    torch.testing.assert_close(bn.running_mean.double(), expected, rtol=0, atol=1e-6)
 
 
 def test_batches_of_unknown_size_are_named_in_the_errors() -> None:

@@ -46,11 +46,13 @@ def batch_size(batch: Any) -> int | None:
     targets)``), a tuple of per-sample tensors when the next element holds as many targets
     (``(images, targets)``, torchvision's detection batches) and else a tuple of batched inputs
     (``((x, extra), y)``; with one sample, where its fields differ in kind), a mapping of inputs
-    (``({"x": x}, y)``); a list of per-sample records (as detectron2 uses) counts its length;
-    per-sample metadata first (a list or tuple of file names, ids) counts its length, unless no
-    tensor beside it has as many (class names beside a batch of images: the first tensor beside it
-    counts); a plain value first (a task name) counts what follows it. A mapping counts its first
-    list of tensors beside as many records (per-sample, as mmengine's ``pseudo_collate`` gives), or
+    (``({"x": x}, y)``, ``({"x": x}, {"y": y})``); a list of per-sample records (dicts with the same
+    keys, as detectron2 uses, or ``(image, label)`` tuples as an identity ``collate_fn`` leaves them)
+    counts its length; per-sample metadata first (a list or tuple of file names, ids) counts its
+    length, unless no tensor beside it has as many (class names beside a batch of images: the first
+    tensor beside it counts); a plain value first (a task name, a 0-d step count) counts what follows
+    it. A mapping counts its first list of tensors beside as many records (per-sample, as mmengine's
+    ``pseudo_collate`` gives) or beside a tensor of as many (per-image boxes beside the images), or
     its first tensor of one dimension or more. ``None`` when nothing tells. Some shapes cannot be
     told apart (a list of per-sample images alone, three boxes per image of three channels, one
     sample's fields all of one kind): pass ``num_batches=`` rather than ``num_samples=`` for those.
@@ -80,6 +82,8 @@ def batch_size(batch: Any) -> int | None:
             return 0
         first = batch[0]
         if isinstance(first, Tensor):
+            if first.dim() == 0 and len(batch) > 1:  # (a step count first says nothing: what follows it tells)
+                return batch_size(batch[1] if len(batch) == 2 else tuple(batch[1:]))
             return batch_size(first)
         if _metadata(first):
             if isinstance(first, (tuple, list)):  # (file names, images): what collating (path, image) samples gives
@@ -96,23 +100,50 @@ def batch_size(batch: Any) -> int | None:
                 return n  # per-sample inputs, with their targets (not as many batched inputs as targets)
             if isinstance(second, Tensor) and second.dim() and second.shape[0] == n:
                 return n  # per-sample inputs, with their targets stacked (batched inputs: as many as theirs)
+            if _records(batch):
+                return len(batch)  # per-sample (image, label) records, as an identity collate_fn leaves them
             return batch_size(first)
         if isinstance(first, tuple):
             return batch_size(first)
-        if isinstance(first, Mapping) and not all(isinstance(item, Mapping) for item in batch):
-            return batch_size(first)  # (inputs, targets) with named inputs, not a list of records
+        if isinstance(first, Mapping) and not all(
+            isinstance(item, Mapping) and item.keys() == first.keys() for item in batch
+        ):  # (inputs, targets) with named inputs ({"x": x}, {"y": y}), not a list of records with the same keys
+            counted = batch_size(first)
+            if counted is not None:
+                return counted
         return len(batch)
     if isinstance(batch, Mapping):
         for value in batch.values():
-            if isinstance(value, list) and value and all(isinstance(v, Tensor) for v in value):
-                others = [v for v in batch.values() if v is not value and isinstance(v, (list, tuple))]
-                if any(len(v) == len(value) for v in others):
-                    return len(value)  # per-sample tensors with as many records (mmengine's pseudo_collate)
+            if isinstance(value, (list, tuple)) and value and all(isinstance(v, Tensor) for v in value):
+                n = len(value)
+                for other in batch.values():
+                    if other is not value and isinstance(value, list) and isinstance(other, (list, tuple)):
+                        if len(other) == n:
+                            return n  # per-sample tensors with as many records (mmengine's pseudo_collate)
+                    elif other is not value and isinstance(other, Tensor) and other.dim() and other.shape[0] == n:
+                        return n  # per-sample tensors (boxes) beside a stacked tensor of as many (the images)
             if (isinstance(value, Tensor) and value.dim()) or (  # (a 0-d value, e.g. a step count, says nothing)
                 isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor)
             ):
                 return batch_size(value)
     return None
+
+
+def _records(batch: tuple[Any, ...] | list[Any]) -> bool:
+    """Whether the items of ``batch`` (two or more) are tuples/lists of one structure: as many fields, at each
+    place a tensor of one dtype and number of dimensions or a value of one type — per-sample records, not a
+    batch's fields (an image and its mask, labels and weights)."""
+    head = batch[0]
+    for item in batch[1:]:
+        if not isinstance(item, (tuple, list)) or len(item) != len(head):
+            return False
+        for a, b in zip(head, item):
+            if isinstance(a, Tensor):
+                if not (isinstance(b, Tensor) and a.dim() == b.dim() and a.dtype == b.dtype):
+                    return False
+            elif type(a) is not type(b):
+                return False
+    return len(batch) > 1
 
 
 def _metadata(value: Any) -> bool:
