@@ -528,6 +528,29 @@ def test_untie_refuses_the_model_itself_and_another_number_of_calls() -> None:
         precisebn.untie_calls(model, {"head.bn": 2})
 
 
+def test_per_call_statistics_of_more_calls_than_a_layer_is_untied_into_say_so() -> None:
+    """Found by a hostile probe: apply said to call untie_calls first, which then refused (already untied)."""
+
+    class Thrice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(2)
+
+        def forward(self, x: Tensor) -> list[Tensor]:
+            return [self.bn(x), self.bn(x + 1), self.bn(x * 2)]
+
+    stats = precisebn.estimate(Thrice(), [torch.randn(4, 2)], per_call=True)
+    model = precisebn.untie_calls(Thrice(), {"bn": 2})
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(
+        StatsMismatchError, match="'bn' is untied into 2 calls, and these per-call statistics hold call 2"
+    ):
+        precisebn.apply(model, stats)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    with pytest.raises(StatsMismatchError, match=r"untie_calls\(model, stats\) first"):
+        precisebn.apply(Thrice(), stats)  # (not untied: the hint as before)
+
+
 def test_a_layer_shared_by_two_parents_is_untied_under_both_names() -> None:
     bn = nn.BatchNorm1d(3)
     model = nn.ModuleDict({"a": nn.Sequential(bn), "b": nn.Sequential(bn)})

@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import math
 import zlib
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from ._table import times as _times
 from .adapt import WRITTEN, Adapt, with_prior
-from .calls import call_indices
+from .calls import PerCallBatchNorm, call_indices
 from .errors import StatsMismatchError
 from .layers import has_running_stats, refuse_shared_buffers
 from .population import PopulationStats
@@ -119,10 +120,7 @@ def plan_writes(
     for name, s in stats.items():
         m = found[name] if name in found else _submodule(model, name)
         if m is None:
-            problems.append(
-                f"{name!r} is not in the model"
-                + (" (per-call statistics: call precisebn.untie_calls(model, stats) first)" if _is_call(name) else "")
-            )
+            problems.append(f"{name!r} is not in the model" + _call_hint(name, found))
         elif not has_running_stats(m):
             problems.append(f"{name!r} ({type(m).__name__}) has no running statistics")
         elif _other_kind(m, s.layer_type):
@@ -240,9 +238,20 @@ def _submodule(model: nn.Module, name: str) -> nn.Module | None:
         return None
 
 
-def _is_call(name: str) -> bool:
-    """Whether ``name`` is that of one call's statistics (``estimate(..., per_call=True)``)."""
-    return bool(call_indices([name]))
+def _call_hint(name: str, modules: Mapping[str, nn.Module]) -> str:
+    """What to do about statistics of one call (``estimate(..., per_call=True)``) named ``name`` that the model
+    does not hold: untie the layer first, unless it is untied into fewer calls already (then untying refuses)."""
+    found = call_indices([name])
+    if not found:
+        return ""
+    (layer, (index,)), *_ = found.items()
+    untied = modules.get(layer)
+    if isinstance(untied, PerCallBatchNorm):
+        return (
+            f" (layer {layer!r} is untied into {len(untied.calls)} calls, and these per-call statistics hold call "
+            f"{index}: estimate them on this model, or untie the original model with them)"
+        )
+    return " (per-call statistics: call precisebn.untie_calls(model, stats) first)"
 
 
 def _refuse(what: str, problems: list[str], hint: str | None = None) -> None:
