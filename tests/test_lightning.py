@@ -718,6 +718,41 @@ def test_layers_frozen_for_training_are_left_as_they_are(tmp_path: Path, frozen:
     assert_frozen_run(frozen, same, model, reference, [x], prefix="net.")
 
 
+class FrozenAtStep2(TinyNet):
+    """``TinyNet`` with ``conftest.NormEval`` as its net, whose backbone BatchNorm its own ``on_train_batch_end``
+    freezes at step 2: after PreciseBN's ``on_train_batch_end`` of that step (callbacks run first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = NormEval(frozen=False)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step == 2:
+            self.net.frozen = True
+            self.net.body[1].eval()
+
+
+def test_a_layer_frozen_by_a_later_hook_of_the_step_a_validation_follows_is_left_as_it_is(tmp_path: Path) -> None:
+    """Found by a probe: Lightning puts the module in eval mode before on_validation_start, so the computation before
+    that validation saw no modes of training, and the layer frozen after PreciseBN's last look was recalibrated (the
+    losses then differed from a run without it). The modes Lightning recorded before eval() count."""
+    x, y = make_data()
+
+    def run(callbacks: list[Any], directory: Path) -> FrozenAtStep2:
+        torch.manual_seed(0)
+        model = FrozenAtStep2()
+        trainer = make_trainer(directory, max_epochs=1, val_check_interval=2, callbacks=callbacks)
+        trainer.fit(model, loader(x, y), loader(x[:16], y[:16]))
+        return model
+
+    precise = PreciseBN(num_samples="all")
+    model = run([precise], tmp_path / "with")
+    reference = run([], tmp_path / "without")
+    assert precise.computations == 2  # at steps 2 and 4
+    same = torch.equal(torch.stack(model.losses), torch.stack(reference.losses))
+    assert_frozen_run("skip", same, model, reference, [x], prefix="net.")
+
+
 def test_the_averaged_copy_keeps_the_layers_frozen_in_the_module(tmp_path: Path) -> None:
     x, y = make_data()
     torch.manual_seed(0)

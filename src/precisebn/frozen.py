@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -100,11 +100,12 @@ class FrozenLayers:
             self._listing = time.perf_counter() - start
         return self._layers
 
-    def observe(self, model: nn.Module, *, relist: bool = False) -> bool:
+    def observe(self, model: nn.Module, *, relist: bool = False, modes: Mapping[str, bool] | None = None) -> bool:
         """Notes the layers of ``model`` in eval mode, if ``model`` is seen training (else
         keeps what was noted before, and returns ``False``): a host-only scan of the
         modules' flags, cheap enough for every training step (``relist``: list the model's
-        layers again first).
+        layers again first; ``modes``: the flags of ``model``'s modules by qualified name, as
+        recorded before something put it in eval mode, read instead of theirs).
 
         Raises:
             InvalidArgumentError: ``model`` is not an ``nn.Module``.
@@ -113,16 +114,24 @@ class FrozenLayers:
             raise InvalidArgumentError(f"observe() takes the model being trained, got {type(model).__name__}")
         core = core_model(model)
         layers = self._list(core, now=relist)
+        if modes is None:
+            flags = None
+        else:  # (by module: the names are model's, the layers' core's)
+            flags = {id(m): bool(modes[name]) for name, m in model.named_modules() if name in modes}
+
+        def training(m: nn.Module) -> bool:
+            return m.training if flags is None else flags.get(id(m), m.training)
+
         if (
-            not core.training
-            and not any(m.training for _, m in layers)
+            not training(core)
+            and not any(training(m) for _, m in layers)
             and not any(
-                m.training and m._parameters
+                training(m) and m._parameters
                 for m in self._others  # (a dropout layer switched on says nothing)
             )
         ):
             return False
-        self.names = tuple(name for name, m in layers if not m.training)
+        self.names = tuple(name for name, m in layers if not training(m))
         self.seen = True
         return True
 

@@ -193,7 +193,7 @@ class PreciseBNScheduler:
         names in the model, without its wrappers): left as they are with ``frozen="skip"``."""
         return self._frozen.names
 
-    def observe(self, model: nn.Module | None = None) -> bool:
+    def observe(self, model: nn.Module | None = None, *, modes: Mapping[str, bool] | None = None) -> bool:
         """Notes which normalization layers are in eval mode while ``model`` (default: the
         scheduler's) is in training mode: the layers frozen for training, left as they are
         by the next computations (``frozen="skip"``). :meth:`update` does so itself; call
@@ -202,12 +202,18 @@ class PreciseBNScheduler:
         averaged copy of it (:meth:`update` then reads that model's flags, never the copy's own).
         A host-only scan of the layers' flags.
 
+        Args:
+            model: The model being trained (default: the scheduler's).
+            modes: The ``training`` flags of ``model``'s modules by qualified name as they were
+                before something put it in eval mode (Lightning records them before validating),
+                read instead of the modules' own.
+
         Returns:
             Whether ``model`` was in training mode (else nothing was noted).
         """
         if model is None or model is self.model:
-            return self._frozen.observe(self.model)
-        seen = self._frozen.observe(model)  # (refuses a non-module first)
+            return self._frozen.observe(self.model, modes=modes)
+        seen = self._frozen.observe(model, modes=modes)  # (refuses a non-module first)
         self._trained = model  # from now on the modes that count are those of the model trained
         return seen
 

@@ -78,6 +78,16 @@ def _fitting(trainer: Any) -> bool:
     return state.fn == "fit" and state.status == "running" and not trainer.sanity_checking
 
 
+def _modes_before_validating(trainer: Any) -> dict[str, bool] | None:
+    """The ``training`` flags of the LightningModule's modules by qualified name as its validation loop recorded
+    them before putting it in eval mode — the modes it trained in: a layer frozen by a hook after this callback's
+    last ``on_train_batch_end`` (the module's own, a later callback's) is frozen there (a probe). Lightning's
+    private record (``_ModuleMode``); ``None`` where it keeps none."""
+    loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "val_loop", None)
+    mode = getattr(getattr(loop, "_module_mode", None), "mode", None)
+    return dict(mode) if isinstance(mode, dict) and mode else None
+
+
 def _training_loader(trainer: Any) -> Iterable[Any]:
     loader = trainer.train_dataloader
     if loader is None:
@@ -344,6 +354,7 @@ class PreciseBNMixin(_Recalibrator):
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self.on_validation and _fitting(trainer):
+            self._trigger.observe(pl_module, modes=_modes_before_validating(trainer))  # (it is in eval mode now)
             self._compute(trainer, trainer.global_step)
         super().on_validation_start(trainer, pl_module)  # type: ignore[misc]
 
@@ -538,6 +549,8 @@ class AveragingMixin(_Recalibrator):
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         # Before WeightAveraging swaps the averaged weights in (on_validation_epoch_start).
+        if _fitting(trainer):
+            self._trigger.observe(pl_module, modes=_modes_before_validating(trainer))  # (it is in eval mode now)
         self._compute_averaged(trainer)
         super().on_validation_start(trainer, pl_module)  # type: ignore[misc]
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -196,11 +196,11 @@ class Trigger:
         if self._scheduler is not None:
             self._scheduler.load_state_dict({**self._scheduler.state_dict(), "last_step": None, "stale": False})
 
-    def observe(self, model: nn.Module | None = None) -> None:
+    def observe(self, model: nn.Module | None = None, *, modes: Mapping[str, bool] | None = None) -> None:
         """After a training step: notes the layers frozen for training (in eval mode while
         ``model``, default the bound one, trains; see :meth:`PreciseBNScheduler.observe`)."""
         if self._scheduler is not None and self.frozen == "skip":
-            self._scheduler.observe(model)
+            self._scheduler.observe(model, modes=modes)
 
     @property
     def scheduler(self) -> PreciseBNScheduler | None:
