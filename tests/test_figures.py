@@ -9,6 +9,8 @@ near-blank frames: 1.1e-5 to 2.8e-5), past the 1e-5 the README promises, unwarne
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -100,5 +102,36 @@ def test_later_batches_of_repeated_values_are_exact(layout: str, capture: str, o
     stats = precisebn.estimate(model, batches, num_samples="all", capture=capture)
     got = stats["1"]
     assert got.path == ("fast" if capture == "auto" else "float64")
+    assert max_rel_error(got.mean, truth.mean, truth.var.add(1e-5).sqrt()) <= TOL
+    assert max_rel_error(got.var, truth.var, truth.var + 1e-5) <= TOL
+
+
+@pytest.mark.parametrize("own", [False, True])
+@pytest.mark.parametrize("layout", ["channels_last", "(N, C)"])
+def test_batch_means_of_few_values_far_from_zero_are_summed_again(layout: str, own: bool) -> None:
+    """Found by a probe: up to EXACT_UP_TO values per channel in these layouts, torch's float32 sum makes each batch
+    mean err by several u·|mean|, which the spread between batches' means multiplies by |mean|/σ in the pooled
+    variance — 3.4e-5 to 5.7e-5 of it off, unwarned, at |mean|/σ = 75 (a calibration set of two batches, 1 σ either
+    side, fed 16 times, after a first batch that verifies the layer). Their means are summed in float64 now."""
+    g = torch.Generator().manual_seed(0)
+    mu, channels = 75.0, 64
+    if layout == "channels_last":  # 64 values per channel: one 8x8 map
+        shape: tuple[int, ...] = (1, channels, 8, 8)
+        layer: nn.Module = _OwnForward2d(channels) if own else nn.BatchNorm2d(channels)
+    else:
+        shape = (84, channels)
+        layer = _OwnForward1d(channels) if own else nn.BatchNorm1d(channels)
+    n = math.prod(shape) // channels
+    signs = torch.stack([torch.randperm(n, generator=g) % 2 * 2.0 - 1.0 for _ in range(channels)])  # half each
+    first = mu + 0.125 * signs.reshape(channels, shape[0], *shape[2:]).movedim(0, 1)  # (exact figures: verifies)
+    a = mu + 1 + 0.1 * torch.randn(shape, generator=g)
+    b = mu - 1 + 0.1 * torch.randn(shape, generator=g)
+    batches = [first] + [a, b] * 16
+    if layout == "channels_last":
+        batches = [x.contiguous(memory_format=torch.channels_last) for x in batches]
+    model = nn.Sequential(nn.Identity(), layer)
+    truth = compute_truth(model, batches)["1"]
+    got = precisebn.estimate(model, batches, num_samples="all")["1"]
+    assert got.path == "fast"
     assert max_rel_error(got.mean, truth.mean, truth.var.add(1e-5).sqrt()) <= TOL
     assert max_rel_error(got.var, truth.var, truth.var + 1e-5) <= TOL

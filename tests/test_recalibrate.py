@@ -624,6 +624,22 @@ def test_single_value_per_channel_is_a_clear_error(capture: str) -> None:
     assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+@pytest.mark.parametrize("unbatched", [False, True])
+def test_an_instance_norm_given_maps_of_one_value_is_a_clear_error(capture: str, unbatched: bool) -> None:
+    """Found by a probe: torch's own ValueError ("Expected more than 1 spatial element"), without the layer's name."""
+    if unbatched:
+        model: nn.Module = nn.Sequential(nn.Identity(), nn.InstanceNorm1d(4, track_running_stats=True))
+        batches = [torch.randn(4, 6), torch.randn(4, 6), torch.randn(4, 1)]  # (C, L): one sample each
+    else:
+        model = nn.Sequential(nn.Conv2d(4, 4, 1), nn.InstanceNorm2d(4, track_running_stats=True))
+        batches = [torch.randn(8, 4, 2, 2)] * 3 + [torch.randn(8, 4, 1, 1)]
+    before = state_snapshot(model)
+    with pytest.raises(InvalidArgumentError, match=r"layer '1' \(InstanceNorm[12]d\) received maps of one value"):
+        precisebn.recalibrate(model, batches, capture=capture, forward=lambda m, b: m(b))
+    assert_unchanged(model, before)
+
+
 def test_progress_bar_counts_samples(capsys: pytest.CaptureFixture[str]) -> None:
     precisebn.estimate(nn.BatchNorm1d(3), [torch.randn(4, 3)] * 5, num_samples=12, progress=True)
     err = capsys.readouterr().err

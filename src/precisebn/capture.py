@@ -243,6 +243,13 @@ class Collector:
     # -- calls -------------------------------------------------------------------------
 
     def _too_few(self, i: int, x: Tensor) -> InvalidArgumentError:
+        if self._calls[i].instance:
+            return InvalidArgumentError(
+                f"layer {self.layers[i].name!r} ({self.layers[i].type_name}) received maps of one value "
+                f"(input of shape {tuple(x.shape)}): InstanceNorm in training mode normalises each sample's channel "
+                "over its positions and needs more than one. Feed larger maps, or leave the layer out with layers=. "
+                "The model was left unchanged."
+            )
         return InvalidArgumentError(
             f"layer {self.layers[i].name!r} ({self.layers[i].type_name}) received one value per channel "
             f"(input of shape {tuple(x.shape)}): BatchNorm in training mode needs at least two to compute a "

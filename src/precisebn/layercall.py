@@ -11,6 +11,7 @@ it writes to (counts, kept figures, checks waiting) is the :class:`~precisebn.ca
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -19,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.nn.modules.instancenorm import _InstanceNorm
 
 from .errors import UnsupportedLayerError
-from .figures import EXACT_UP_TO, refigure
+from .figures import EXACT_UP_TO, refigure, remean
 from .trial import Trial, fitting
 from .watch import Watch, moments_of, normalises_its_input
 
@@ -48,6 +50,7 @@ class LayerCall:
         "init_mean",
         "init_var",
         "inner",
+        "instance",
         "itself",
         "mean_view",
         "module",
@@ -70,6 +73,11 @@ class LayerCall:
         self.init_mean, self.init_var = collector._initial_views[i]  # type: ignore[misc]
         self.module = collector.layers[i].module
         self.own_forward = normalises_its_input(self.module)  # torch's own forward: what it normalises is its input
+        self.instance = (  # torch's own InstanceNorm forward (statistics per sample; measured in float64)
+            isinstance(self.module, _InstanceNorm)
+            and type(self.module).forward is _InstanceNorm.forward
+            and "forward" not in self.module.__dict__
+        )
         self.active = 0  # calls of the layer running now (more than one: a call inside its own call)
         self.inner = 0  # calls made inside the layer's own call, ever (a call that saw some ran none: see _unseen)
         self.nested = False  # verifying batch: a call ran inside the outermost call running now
@@ -146,7 +154,7 @@ class LayerCall:
         inside the layer's own call (``inside``): the enclosing call kept them already, and the
         scratch holds nothing of a call's since. Returns where they are kept, for :meth:`unstash`."""
         c, i = self.c, self.i
-        if self.own_forward and _one_per_channel(x, self.channels):  # (a forward of its own may handle it)
+        if self.too_few(x):
             raise c._too_few(i, x)
         if not c._row[i] or inside:
             return None
@@ -154,6 +162,15 @@ class LayerCall:
         self.pair.copy_(c._initial_pair(i))  # what this call reads in its buffers: the model's statistics
         c._wrote()
         return len(c._extras) - 1
+
+    def too_few(self, x: Tensor) -> bool:
+        """Whether torch's own forward would refuse ``x`` for too few values (a forward of its own may handle it):
+        one value per channel for a BatchNorm, one spatial position for an InstanceNorm (whose statistics are each
+        sample's; a 1x1 map, torch's ValueError without the layer's name: a probe)."""
+        if self.instance:
+            spatial = x.shape[1:] if x.dim() == self.module._get_no_batch_dim() else x.shape[2:]
+            return math.prod(spatial) == 1
+        return self.own_forward and _one_per_channel(x, self.channels)
 
     def unstash(self, stashed: int | None) -> None:
         """After a call that raised (the model may catch it and go on), whatever its forward wrote:
@@ -337,6 +354,8 @@ class LayerCall:
                 unusual = n == 1 or row[i] or c.per_call or watching
                 if row[i] and c._pending:  # (its figures are about to be overwritten)
                     c._run_pending()
+                if self.instance and not unusual and self.too_few(x):  # (stash() checks the unusual calls)
+                    raise c._too_few(i, x)
                 stashed = self.stash(x, j) if unusual else None
                 try:
                     if watching:
@@ -378,18 +397,22 @@ class LayerCall:
                 if deferred:  # (once counted: the comparison may run at once, and then needs the call's count)
                     known = watching or self.own_forward or key in self.itself[xl]  # what it normalised
                     t = (seen[0] if watching else x) if known else None
-                    if t is not None and n > EXACT_UP_TO and self.pair.dtype == torch.float32:
-                        if watching or self.own_forward:
-                            refigure(t, self.pair)  # torch's kernel sums it in float32, one value after another
-                        elif not refigured_alike(t, self.pair, float(module.eps)):  # (its input, assumed: see there)
-                            t = None  # (it normalised something else this time: its own figures, nothing to check)
+                    if t is not None and self.pair.dtype == torch.float32:  # torch's kernel sums it in float32,
+                        own = watching or self.own_forward  # one value after another (see figures)
+                        if n > EXACT_UP_TO:
+                            if own:
+                                refigure(t, self.pair)
+                            elif not refigured_alike(t, self.pair, float(module.eps)):  # (its input, assumed)
+                                t = None  # (it normalised something else this time: its own figures, nothing to check)
+                        elif not remean(t, self.pair, None if own else float(module.eps)):
+                            t = None
                         c._wrote()
                     c._defer(self, j, n, t)
             elif path == "verify":
                 out = self.verify(forward, args, kwargs, j, inside > 0)
             else:
                 x = c._check(i, args, kwargs)
-                if self.own_forward and _one_per_channel(x, self.channels):  # (torch would say so without the name)
+                if self.too_few(x):  # (torch would say so without the name)
                     raise c._too_few(i, x)
                 if path == "none":  # verified never to normalise with its running buffers: nothing to watch
                     out = forward(*args, **kwargs)
