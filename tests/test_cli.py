@@ -729,6 +729,31 @@ def test_every_alias_of_a_shared_layer_is_written(tiny, work, capsys):
     assert not torch.equal(written["block.1.running_var"], old["block.1.running_var"])
 
 
+def test_a_model_factory_that_changes_the_working_folder_reads_the_folder_named(tiny, work, capsys):
+    """Found by a probe: a factory that called os.chdir made a relative --data folder be read from the new working
+    folder — another folder's images, exit 0, unwarned."""
+    import shutil
+
+    import cli_tiny
+
+    shutil.copytree(tiny["images"], work["dir"] / "imgs")
+    bright = work["dir"] / "other" / "imgs"  # (where the factory goes)
+    bright.mkdir(parents=True)
+    for i in range(6):
+        Image.fromarray(np.full((32, 32, 3), 230 + i, dtype=np.uint8)).save(bright / f"{i}.png")
+    factory = "import os\nfrom cli_tiny import Tiny\n\n\ndef model():\n    os.chdir('other')\n    return Tiny()\n"
+    (work["dir"] / "wander.py").write_text(factory)
+    args = ["recalibrate", "model.pt", "--model", "wander:model", "--data", "imgs", "--out", "out.pt",
+            "--transform", "cli_tiny:transform", "--batch-size", "4", "--num-samples", "all", "--no-progress",
+            "--device", "cpu"]  # fmt: skip
+    assert main(args) == 0
+    batches = _folder_batches(work["dir"] / "imgs", cli_tiny.transform)
+    written = torch.load(work["dir"] / "out.pt", weights_only=True)
+    _assert_stats_close(written, _python_recalibrated(cli_tiny.Tiny, work["ckpt"], batches))
+    assert "changed the working folder" in capsys.readouterr().err
+    assert Path.cwd() == work["dir"]
+
+
 def test_a_failing_report_writes_nothing_and_names_the_output(tiny, work, capsys, monkeypatch):
     import errno
 

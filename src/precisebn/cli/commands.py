@@ -153,9 +153,28 @@ def _check_device(text: str | None) -> None:
         raise InvalidArgumentError(f"--device {text!r}: XPU is not available on this machine; use --device cpu.")
 
 
+@contextlib.contextmanager
+def _back_in(folder: str, option: str) -> Any:
+    """Runs user code (``option``'s) and returns to ``folder``, the working folder the command started in, if it
+    changed it: a --model factory that changed it made a relative --data folder, and a --data module, be read from
+    another folder — other images, unwarned (a probe)."""
+    try:
+        yield
+    finally:
+        moved = os.getcwd()
+        if moved != folder:
+            os.chdir(folder)
+            warnings.warn(
+                f"{option}'s code changed the working folder to {moved!r}; precisebn went back to {folder!r}, where "
+                "the command's relative paths are read.",
+                stacklevel=1,
+            )
+
+
 def check_recalibrate(args: argparse.Namespace) -> Any:
     from ..specs import parse_kwargs
 
+    args.folder = os.getcwd()  # (where relative paths are read, whatever user code does: see _back_in)
     folders = {"--data": Path(args.data)} if Path(args.data).is_dir() else {}
     if folders:  # (and the folders its symlinked folders lead to: a probe's --report went into one, read next time)
         from ..images import linked_folders
@@ -362,7 +381,8 @@ def run_recalibrate(args: argparse.Namespace) -> int:
         print("precisebn: warning: --trust-checkpoint unpickles the file; that can run any code.", file=sys.stderr)
     ckpt = load_checkpoint(args.checkpoint, trust=args.trust_checkpoint, key=args.key)
     _say_others(ckpt)
-    model = resolve_model(args.model, args.model_kwargs_parsed)
+    with _back_in(args.folder, "--model"):
+        model = resolve_model(args.model, args.model_kwargs_parsed)
     prefix = load_into(model, ckpt)
     _say_dtypes(model, ckpt, prefix)
     layers = _saved_layers(model, _layer_selection(args.layers, prefix, {name for name, _ in model.named_modules()}))
@@ -371,18 +391,19 @@ def run_recalibrate(args: argparse.Namespace) -> int:
     preprocessing = None
     skipped: list[str] | None = [] if args.skip_bad_images else None
     if Path(args.data).is_dir():
-        preprocessing = resolve_preprocessing(
-            args.model,
-            model,
-            weights=args.weights,
-            image_size=args.image_size,
-            resize="base" if args.resize is None else (None if args.resize == 0 else args.resize),
-            crop="base" if args.crop is None else (None if args.crop == 0 else args.crop),
-            interpolation=args.interpolation,
-            mean=args.mean,
-            std=args.std,
-            transform=args.transform,
-        )
+        with _back_in(args.folder, "--transform"):
+            preprocessing = resolve_preprocessing(
+                args.model,
+                model,
+                weights=args.weights,
+                image_size=args.image_size,
+                resize="base" if args.resize is None else (None if args.resize == 0 else args.resize),
+                crop="base" if args.crop is None else (None if args.crop == 0 else args.crop),
+                interpolation=args.interpolation,
+                mean=args.mean,
+                std=args.std,
+                transform=args.transform,
+            )
         if not preprocessing.asked:
             warnings.warn(
                 f"--data {args.data!r} is preprocessed with the ImageNet default ({preprocessing.describe()}), "
@@ -392,9 +413,10 @@ def run_recalibrate(args: argparse.Namespace) -> int:
                 stacklevel=1,
             )
     loading = {k: v for k in ("batch_size", "workers", "seed") if (v := getattr(args, k)) is not None}
-    data, available = resolve_data(  # (resolve_data's defaults where not given)
-        args.data, preprocessing=preprocessing, kwargs=args.data_kwargs_parsed, skipped=skipped, **loading
-    )
+    with _back_in(args.folder, "--data"):
+        data, available = resolve_data(  # (resolve_data's defaults where not given)
+            args.data, preprocessing=preprocessing, kwargs=args.data_kwargs_parsed, skipped=skipped, **loading
+        )
     num_samples = args.num_samples
     limit = DEFAULT_NUM_SAMPLES if num_samples is None else num_samples  # (the library's default)
     if available is not None and isinstance(limit, int) and available < limit and not args.num_batches:
