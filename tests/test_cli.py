@@ -773,6 +773,37 @@ def test_a_failing_report_writes_nothing_and_names_the_output(tiny, work, capsys
     assert _sha(work["ckpt"]) == work["sha"]
 
 
+def test_a_failure_after_the_outputs_are_in_place_says_they_are(tiny, work, capsys, monkeypatch):
+    """Found by a probe: printing "wrote ..." failed after --in-place had replaced the checkpoint (a file name that is
+    not valid UTF-8, a strict UTF-8 stdout), and the command exited 1 saying "Nothing was written" — a script that
+    retried with --prior would have pooled the data twice."""
+    import errno
+
+    from precisebn.cli import commands
+
+    said = commands._say
+
+    def failing_say(text: str) -> None:
+        if text.startswith("wrote "):
+            raise OSError(errno.EIO, "Input/output error")
+        said(text)
+
+    ckpt, original = work["ckpt"], work["dir"] / "original.pt"
+    original.write_bytes(ckpt.read_bytes())
+    assert main(_tiny_args(tiny, original, "reference.pt", "--crop", "none")) == 0  # (what a whole run writes)
+    monkeypatch.setattr(commands, "_say", failing_say)
+    args = _tiny_args(tiny, ckpt, "unused.pt", "--crop", "none")
+    args[args.index("--out") : args.index("--out") + 2] = ["--in-place"]
+    capsys.readouterr()
+    assert main(args) == 0
+    message = capsys.readouterr().err
+    assert "every output was written (" in message and "complete); then: OSError" in message
+    assert "nothing was written" not in message.lower() and _stray(work["dir"]) == []
+    written, reference = torch.load(ckpt, weights_only=True), torch.load("reference.pt", weights_only=True)
+    assert written.keys() == reference.keys() and all(torch.equal(written[k], reference[k]) for k in written)
+    assert _sha(ckpt) != work["sha"]
+
+
 def test_in_place_keeps_permission_bits_and_out_writes_through_symlinks(tiny, work):
     ckpt = work["ckpt"]
     ckpt.chmod(0o600)

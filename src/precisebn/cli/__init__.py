@@ -58,7 +58,8 @@ def _interrupted(args: Any) -> int:
     plan = getattr(args, "plan", None)
     if plan is not None and getattr(plan, "committed", False):
         written = ", ".join(text for text, _ in plan.outputs.values())
-        print(f"precisebn: interrupted after the output was written ({written}: complete).", file=sys.stderr)
+        text = f"precisebn: interrupted after the output was written ({written}: complete)."
+        print(_printable(text), file=sys.stderr)
         return EXIT_OK
     print("precisebn: interrupted; no output was written.", file=sys.stderr)
     return EXIT_INTERRUPTED
@@ -102,8 +103,29 @@ def _main(argv: list[str] | None, parsed: list[Any]) -> int:
         except Exception as exc:
             if debug:
                 raise
+            plan = getattr(args, "plan", None)
+            if plan is not None and getattr(plan, "committed", False):  # (printing what was written failed)
+                written = ", ".join(text for text, _ in plan.outputs.values())
+                print(
+                    _printable(
+                        f"precisebn {args.command}: every output was written ({written}: complete); then: "
+                        f"{type(exc).__name__}: {exc}"
+                    ),
+                    file=sys.stderr,
+                )
+                return EXIT_OK
             print(_error_paragraph(args.command, exc), file=sys.stderr)
             return EXIT_FAILED
+
+
+def _printable(text: str) -> str:
+    """``text`` as standard error can encode it (a file name that is not valid UTF-8 holds surrogates that even a
+    strict UTF-8 stream refuses: printing what was written then raised after the writes, a probe)."""
+    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+    try:
+        return text.encode(encoding, "backslashreplace").decode(encoding)
+    except LookupError:
+        return text
 
 
 def _error_paragraph(command: str, exc: Exception) -> str:
