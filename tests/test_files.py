@@ -414,3 +414,32 @@ def test_an_error_on_a_temporary_names_its_own_output_when_long_names_share_a_pr
         raise OSError(errno.ENOSPC, "No space left on device", str(temps["--report"]))
     assert caught.value.filename == str(tmp_path / f"{base}_B.json")
     assert _names(tmp_path) == []
+
+
+def test_a_folder_that_refuses_removals_reports_the_error_that_stopped_the_writes(tmp_path, monkeypatch) -> None:
+    """Found by a probe (an append-only folder, chattr +a): the failed rename's error was replaced by the first
+    temporary file's failed removal, naming a hidden .tmp, and the other temporaries were not removed."""
+    plan = OutputPlan()
+    plan.add("a", tmp_path / "a.txt")
+    plan.add("b", tmp_path / "b.txt")
+    (tmp_path / "b.txt").write_text("old b")
+    real_replace, real_unlink = os.replace, Path.unlink
+
+    def refused_replace(src, dst) -> None:
+        if str(dst).endswith("b.txt"):
+            raise PermissionError(1, "Operation not permitted", str(src))
+        real_replace(src, dst)
+
+    def refused_unlink(self: Path, missing_ok: bool = False) -> None:
+        if self.name.startswith(".a.txt"):  # (the first output's temporary: refused, as the folder would)
+            raise PermissionError(1, "Operation not permitted", str(self))
+        real_unlink(self, missing_ok)
+
+    monkeypatch.setattr(os, "replace", refused_replace)
+    monkeypatch.setattr(Path, "unlink", refused_unlink)
+    with pytest.raises(PermissionError) as caught:
+        _write_both(plan)
+    assert caught.value.filename == str(tmp_path / "b.txt")  # the output that could not be written, by its name
+    monkeypatch.undo()
+    assert (tmp_path / "b.txt").read_text() == "old b" and not (tmp_path / "a.txt").exists()
+    assert [n for n in _names(tmp_path) if n.startswith(".b.txt")] == []  # (the other temporaries: removed)

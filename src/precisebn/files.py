@@ -320,8 +320,8 @@ class OutputPlan:
                     raise renamed from exc
                 self._commit(temps)  # (sets self.committed once the last output is in place)
             finally:
-                for tmp in temps.values():
-                    with contextlib.suppress(FileNotFoundError):
+                for tmp in temps.values():  # (each: an append-only folder refuses every unlink, and the error that
+                    with contextlib.suppress(OSError):  # ended the block is the one to report, a probe)
                         tmp.unlink()
                 if not self.committed:
                     for folder in reversed(created):
