@@ -587,3 +587,22 @@ def test_applying_statistics_to_a_checkpoint_of_a_shared_layer_writes_every_name
     loaded.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True))
     assert max_rel_error(loaded.bn.running_mean, truth.mean, truth.var.sqrt()) < 1e-6
     assert max_rel_error(loaded.bn.running_var, truth.var) < 1e-6
+
+
+def test_a_write_that_fails_for_a_full_disk_names_the_file(tmp_path) -> None:
+    """Found by a probe: a full disk or a file size limit reached at the file's last write (its close) raised an
+    OSError without a file name, and the CLI said "File too large" without saying of what."""
+    import resource
+
+    from precisebn.checkpoint import write_checkpoint
+
+    torch.save({"w": torch.randn(1000)}, tmp_path / "in.pt")  # (about 5 kB: written at the close)
+    ckpt = load_checkpoint(tmp_path / "in.pt")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (3000, hard))  # (Python ignores SIGXFSZ: writes fail with EFBIG)
+    try:
+        with pytest.raises(OSError) as caught:
+            write_checkpoint(ckpt, {}, tmp_path / "out.pt")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert caught.value.filename == str(tmp_path / "out.pt")

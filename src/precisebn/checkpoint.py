@@ -299,6 +299,10 @@ def write_checkpoint(ckpt: Checkpoint, replace: Mapping[str, Tensor], path: str 
                 raise signalled from None
             why = f"torch.save failed ({_first_sentence(str(exc)).strip()}): a full disk, or a file size limit"
             raise OSError(errno.EIO, why, str(path)) from exc
+        except OSError as exc:  # (the last write, at the file's close: no file name, a probe's full disk)
+            if exc.filename is not None:
+                raise
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 def _interruption(exc: BaseException) -> BaseException | None:
