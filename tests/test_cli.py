@@ -754,6 +754,38 @@ def test_a_model_factory_that_changes_the_working_folder_reads_the_folder_named(
     assert Path.cwd() == work["dir"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_apply_writes_every_copy_of_a_shared_layer(tiny, work, capsys, dtype):
+    """Found by a probe: a shared layer saved as copies under its two names (safetensors' save_file of clones, a
+    state_dict converted to half) got the statistics under one name only, and loading read the other's old ones
+    last — the model kept its statistics, exit 0. Copies holding initial statistics (0 and 1, which distinct
+    layers share) are left as they are, with a warning."""
+    import cli_tiny
+
+    saved = torch.load(tiny["shared"], weights_only=True)
+    assert saved["bn.running_mean"].data_ptr() == saved["block.1.running_mean"].data_ptr()  # (one storage there)
+    copies = {k: v.to(dtype, copy=True) if v.is_floating_point() else v.clone() for k, v in saved.items()}
+    torch.save(copies, work["dir"] / "copies.pt")
+    stats = precisebn.estimate(cli_tiny.Shared(), cli_tiny.batches(), num_samples="all")
+    assert set(stats) == {"bn"}  # (the layer's first name)
+    stats.save(work["dir"] / "s.safetensors")
+    assert main(["apply", "copies.pt", "s.safetensors", "--out", "out.pt"]) == 0
+    written = torch.load(work["dir"] / "out.pt", weights_only=True)
+    for buffer in ("running_mean", "running_var"):
+        expected = getattr(stats["bn"], buffer.removeprefix("running_")).to(dtype)
+        assert torch.equal(written[f"bn.{buffer}"], expected) and torch.equal(written[f"block.1.{buffer}"], expected)
+    loaded = cli_tiny.Shared().to(dtype)
+    loaded.load_state_dict(written)  # (block.1.* loads last)
+    assert torch.equal(loaded.bn.running_var, stats["bn"].var.to(dtype))
+    fresh = {k: v.clone() for k, v in cli_tiny.Shared().state_dict().items()}  # initial statistics: not taken
+    torch.save(fresh, work["dir"] / "fresh.pt")
+    capsys.readouterr()
+    assert main(["apply", "fresh.pt", "s.safetensors", "--out", "out2.pt"]) == 0
+    assert "'block.1' (like 'bn'): not in the statistics, and holding the initial" in capsys.readouterr().err
+    kept = torch.load(work["dir"] / "out2.pt", weights_only=True)
+    assert torch.equal(kept["block.1.running_mean"], fresh["block.1.running_mean"])
+
+
 def test_a_failing_report_writes_nothing_and_names_the_output(tiny, work, capsys, monkeypatch):
     import errno
 

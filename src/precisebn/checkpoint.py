@@ -435,7 +435,60 @@ def _with_aliases(sd: Mapping[str, Any], replace: dict[str, Tensor]) -> dict[str
         key = geometry(t) if isinstance(t, Tensor) else None
         for other in by_view.get(key, []) if key is not None else []:
             out.setdefault(other, replace[name])
+    _with_copies(sd, out)
     return out
+
+
+_STATS = (".running_mean", ".running_var")
+
+
+def _statistics_of(sd: Mapping[str, Any], layer: str) -> tuple[Any, ...] | None:
+    """A layer's saved running statistics, by value (dtype, shape, bytes): ``None`` unless it has both."""
+    found = [sd.get(layer + suffix) for suffix in _STATS]
+    if not all(isinstance(t, Tensor) and not t.is_meta for t in found):
+        return None
+    return tuple(
+        (t.dtype, tuple(t.shape), t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        for t in found
+    )
+
+
+def _with_copies(sd: Mapping[str, Any], out: dict[str, Tensor]) -> None:
+    """Adds to ``out`` (names of ``sd`` -> new values) the same values under every other layer of ``sd`` that holds
+    bitwise the very statistics a replaced layer held and is not replaced itself: a layer registered under two names
+    (a shared layer) saved as copies — ``safetensors.save_file({k: v.clone()})``, a state_dict converted to another
+    dtype — loads the name written last, so given new values under one name only, the model kept the old ones (a
+    probe: ``apply`` exited 0). Statistics still at their initial values (mean 0, variance 1), which distinct layers
+    share, are not taken as a copy: such a layer is left as it is, with a warning."""
+    replaced = {name[: -len(suffix)] for name in out for suffix in _STATS if name.endswith(suffix)}
+    by_value: dict[tuple[Any, ...], list[str]] = {}
+    for name in sd:
+        if name.endswith(_STATS[0]) and (layer := name[: -len(_STATS[0])]) not in replaced:
+            value = _statistics_of(sd, layer)
+            if value is not None:
+                by_value.setdefault(value, []).append(layer)
+    doubtful = []
+    for layer in sorted(replaced):
+        value = _statistics_of(sd, layer)
+        copies = by_value.get(value, []) if value is not None else []
+        if not copies:
+            continue
+        mean, var = (sd[layer + suffix] for suffix in _STATS)
+        if bool((mean == 0).all()) and bool((var == 1).all()):
+            doubtful += [f"{other!r} (like {layer!r})" for other in copies]
+            continue
+        for other in copies:
+            for suffix in _STATS:
+                if layer + suffix in out:
+                    out.setdefault(other + suffix, out[layer + suffix])
+    if doubtful:
+        warnings.warn(
+            f"{', '.join(doubtful)}: not in the statistics, and holding the initial statistics (mean 0, variance 1) "
+            "as the layer written does — the same layer saved under two names, or another layer never trained; "
+            "left as it is. If it is the same layer, write its name's statistics too (estimate on a model that "
+            "names it, or recalibrate the checkpoint).",
+            stacklevel=3,
+        )
 
 
 def _pooled_with_checkpoint(ckpt: Checkpoint, stats: Any, prefix: str, prior: float) -> Any:
