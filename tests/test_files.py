@@ -237,7 +237,9 @@ with plan.staged() as tmp:
 """
 
 
-def test_sigterm_removes_temporaries_and_ends_the_process(tmp_path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_removes_temporaries_and_ends_the_process(tmp_path, signum: int) -> None:
+    """SIGHUP (a closed terminal or ssh session) too: it left the temporaries, a partial checkpoint (a probe)."""
     (tmp_path / "a.txt").write_text("old")
     proc = subprocess.Popen(
         [sys.executable, "-c", SIGTERM_SCRIPT, str(tmp_path / "a.txt"), str(tmp_path / "b.txt")],
@@ -246,8 +248,8 @@ def test_sigterm_removes_temporaries_and_ends_the_process(tmp_path) -> None:
     )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "staged"
     assert any(".precisebn-" in n for n in _names(tmp_path))
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == -signal.SIGTERM  # still killed by the signal, as without precisebn
+    proc.send_signal(signum)
+    assert proc.wait(timeout=60) == -signum  # still killed by the signal, as without precisebn
     assert _names(tmp_path) == ["a.txt"] and (tmp_path / "a.txt").read_text() == "old"
 
 

@@ -9,9 +9,9 @@
   there.
 * **Committed together.** When the block ends without error, every temporary file is
   renamed onto its target (``os.replace``); if one rename fails, the targets already
-  replaced get their old content back. On any error, ``SIGINT`` (Ctrl-C) or
-  ``SIGTERM``, every temporary file is removed and the targets are left as they were;
-  ``SIGTERM`` then ends the process as it would have.
+  replaced get their old content back. On any error, ``SIGINT`` (Ctrl-C), ``SIGTERM``
+  or ``SIGHUP`` (a closed terminal), every temporary file is removed and the targets are
+  left as they were; ``SIGTERM`` or ``SIGHUP`` then ends the process as it would have.
 * **Permissions and links.** A replaced file keeps its permission bits (a new one gets
   ``0666 & ~umask``). A symlink is written *through*: its target gets the new content
   and the link stays a link.
@@ -101,33 +101,43 @@ def _refuse_imported(label: str, text: str, real: Path, done: bool = False) -> N
 
 
 class Terminated(BaseException):
-    """SIGTERM arrived while files were staged."""
+    """SIGTERM (or SIGHUP: the terminal closed) arrived while files were staged; ``signum`` says which."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_ENDING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+"""The signals that end the process by default and that staging turns into :class:`Terminated` (SIGHUP: a
+closed terminal or ssh session left a partial checkpoint and empty temporaries, a probe)."""
 
 
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
-    raise Terminated
+    raise Terminated(signum)
 
 
 @contextlib.contextmanager
 def _sigterm_as_exception() -> Iterator[None]:
-    """Turns SIGTERM into an exception for the block (main thread, default handler only)."""
+    """Turns SIGTERM and SIGHUP into an exception for the block (main thread, default handlers only), then ends the
+    process by that signal, as it would have, once the files are clean."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous is not signal.SIG_DFL:  # the program handles SIGTERM itself (or ignores it)
-        yield
-        return
-
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    # (a signal the program handles itself, or ignores, is left to it)
+    ours = [signum for signum in _ENDING if signal.getsignal(signum) is signal.SIG_DFL]
+    for signum in ours:
+        signal.signal(signum, _raise_terminated)
     try:
         yield
-    except Terminated:
-        signal.signal(signal.SIGTERM, previous)
-        os.kill(os.getpid(), signal.SIGTERM)  # die as the signal meant, now that the files are clean
+    except Terminated as exc:
+        for signum in ours:
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), exc.signum)  # die as the signal meant, now that the files are clean
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum in ours:
+            signal.signal(signum, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
@@ -142,7 +152,7 @@ def _signals_deferred() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    ours = ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, _raise_terminated))
+    ours = ((signal.SIGINT, signal.default_int_handler), *((signum, _raise_terminated) for signum in _ENDING))
     held = [(signum, handler) for signum, handler in ours if signal.getsignal(signum) is handler]
     pressed: list[int] = []
 
@@ -156,8 +166,9 @@ def _signals_deferred() -> Iterator[None]:
     finally:
         for signum, handler in held:
             signal.signal(signum, handler)
-        if signal.SIGTERM in pressed:
-            signal.raise_signal(signal.SIGTERM)  # (its handler raises Terminated here, the files in order)
+        for signum in _ENDING:
+            if signum in pressed:
+                signal.raise_signal(signum)  # (its handler raises Terminated here, the files in order)
     if signal.SIGINT in pressed:
         raise KeyboardInterrupt
 
