@@ -136,7 +136,8 @@ def _sub(sub: Any, name: str, common: argparse.ArgumentParser, help: str, descri
 def _file_path(text: str) -> Path:
     """An output file's path; one ending with a slash, ``.`` or ``..`` names a folder (``Path`` would drop it)."""
     if text.endswith(("/", os.sep)) or os.path.basename(text.rstrip("/" + os.sep)) in (".", ".."):
-        raise argparse.ArgumentTypeError(f"{text!r} names a folder (it ends with a slash); give a file path")
+        why = "it ends with a slash" if text.endswith(("/", os.sep)) else "'.' and '..' are folders"
+        raise argparse.ArgumentTypeError(f"{text!r} names a folder ({why}); give a file path")
     return Path(text)
 
 
