@@ -290,6 +290,39 @@ def test_a_sigterm_during_the_rollback_still_puts_every_old_content_back(tmp_pat
     assert _names(tmp_path) == ["a.txt", "b.txt"]
 
 
+SIGTERM_AT_COMMIT_SCRIPT = """
+import os, signal, sys
+from precisebn import files
+real_replace = os.replace
+def replace(src, dst):
+    real_replace(src, dst)
+    if str(dst).endswith("b.txt"):  # the last rename done: a SIGTERM (held until the commit is over)
+        os.kill(os.getpid(), signal.SIGTERM)
+files.os.replace = replace
+plan = files.OutputPlan()
+plan.add("a", sys.argv[1])
+plan.add("b", sys.argv[2])
+with plan.staged() as tmp:
+    tmp["a"].write_text("new a")
+    tmp["b"].write_text("new b")
+"""
+
+
+def test_a_sigterm_as_the_outputs_are_committed_says_they_are_complete(tmp_path) -> None:
+    """Found by a probe: a job scheduler's SIGTERM just as the outputs were committed ended the command without a
+    word (exit -15), the checkpoint replaced."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGTERM_AT_COMMIT_SCRIPT, str(tmp_path / "a.txt"), str(tmp_path / "b.txt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert "ended by a signal after every output was written" in proc.stderr and "complete" in proc.stderr
+    assert (tmp_path / "a.txt").read_text() == "new a" and (tmp_path / "b.txt").read_text() == "new b"
+    assert _names(tmp_path) == ["a.txt", "b.txt"]
+
+
 def test_stale_temporaries_of_killed_runs_are_removed(tmp_path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

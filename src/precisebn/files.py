@@ -32,7 +32,7 @@ import signal
 import stat
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import FrameType
 
@@ -118,9 +118,10 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_as_exception() -> Iterator[None]:
+def _sigterm_as_exception(note: Callable[[], str | None] = lambda: None) -> Iterator[None]:
     """Turns SIGTERM and SIGHUP into an exception for the block (main thread, default handlers only), then ends the
-    process by that signal, as it would have, once the files are clean."""
+    process by that signal, as it would have, once the files are clean — saying ``note()`` first, if anything (the
+    outputs were all in place: a job scheduler's SIGTERM just then ended the command without a word, a probe)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -133,6 +134,10 @@ def _sigterm_as_exception() -> Iterator[None]:
     except Terminated as exc:
         for signum in ours:
             signal.signal(signum, signal.SIG_DFL)
+        with contextlib.suppress(Exception):
+            said = note()
+            if said:
+                print(said, file=sys.stderr, flush=True)
         os.kill(os.getpid(), exc.signum)  # die as the signal meant, now that the files are clean
         raise
     finally:
@@ -311,7 +316,7 @@ class OutputPlan:
         created: list[Path] = []
         for label, (text, target) in self.outputs.items():  # (the code imported since add(): a --model's helpers)
             _refuse_imported(label, text, target, done=True)
-        with _sigterm_as_exception():
+        with _sigterm_as_exception(self._note_if_committed):
             try:
                 for label, (_, target) in self.outputs.items():
                     created += _make_parents(target.parent)
@@ -338,6 +343,12 @@ class OutputPlan:
                     for folder in reversed(created):
                         with contextlib.suppress(OSError):
                             folder.rmdir()
+
+    def _note_if_committed(self) -> str | None:
+        if not self.committed:
+            return None
+        written = ", ".join(text for text, _ in self.outputs.values())
+        return f"precisebn: ended by a signal after every output was written ({written}: complete)."
 
     def _renamed(self, exc: OSError, temps: dict[str, Path]) -> OSError:
         """``exc`` naming the output whose temporary file it names (by the temporary's own name: two long names
