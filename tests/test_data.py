@@ -200,7 +200,10 @@ _X = [torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(k)) * 2 + 
         (lambda x: ({"x": x}, {"y": torch.zeros(len(x))}), lambda m, b: m(b[0]["x"])),  # named inputs and targets
         (lambda x: [{"x": x}, {"y": torch.zeros(len(x))}], lambda m, b: m(b[0]["x"])),  # the same, collated
         (lambda x: [(x[i], i % 2) for i in range(len(x))], lambda m, b: m(torch.stack([s[0] for s in b]))),  # records
-        (lambda x: {"boxes": [torch.zeros(5, 4)] * len(x), "image": x}, lambda m, b: m(b["image"])),
+        (  # (boxes per image, as many as it has objects)
+            lambda x: {"boxes": [torch.zeros(2 + i % 3, 4) for i in range(len(x))], "image": x},
+            lambda m, b: m(b["image"]),
+        ),
         (lambda x: (torch.tensor(7), x), lambda m, b: m(b[1])),  # a step count first
     ],
     ids=["dict-pair", "dict-pair-list", "records", "boxes-first", "step-first"],
@@ -217,6 +220,24 @@ def test_num_samples_counts_the_samples_of_every_batch_form(make: Any, forward: 
     expected = (16 * 0.5 + 16 * data.mean((0, 2, 3))) / 32  # the prior as 16 samples of pseudo-data
     assert (report.samples, report.batches) == (16, 2)
     torch.testing.assert_close(bn.running_mean.double(), expected, rtol=0, atol=1e-6)
+
+
+def test_batch_forms_the_review_of_the_counting_rules_found_miscounted() -> None:
+    """A review of the rules above: batched fields of one kind were taken for two records, a list of batched tensors
+    beside a tensor of as many as it has items for per-sample tensors, records with optional keys for a pair."""
+    n, z = 5, torch.zeros
+    assert batch_size(((z(n, 4), z(n, 4)), (z(n, 2), z(n, 2)))) == n  # multi-input, multi-output (was 2)
+    assert batch_size([[z(n, 4), z(n, 4)], [z(n, 2), z(n, 2)]]) == n
+    assert batch_size(((z(n, 3, 8, 8), z(n, 1, 8, 8)), (z(n, 3, 8, 8), z(n, 1, 8, 8)))) == n  # inpainting
+    assert batch_size({"features": [z(8, 4, 8 >> k, 8 >> k) for k in range(5)], "strides": z(5)}) == 8  # (was 5)
+    assert batch_size({"crops": [z(n, 3, 4, 4)] * 2, "crop_scale": z(2)}) == n  # (was 2)
+    records = [{"image": z(3, 8, 8)}, {"image": z(3, 8, 8), "annotations": []}] * 2  # optional keys
+    assert batch_size(records) == 4  # (was 3)
+    gray = [(z(1, 8, 8), torch.tensor(i % 2)) for i in range(n)]  # records with 0-d labels
+    assert batch_size(gray) == n  # (was 2)
+    assert batch_size([(z(3, 8, 8), 1)]) == 1  # one record (was 3)
+    assert batch_size(((z(1, 3, 4, 4), z(1, 4, 4)), (z(1), torch.tensor(0.5)))) == 1  # one sample, a 0-d weight
+    assert batch_size([torch.tensor(1.0)] * n) == n  # one value per sample
 
 
 def test_batches_of_unknown_size_are_named_in_the_errors() -> None:

@@ -46,16 +46,17 @@ def batch_size(batch: Any) -> int | None:
     targets)``), a tuple of per-sample tensors when the next element holds as many targets
     (``(images, targets)``, torchvision's detection batches) and else a tuple of batched inputs
     (``((x, extra), y)``; with one sample, where its fields differ in kind), a mapping of inputs
-    (``({"x": x}, y)``, ``({"x": x}, {"y": y})``); a list of per-sample records (dicts with the same
-    keys, as detectron2 uses, or ``(image, label)`` tuples as an identity ``collate_fn`` leaves them)
-    counts its length; per-sample metadata first (a list or tuple of file names, ids) counts its
-    length, unless no tensor beside it has as many (class names beside a batch of images: the first
-    tensor beside it counts); a plain value first (a task name, a 0-d step count) counts what follows
-    it. A mapping counts its first list of tensors beside as many records (per-sample, as mmengine's
-    ``pseudo_collate`` gives) or beside a tensor of as many (per-image boxes beside the images), or
-    its first tensor of one dimension or more. ``None`` when nothing tells. Some shapes cannot be
-    told apart (a list of per-sample images alone, three boxes per image of three channels, one
-    sample's fields all of one kind): pass ``num_batches=`` rather than ``num_samples=`` for those.
+    (``({"x": x}, y)``, ``({"x": x}, {"y": y})``); a list of per-sample records (dicts, as detectron2
+    uses, or ``(image, label)`` tuples as an identity ``collate_fn`` leaves them: more than two, or
+    labelled) counts its length; per-sample metadata first (a list or tuple of file names, ids)
+    counts its length, unless no tensor beside it has as many (class names beside a batch of images:
+    the first tensor beside it counts); a plain value first (a task name, a 0-d step count) counts
+    what follows it. A mapping counts its first list of tensors beside as many records (per-sample,
+    as mmengine's ``pseudo_collate`` gives) or, of different sizes, beside a tensor of as many
+    (per-image boxes beside the images), or its first tensor of one dimension or more. ``None`` when
+    nothing tells. Some shapes cannot be told apart (a list of per-sample images alone, three boxes
+    per image of three channels, one sample's fields all of one kind): pass ``num_batches=`` rather
+    than ``num_samples=`` for those.
 
     Example:
         >>> import torch
@@ -82,8 +83,10 @@ def batch_size(batch: Any) -> int | None:
             return 0
         first = batch[0]
         if isinstance(first, Tensor):
-            if first.dim() == 0 and len(batch) > 1:  # (a step count first says nothing: what follows it tells)
-                return batch_size(batch[1] if len(batch) == 2 else tuple(batch[1:]))
+            if first.dim() == 0 and len(batch) > 1:
+                if all(isinstance(v, Tensor) and v.dim() == 0 for v in batch):
+                    return len(batch)  # one value per sample
+                return batch_size(batch[1] if len(batch) == 2 else tuple(batch[1:]))  # (a step count first)
             return batch_size(first)
         if _metadata(first):
             if isinstance(first, (tuple, list)):  # (file names, images): what collating (path, image) samples gives
@@ -95,19 +98,23 @@ def batch_size(batch: Any) -> int | None:
             if any(isinstance(v, (Tensor, tuple, list, Mapping)) and not _metadata(v) for v in rest):
                 return batch_size(rest[0] if len(rest) == 1 else tuple(rest))
         if isinstance(first, (tuple, list)) and first and isinstance(first[0], Tensor):
+            # per-sample (image, label) records, as an identity collate_fn leaves them: more than two (a batch's
+            # inputs and targets are two), or with a label (a number, a 0-d tensor) that a batch's fields lack
+            if _records(batch) and (len(batch) > 2 or _labelled(first)):
+                return len(batch)
             second, n = (batch[1] if len(batch) > 1 else None), len(first)
             if isinstance(second, (tuple, list)) and len(second) == n and not _batched_alike(first, second):
                 return n  # per-sample inputs, with their targets (not as many batched inputs as targets)
             if isinstance(second, Tensor) and second.dim() and second.shape[0] == n:
                 return n  # per-sample inputs, with their targets stacked (batched inputs: as many as theirs)
-            if _records(batch):
-                return len(batch)  # per-sample (image, label) records, as an identity collate_fn leaves them
             return batch_size(first)
         if isinstance(first, tuple):
             return batch_size(first)
-        if isinstance(first, Mapping) and not all(
-            isinstance(item, Mapping) and item.keys() == first.keys() for item in batch
-        ):  # (inputs, targets) with named inputs ({"x": x}, {"y": y}), not a list of records with the same keys
+        if (
+            isinstance(first, Mapping)
+            and len(batch) == 2
+            and not (isinstance(batch[1], Mapping) and batch[1].keys() == first.keys())
+        ):  # (inputs, targets) with named inputs ({"x": x}, {"y": y}), not two records with the same keys
             counted = batch_size(first)
             if counted is not None:
                 return counted
@@ -116,11 +123,16 @@ def batch_size(batch: Any) -> int | None:
         for value in batch.values():
             if isinstance(value, (list, tuple)) and value and all(isinstance(v, Tensor) for v in value):
                 n = len(value)
+                # (items of different first dimensions, boxes per image, are per sample; a list of batched
+                # tensors, the levels of a feature pyramid, is not, whatever tensor has as many as it has items)
+                varied = len({v.shape[0] if v.dim() else None for v in value}) > 1
                 for other in batch.values():
-                    if other is not value and isinstance(value, list) and isinstance(other, (list, tuple)):
+                    if other is value:
+                        continue
+                    if isinstance(value, list) and isinstance(other, (list, tuple)):
                         if len(other) == n:
                             return n  # per-sample tensors with as many records (mmengine's pseudo_collate)
-                    elif other is not value and isinstance(other, Tensor) and other.dim() and other.shape[0] == n:
+                    elif varied and isinstance(other, Tensor) and other.dim() and len(other) == n:
                         return n  # per-sample tensors (boxes) beside a stacked tensor of as many (the images)
             if (isinstance(value, Tensor) and value.dim()) or (  # (a 0-d value, e.g. a step count, says nothing)
                 isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor)
@@ -129,8 +141,13 @@ def batch_size(batch: Any) -> int | None:
     return None
 
 
+def _labelled(item: tuple[Any, ...] | list[Any]) -> bool:
+    """Whether a record holds a label: a value that is not a tensor, or a 0-d tensor (a batch's fields are batched)."""
+    return any(not isinstance(v, Tensor) or v.dim() == 0 for v in item)
+
+
 def _records(batch: tuple[Any, ...] | list[Any]) -> bool:
-    """Whether the items of ``batch`` (two or more) are tuples/lists of one structure: as many fields, at each
+    """Whether the items of ``batch`` are tuples/lists of one structure: as many fields, at each
     place a tensor of one dtype and number of dimensions or a value of one type — per-sample records, not a
     batch's fields (an image and its mask, labels and weights)."""
     head = batch[0]
@@ -143,7 +160,7 @@ def _records(batch: tuple[Any, ...] | list[Any]) -> bool:
                     return False
             elif type(a) is not type(b):
                 return False
-    return len(batch) > 1
+    return True
 
 
 def _metadata(value: Any) -> bool:
@@ -164,8 +181,8 @@ def _batched_alike(first: tuple[Any, ...] | list[Any], second: tuple[Any, ...] |
         return False
     if x.shape[0] > 1:
         return True
-    tensors = [t for t in (*first, *second) if isinstance(t, Tensor)]
-    if any(t.dim() == 0 or t.shape[0] != 1 for t in tensors):
+    tensors = [t for t in (*first, *second) if isinstance(t, Tensor) and t.dim()]  # (a 0-d field: a scalar weight)
+    if any(t.shape[0] != 1 for t in tensors):
         return False
     return not (_one_kind(first) and _one_kind(second))
 
