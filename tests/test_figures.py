@@ -135,3 +135,61 @@ def test_batch_means_of_few_values_far_from_zero_are_summed_again(layout: str, o
     assert got.path == "fast"
     assert max_rel_error(got.mean, truth.mean, truth.var.add(1e-5).sqrt()) <= TOL
     assert max_rel_error(got.var, truth.var, truth.var + 1e-5) <= TOL
+
+
+class _Transposed(nn.BatchNorm1d):  # (B, L, C) sequences, normalised as (B, C, L): channels adjacent in memory
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+
+class _Scaled(nn.BatchNorm1d):  # normalises its input in the verifying batch, then a tensor a little off it
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x if self.calls == 1 else x * (1 + 5e-6))
+
+
+@pytest.mark.parametrize("kind", ["transposed", "scaled", "times one"])
+def test_a_forward_of_its_own_with_few_values_in_layout_1_is_measured_in_float64(kind: str) -> None:
+    """A review of the fix above: a layer with a forward of its own normalising a tensor made from its input (a
+    transpose, x * 1.0) kept torch's float32 means (2.7e-5 of the variance off at |mean|/σ = 75, unwarned); one
+    normalising x * (1 + 5e-6) after its verifying batch was given its input's mean (3.8e-4 σ off), which agreed
+    with its own within the kernel's bound. At so few values such calls are watched and measured in float64."""
+    g = torch.Generator().manual_seed(0)
+    mu, channels = 75.0, 16
+    shape = (8, 8, channels) if kind == "transposed" else (64, channels)
+    signs = torch.stack([torch.randperm(64, generator=g) % 2 * 2.0 - 1.0 for _ in range(channels)], 1)
+    first = (mu + 0.125 * signs).reshape(shape)  # (exact figures: the layer verifies)
+    a = mu + 1 + 0.1 * torch.randn(shape, generator=g)
+    b = mu - 1 + 0.1 * torch.randn(shape, generator=g)
+    batches = [first] + [a, b] * 16
+    if kind == "transposed":
+        layer: nn.Module = _Transposed(channels)
+    elif kind == "scaled":
+        layer = _Scaled(channels)
+    else:
+        layer = _OwnForward1d(channels)
+        layer.forward = lambda x: nn.BatchNorm1d.forward(layer, x * 1.0)  # type: ignore[method-assign]
+    normalised = [(x * (1 + 5e-6) if kind == "scaled" and k else x).double() for k, x in enumerate(batches)]
+    values = torch.cat([x.reshape(-1, channels) for x in normalised])  # what it normalised, channel last
+    mean, var = values.mean(0), values.var(0, unbiased=False)
+    got = precisebn.estimate(nn.Sequential(nn.Identity(), layer), batches, num_samples="all")["1"]
+    assert max_rel_error(got.mean, mean, var.add(1e-5).sqrt()) <= 1e-7
+    assert max_rel_error(got.var, var, var + 1e-5) <= TOL / 10
+
+
+def test_a_call_of_no_values_keeps_its_figures() -> None:
+    """A review of the fix above: a head normalising the rows a mask keeps, none in one batch, divided by zero
+    summing its mean again — a false NonFiniteError ("the inputs contain NaN/Inf") where the fast path was exact."""
+    g = torch.Generator().manual_seed(1)
+    bn = nn.BatchNorm1d(4)
+    xs = [torch.randn(6, 4, generator=g) + 3 for _ in range(5)]
+    keeps = [torch.tensor([True, False, True, True, False, True])] * 2 + [torch.zeros(6, dtype=torch.bool)] * 3
+    batches = list(zip(xs, keeps))
+    stats = precisebn.estimate(nn.Sequential(bn), batches, num_samples="all", forward=lambda m, b: m(b[0][b[1]]))["0"]
+    rows = torch.cat([x[k] for x, k in batches]).double()
+    assert max_rel_error(stats.mean, rows.mean(0), rows.var(0, unbiased=False).sqrt()) <= 1e-6
+    assert max_rel_error(stats.var, rows.var(0, unbiased=False)) <= 1e-6

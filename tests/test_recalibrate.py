@@ -640,6 +640,15 @@ def test_an_instance_norm_given_maps_of_one_value_is_a_clear_error(capture: str,
     assert_unchanged(model, before)
 
 
+def test_an_instance_norm_given_an_input_of_another_rank_keeps_torchs_error() -> None:
+    """A review: (8, 4) into an InstanceNorm2d was told it "received maps of one value"; torch says what is wrong."""
+    model = nn.Sequential(nn.Identity(), nn.InstanceNorm2d(4, track_running_stats=True))
+    before = state_snapshot(model)
+    with pytest.raises(ValueError, match="expected 3D or 4D input"):
+        precisebn.recalibrate(model, [torch.randn(8, 4)] * 2)
+    assert_unchanged(model, before)
+
+
 def test_progress_bar_counts_samples(capsys: pytest.CaptureFixture[str]) -> None:
     precisebn.estimate(nn.BatchNorm1d(3), [torch.randn(4, 3)] * 5, num_samples=12, progress=True)
     err = capsys.readouterr().err

@@ -46,6 +46,7 @@ class LayerCall:
         "c",
         "channels",
         "cover",
+        "few_watched",
         "i",
         "init_mean",
         "init_var",
@@ -90,6 +91,12 @@ class LayerCall:
         # passed: the rounding of those kernels grows with both, so a later call is read through its figures only
         # where one checked call had at least as many values and as large a ratio, channel by channel (see bound)
         self.on_cpu = self.pair.device.type == "cpu"
+        # a forward of its own whose calls in layout 1 with at most EXACT_UP_TO values per channel are measured in
+        # float64: torch's float32 mean of those may err by (n - 1)·u·|mean| (see figures.remean), and what such a
+        # forward normalised — not always its input: x * s, a transpose — is at hand only watched (a review: 2.7e-5
+        # of the variance off at |mean|/σ = 75, unwarned; taking its input's mean where the two agreed within the
+        # kernel's bound read one that normalised x * (1 + 5e-6) 3.8e-4 σ off)
+        self.few_watched = not self.own_forward and self.on_cpu and self.pair.dtype == torch.float32
         self.ratios: list[tuple[int, float]] = []  # (values per channel, largest mean² / (var + eps))
         self.cover: dict[int, float] = {}  # by values per channel: the largest ratio the checked calls vouch for
         # a layer with a forward of its own (not torch's), by its input's layout (see _layout): the input shapes
@@ -167,9 +174,11 @@ class LayerCall:
         """Whether torch's own forward would refuse ``x`` for too few values (a forward of its own may handle it):
         one value per channel for a BatchNorm, one spatial position for an InstanceNorm (whose statistics are each
         sample's; a 1x1 map, torch's ValueError without the layer's name: a probe)."""
-        if self.instance:
-            spatial = x.shape[1:] if x.dim() == self.module._get_no_batch_dim() else x.shape[2:]
-            return math.prod(spatial) == 1
+        if self.instance:  # (an input of another rank: torch's own error says so)
+            unbatched = self.module._get_no_batch_dim()
+            if x.dim() not in (unbatched, unbatched + 1):
+                return False
+            return math.prod(x.shape[1:] if x.dim() == unbatched else x.shape[2:]) == 1
         return self.own_forward and _one_per_channel(x, self.channels)
 
     def unstash(self, stashed: int | None) -> None:
@@ -348,7 +357,9 @@ class LayerCall:
                     layout = self.shapes[xl].get(key) if key is not None else None  # (what it normalises: its layout)
                     new_shape = layout is None
                 # beyond the size verified for its layout (see verified_size): measured in float64
-                beyond = layout is not None and n > self.verified[layout]
+                beyond = layout is not None and (
+                    n > self.verified[layout] or (layout == 1 and self.few_watched and n <= EXACT_UP_TO)
+                )
                 watching = beyond or new_shape
                 # too few values, a second call in this batch, per call, beyond, new shape
                 unusual = n == 1 or row[i] or c.per_call or watching
@@ -378,7 +389,11 @@ class LayerCall:
                 if new_shape:
                     layout = self._known_shape(seen, figures, x, once, key)
                     # not its input alone, once, with batch figures: what it normalised, in float64; else as usual
-                    beyond = layout is None or n > self.verified[layout]
+                    beyond = (
+                        layout is None
+                        or n > self.verified[layout]
+                        or (layout == 1 and self.few_watched and n <= EXACT_UP_TO)
+                    )
                 deferred = layout == 1 and not beyond and self.on_cpu  # its figures' ratio, compared later
                 if beyond:
                     try:
@@ -404,7 +419,9 @@ class LayerCall:
                                 refigure(t, self.pair)
                             elif not refigured_alike(t, self.pair, float(module.eps)):  # (its input, assumed)
                                 t = None  # (it normalised something else this time: its own figures, nothing to check)
-                        elif not remean(t, self.pair, None if own else float(module.eps)):
+                        elif own:  # (a forward of its own is measured in float64 at so few values: few_watched)
+                            remean(t, self.pair)
+                        else:
                             t = None
                         c._wrote()
                     c._defer(self, j, n, t)

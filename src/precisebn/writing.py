@@ -249,7 +249,7 @@ def _call_hint(name: str, modules: Mapping[str, nn.Module]) -> str:
     if isinstance(untied, PerCallBatchNorm):
         return (
             f" (layer {layer!r} is untied into {len(untied.calls)} calls, and these per-call statistics hold call "
-            f"{index}: estimate them on this model, or untie the original model with them)"
+            f"{index}: untie the original model with them, or recalibrate this model itself, without per_call)"
         )
     return " (per-call statistics: call precisebn.untie_calls(model, stats) first)"
 
