@@ -91,11 +91,11 @@ class LayerCall:
         # passed: the rounding of those kernels grows with both, so a later call is read through its figures only
         # where one checked call had at least as many values and as large a ratio, channel by channel (see bound)
         self.on_cpu = self.pair.device.type == "cpu"
-        # a forward of its own whose calls in layout 1 with at most EXACT_UP_TO values per channel are measured in
-        # float64: torch's float32 mean of those may err by (n - 1)·u·|mean| (see figures.remean), and what such a
-        # forward normalised — not always its input: x * s, a transpose — is at hand only watched (a review: 2.7e-5
-        # of the variance off at |mean|/σ = 75, unwarned; taking its input's mean where the two agreed within the
-        # kernel's bound read one that normalised x * (1 + 5e-6) 3.8e-4 σ off)
+        # a forward of its own whose calls in layout 1 with at most EXACT_UP_TO values per channel, at an input shape
+        # where it was not seen to normalise its input itself (x * s, a transpose), are measured in float64: torch's
+        # float32 mean of those may err by (n - 1)·u·|mean| (see figures.remean), and what it normalised is at hand
+        # only watched (a review: 2.7e-5 of the variance off at |mean|/σ = 75, unwarned). Where it normalised its
+        # input itself, its input's mean is taken where the two agree (figures.remean with eps)
         self.few_watched = not self.own_forward and self.on_cpu and self.pair.dtype == torch.float32
         self.ratios: list[tuple[int, float]] = []  # (values per channel, largest mean² / (var + eps))
         self.cover: dict[int, float] = {}  # by values per channel: the largest ratio the checked calls vouch for
@@ -358,7 +358,8 @@ class LayerCall:
                     new_shape = layout is None
                 # beyond the size verified for its layout (see verified_size): measured in float64
                 beyond = layout is not None and (
-                    n > self.verified[layout] or (layout == 1 and self.few_watched and n <= EXACT_UP_TO)
+                    n > self.verified[layout]
+                    or (layout == 1 and self.few_watched and n <= EXACT_UP_TO and key not in self.itself[xl])
                 )
                 watching = beyond or new_shape
                 # too few values, a second call in this batch, per call, beyond, new shape
@@ -389,11 +390,7 @@ class LayerCall:
                 if new_shape:
                     layout = self._known_shape(seen, figures, x, once, key)
                     # not its input alone, once, with batch figures: what it normalised, in float64; else as usual
-                    beyond = (
-                        layout is None
-                        or n > self.verified[layout]
-                        or (layout == 1 and self.few_watched and n <= EXACT_UP_TO)
-                    )
+                    beyond = layout is None or n > self.verified[layout]  # (watched: what it normalised is at hand)
                 deferred = layout == 1 and not beyond and self.on_cpu  # its figures' ratio, compared later
                 if beyond:
                     try:
@@ -419,10 +416,8 @@ class LayerCall:
                                 refigure(t, self.pair)
                             elif not refigured_alike(t, self.pair, float(module.eps)):  # (its input, assumed)
                                 t = None  # (it normalised something else this time: its own figures, nothing to check)
-                        elif own:  # (a forward of its own is measured in float64 at so few values: few_watched)
-                            remean(t, self.pair)
-                        else:
-                            t = None
+                        elif not remean(t, self.pair, None if own else float(module.eps)):  # (its input: assumed)
+                            t = None  # (it normalised something else this time: its own figures, nothing to check)
                         c._wrote()
                     c._defer(self, j, n, t)
             elif path == "verify":
