@@ -253,16 +253,12 @@ def test_sigterm_removes_temporaries_and_ends_the_process(tmp_path, signum: int)
     assert _names(tmp_path) == ["a.txt"] and (tmp_path / "a.txt").read_text() == "old"
 
 
-SIGTERM_ROLLBACK_SCRIPT = """
+TWO_OUTPUTS_SCRIPT = """
 import os, signal, sys
 from precisebn import files
 real_replace = os.replace
 def replace(src, dst):
-    if str(dst).endswith("b.txt"):
-        raise OSError(28, "No space left on device", str(src))  # the second output fails: a rollback
-    if str(src).endswith(".old.tmp"):  # the rollback putting a.txt back: a real SIGTERM
-        os.kill(os.getpid(), signal.SIGTERM)
-    real_replace(src, dst)
+{body}
 files.os.replace = replace
 plan = files.OutputPlan()
 plan.add("a", sys.argv[1])
@@ -271,6 +267,17 @@ with plan.staged() as tmp:
     tmp["a"].write_text("new a")
     tmp["b"].write_text("new b")
 """
+
+
+def _two_outputs(tmp_path: Path, replace_body: str) -> subprocess.CompletedProcess[str]:
+    """Stages "new a" and "new b" for a.txt and b.txt in a subprocess whose ``os.replace`` runs ``replace_body``."""
+    script = TWO_OUTPUTS_SCRIPT.format(body=replace_body)
+    return subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "a.txt"), str(tmp_path / "b.txt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_a_sigterm_during_the_rollback_still_puts_every_old_content_back(tmp_path) -> None:
@@ -279,43 +286,27 @@ def test_a_sigterm_during_the_rollback_still_puts_every_old_content_back(tmp_pat
     content). It waits until the rollback is done, and then still ends the process."""
     for name in ("a.txt", "b.txt"):
         (tmp_path / name).write_text(f"old {name}")
-    proc = subprocess.run(
-        [sys.executable, "-c", SIGTERM_ROLLBACK_SCRIPT, str(tmp_path / "a.txt"), str(tmp_path / "b.txt")],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = _two_outputs(
+        tmp_path,
+        """    if str(dst).endswith("b.txt"):
+        raise OSError(28, "No space left on device", str(src))  # the second output fails: a rollback
+    if str(src).endswith(".old.tmp"):  # the rollback putting a.txt back: a real SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)
+    real_replace(src, dst)""",
     )
     assert proc.returncode == -signal.SIGTERM, proc.stderr
     assert (tmp_path / "a.txt").read_text() == "old a.txt" and (tmp_path / "b.txt").read_text() == "old b.txt"
     assert _names(tmp_path) == ["a.txt", "b.txt"]
 
 
-SIGTERM_AT_COMMIT_SCRIPT = """
-import os, signal, sys
-from precisebn import files
-real_replace = os.replace
-def replace(src, dst):
-    real_replace(src, dst)
-    if str(dst).endswith("b.txt"):  # the last rename done: a SIGTERM (held until the commit is over)
-        os.kill(os.getpid(), signal.SIGTERM)
-files.os.replace = replace
-plan = files.OutputPlan()
-plan.add("a", sys.argv[1])
-plan.add("b", sys.argv[2])
-with plan.staged() as tmp:
-    tmp["a"].write_text("new a")
-    tmp["b"].write_text("new b")
-"""
-
-
 def test_a_sigterm_as_the_outputs_are_committed_says_they_are_complete(tmp_path) -> None:
     """Found by a probe: a job scheduler's SIGTERM just as the outputs were committed ended the command without a
     word (exit -15), the checkpoint replaced."""
-    proc = subprocess.run(
-        [sys.executable, "-c", SIGTERM_AT_COMMIT_SCRIPT, str(tmp_path / "a.txt"), str(tmp_path / "b.txt")],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = _two_outputs(
+        tmp_path,
+        """    real_replace(src, dst)
+    if str(dst).endswith("b.txt"):  # the last rename done: a SIGTERM (held until the commit is over)
+        os.kill(os.getpid(), signal.SIGTERM)""",
     )
     assert proc.returncode == -signal.SIGTERM, proc.stderr
     assert "ended by a signal after every output was written" in proc.stderr and "complete" in proc.stderr
