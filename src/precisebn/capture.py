@@ -183,6 +183,7 @@ class Collector:
         # compared (see _defer): (call, index in the batch, values per channel, what it normalised or None)
         self._pending: list[tuple[LayerCall, int, int, Tensor | None, int | None]] = []
         self._pending_bytes = 0
+        self._agreeing: list[int] = []  # of those, the calls whose input's mean is taken where it agrees (_agreed)
         self._ratio_plans: dict[int, tuple[int, int]] = {}  # layer: (its scratch group, its slot there)
         for g, scratch in enumerate(state.groups):
             for slot, i in enumerate(scratch.layer_ids):
@@ -435,13 +436,16 @@ class Collector:
             "in float64 from what it normalises), or exclude the layer with layers=.",
         )
 
-    def _defer(self, call: LayerCall, j: int, n: int, t: Tensor | None) -> None:
+    def _defer(self, call: LayerCall, j: int, n: int, t: Tensor | None, agree: bool = False) -> None:
         """Keeps a call read through its figures in layout 1 on the CPU until its figures' ratio is compared
         with the calls its layer had checked (:meth:`_run_pending`: all waiting calls at once, before the layer
         is called again, at the end of the batch, or once :data:`~precisebn.spotcheck.HELD` bytes of their inputs
         are held): ``t``, what it normalised (held until then, with its version: a model may change it in place
-        later in the batch), or ``None`` where that is not known."""
+        later in the batch), or ``None`` where that is not known. ``agree``: ``t`` is a forward of its own's input,
+        whose float64 mean replaces the call's own where the two agree (:meth:`_agreed`)."""
         self._pending.append((call, j, n, t, None if t is None else version_of(t)))
+        if agree:
+            self._agreeing.append(len(self._pending) - 1)
         if t is not None:
             self._pending_bytes += t.nbytes
             if self._pending_bytes > HELD:
@@ -457,6 +461,9 @@ class Collector:
             UnsupportedLayerError: As said.
         """
         pending, self._pending, self._pending_bytes = self._pending, [], 0
+        agreeing, self._agreeing = self._agreeing, []
+        if agreeing:
+            self._agreed(pending, agreeing)
         self._take_passed()  # (the bounds read below)
         # per scratch group, the ratio each pending call's checked calls vouch for, spread over its channels
         # (cached: usually the same layers with the same counts in every batch, and the same checked calls)
@@ -491,6 +498,45 @@ class Collector:
             call.pair.copy_(self._initial_pair(i))
             self._row[i] = 0
             self._wrote()
+
+    def _agreed(self, pending: list[tuple[LayerCall, int, int, Any, Any]], agreeing: list[int]) -> None:
+        """For the waiting calls ``pending[k]`` (``k`` in ``agreeing``) of layers with a forward of their own, seen to
+        normalise their input itself, with at most EXACT_UP_TO values per channel: their input's mean summed in
+        float64 replaces their own figures' where the two agree within twice what torch's float32 sum may round
+        and the tolerance (see :func:`~precisebn.figures.remean`, which does this for one call) — all at once, one
+        host read. Where they do not, or the input changed since, the call keeps its own figures and nothing is
+        known of what it normalised (``t`` None)."""
+        entries, means = [], []
+        for k in agreeing:
+            call, j, n, t, version = pending[k]
+            if t is None or n == 0:
+                continue
+            if version_of(t) != version:  # (changed in place since the call: not what it normalised now)
+                pending[k] = (call, j, n, None, None)
+                continue
+            entries.append(k)
+            means.append(t.detach().sum([d for d in range(t.dim()) if d != 1], dtype=torch.float64).div_(n))
+        if not entries:
+            return
+        calls = [pending[k][0] for k in entries]
+        sizes = [m.numel() for m in means]
+        lengths = torch.tensor(sizes, device="cpu")
+        mean = torch.cat(means)
+        own = torch.cat([call.pair[0] for call in calls]).double()
+        var = torch.cat([call.pair[1] for call in calls]).double()
+        steps = [((pending[k][2] - 1) * 2.0**-24 * 2.0, float(pending[k][0].module.eps)) for k in entries]
+        slack, eps = torch.tensor(steps, dtype=torch.float64, device="cpu").repeat_interleave(lengths, 0).T
+        bound = slack.mul_(mean.square().add(var).sqrt_()).add_(var.add(eps).sqrt_(), alpha=1e-5)
+        far = torch.gt(own.sub_(mean).abs_(), bound).to(torch.float64)
+        disagree = torch.segment_reduce(far, "max", lengths=lengths, unsafe=True).tolist()
+        taken = [(call.pair[0], m) for call, m, d in zip(calls, means, disagree) if not d]
+        if taken:
+            torch._foreach_copy_([p for p, _ in taken], [m for _, m in taken])
+            self._wrote()
+        for k, d in zip(entries, disagree):
+            if d:  # (it normalised something else this time: its own figures, nothing to check them against)
+                call, j, n, _, _ = pending[k]
+                pending[k] = (call, j, n, None, None)
 
     def _bound_vectors(
         self, pending: list[tuple[LayerCall, int, int, Any, Any]]

@@ -59,34 +59,25 @@ def refigure(t: Tensor, pair: Tensor) -> None:
     pair[0].add_(s1, alpha=1.0 / n)
 
 
-def remean(t: Tensor, pair: Tensor, eps: float | None = None) -> bool:
+def remean(t: Tensor, pair: Tensor) -> None:
     """Overwrites the batch mean in the figures ``pair`` (``(2, C)`` float32; a layer's scratch) of one call that
     normalised ``t`` (channels in dimension 1; at most :data:`EXACT_UP_TO` values each, in torch's float32
     recursive summation) with ``t``'s mean summed in float64: rounded once to float32, as the pooled variance's
     bound takes it (see :func:`~precisebn.measure._warn_far_from_zero`), rather than by up to ``(n - 1)·u·|mean|``.
     The variance, which torch computes around its own mean, moves by ``δ²`` at most: left as it is. A call of no
-    values (an empty selection of rows) leaves nothing to sum: its figures stay as they are.
-
-    With ``eps`` (a layer with a forward of its own, seen to normalise its input itself at this input shape, so
-    that ``t`` is taken to be what it normalised), only where the two means agree within twice what the kernel may
-    round and the tolerance; else ``pair`` is left as it is and ``False`` returned (see
-    :func:`~precisebn.layercall.refigured_alike`, and its limit: a change smaller than that is not told apart).
+    values (an empty selection of rows) leaves nothing to sum: its figures stay as they are. (A layer with a forward
+    of its own, whose input is only assumed to be what it normalised, has its input's mean taken only where the two
+    agree: :meth:`~precisebn.capture.Collector._agreed`, all such calls of a batch at once.)
 
     >>> import torch
     >>> t = torch.tensor([[1.0, 10.0], [3.0, 14.0], [5.0, 18.0]])
     >>> pair = torch.tensor([[2.9, 14.2], [4.0, 16.0]])  # (torch's figures, the means slightly off)
-    >>> remean(t, pair), pair.tolist()
-    (True, [[3.0, 14.0], [4.0, 16.0]])
+    >>> remean(t, pair)
+    >>> pair.tolist()
+    [[3.0, 14.0], [4.0, 16.0]]
     """
     n = t.numel() // t.shape[1] if t.dim() > 1 and t.shape[1] else 0
     if n == 0:
-        return True
+        return
     dims = [d for d in range(t.dim()) if d != 1]
-    mean = t.detach().sum(dims, dtype=torch.float64).div_(n)
-    if eps is not None:
-        own, var = pair[0].double(), pair[1].double()
-        slack = (n - 1) * 2.0**-24 * 2.0 * mean.square().add_(var).sqrt_()  # (the values' root mean square, at least)
-        if bool(((own - mean).abs() > slack + 1e-5 * (var + eps).sqrt()).any()):
-            return False
-    pair[0].copy_(mean)
-    return True
+    pair[0].copy_(t.detach().sum(dims, dtype=torch.float64).div_(n))

@@ -409,6 +409,7 @@ class LayerCall:
                 if deferred:  # (once counted: the comparison may run at once, and then needs the call's count)
                     known = watching or self.own_forward or key in self.itself[xl]  # what it normalised
                     t = (seen[0] if watching else x) if known else None
+                    agree = False
                     if t is not None and self.pair.dtype == torch.float32:  # torch's kernel sums it in float32,
                         own = watching or self.own_forward  # one value after another (see figures)
                         if n > EXACT_UP_TO:
@@ -416,10 +417,12 @@ class LayerCall:
                                 refigure(t, self.pair)
                             elif not refigured_alike(t, self.pair, float(module.eps)):  # (its input, assumed)
                                 t = None  # (it normalised something else this time: its own figures, nothing to check)
-                        elif not remean(t, self.pair, None if own else float(module.eps)):  # (its input: assumed)
-                            t = None  # (it normalised something else this time: its own figures, nothing to check)
+                        elif own:
+                            remean(t, self.pair)
+                        else:  # (its input, assumed: its mean taken where it agrees, all such calls at once)
+                            agree = True
                         c._wrote()
-                    c._defer(self, j, n, t)
+                    c._defer(self, j, n, t, agree)
             elif path == "verify":
                 out = self.verify(forward, args, kwargs, j, inside > 0)
             else:
