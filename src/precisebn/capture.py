@@ -183,7 +183,7 @@ class Collector:
         # compared (see _defer): (call, index in the batch, values per channel, what it normalised or None)
         self._pending: list[tuple[LayerCall, int, int, Tensor | None, int | None]] = []
         self._pending_bytes = 0
-        self._agreeing: list[int] = []  # of those, the calls whose input's mean is taken where it agrees (_agreed)
+        self._agreeing: list[tuple[int, Tensor]] = []  # of those, calls whose input's mean is taken where it agrees
         self._ratio_plans: dict[int, tuple[int, int]] = {}  # layer: (its scratch group, its slot there)
         for g, scratch in enumerate(state.groups):
             for slot, i in enumerate(scratch.layer_ids):
@@ -436,16 +436,17 @@ class Collector:
             "in float64 from what it normalises), or exclude the layer with layers=.",
         )
 
-    def _defer(self, call: LayerCall, j: int, n: int, t: Tensor | None, agree: bool = False) -> None:
+    def _defer(self, call: LayerCall, j: int, n: int, t: Tensor | None, agree: Tensor | None = None) -> None:
         """Keeps a call read through its figures in layout 1 on the CPU until its figures' ratio is compared
         with the calls its layer had checked (:meth:`_run_pending`: all waiting calls at once, before the layer
         is called again, at the end of the batch, or once :data:`~precisebn.spotcheck.HELD` bytes of their inputs
         are held): ``t``, what it normalised (held until then, with its version: a model may change it in place
-        later in the batch), or ``None`` where that is not known. ``agree``: ``t`` is a forward of its own's input,
-        whose float64 mean replaces the call's own where the two agree (:meth:`_agreed`)."""
+        later in the batch), or ``None`` where that is not known. ``agree``: the float64 mean of ``t``, a forward of
+        its own's input, summed at the call (a write into ``t`` later in the batch cannot change it, a review), which
+        replaces the call's own mean where the two agree (:meth:`_agreed`)."""
         self._pending.append((call, j, n, t, None if t is None else version_of(t)))
-        if agree:
-            self._agreeing.append(len(self._pending) - 1)
+        if agree is not None:
+            self._agreeing.append((len(self._pending) - 1, agree))
         if t is not None:
             self._pending_bytes += t.nbytes
             if self._pending_bytes > HELD:
@@ -499,23 +500,15 @@ class Collector:
             self._row[i] = 0
             self._wrote()
 
-    def _agreed(self, pending: list[tuple[LayerCall, int, int, Any, Any]], agreeing: list[int]) -> None:
-        """For the waiting calls ``pending[k]`` (``k`` in ``agreeing``) of layers with a forward of their own, seen to
-        normalise their input itself, with at most EXACT_UP_TO values per channel: their input's mean summed in
-        float64 replaces their own figures' where the two agree within twice what torch's float32 sum may round
-        and the tolerance (see :func:`~precisebn.figures.remean`, which does this for one call) — all at once, one
-        host read. Where they do not, or the input changed since, the call keeps its own figures and nothing is
-        known of what it normalised (``t`` None)."""
-        entries, means = [], []
-        for k in agreeing:
-            call, j, n, t, version = pending[k]
-            if t is None or n == 0:
-                continue
-            if version_of(t) != version:  # (changed in place since the call: not what it normalised now)
-                pending[k] = (call, j, n, None, None)
-                continue
-            entries.append(k)
-            means.append(t.detach().sum([d for d in range(t.dim()) if d != 1], dtype=torch.float64).div_(n))
+    def _agreed(self, pending: list[tuple[LayerCall, int, int, Any, Any]], agreeing: list[tuple[int, Tensor]]) -> None:
+        """For the waiting calls ``pending[k]`` (``(k, mean)`` in ``agreeing``) of layers with a forward of their own,
+        seen to normalise their input itself, with at most EXACT_UP_TO values per channel: their input's ``mean``
+        (float64, summed at the call) replaces their own figures' where the two agree within twice what torch's
+        float32 sum may round and the tolerance (see :func:`~precisebn.figures.remean`, which takes it for one call
+        of torch's own forward) — all at once, one host read. Where they do not, the call keeps its own figures and
+        nothing is known of what it normalised (``t`` None)."""
+        entries = [k for k, _ in agreeing]
+        means = [mean for _, mean in agreeing]
         if not entries:
             return
         calls = [pending[k][0] for k in entries]

@@ -409,7 +409,7 @@ class LayerCall:
                 if deferred:  # (once counted: the comparison may run at once, and then needs the call's count)
                     known = watching or self.own_forward or key in self.itself[xl]  # what it normalised
                     t = (seen[0] if watching else x) if known else None
-                    agree = False
+                    agree = None
                     if t is not None and self.pair.dtype == torch.float32:  # torch's kernel sums it in float32,
                         own = watching or self.own_forward  # one value after another (see figures)
                         if n > EXACT_UP_TO:
@@ -419,8 +419,8 @@ class LayerCall:
                                 t = None  # (it normalised something else this time: its own figures, nothing to check)
                         elif own:
                             remean(t, self.pair)
-                        else:  # (its input, assumed: its mean taken where it agrees, all such calls at once)
-                            agree = True
+                        elif n:  # (its input, assumed: its mean, summed now, taken where it agrees, checked at once)
+                            agree = t.detach().sum([d for d in range(t.dim()) if d != 1], dtype=torch.float64).div_(n)
                         c._wrote()
                     c._defer(self, j, n, t, agree)
             elif path == "verify":
