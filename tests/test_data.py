@@ -236,6 +236,8 @@ def test_batch_forms_the_review_of_the_counting_rules_found_miscounted() -> None
     gray = [(z(1, 8, 8), torch.tensor(i % 2)) for i in range(n)]  # records with 0-d labels
     assert batch_size(gray) == n  # (was 2)
     assert batch_size([(z(3, 8, 8), 1)]) == 1  # one record (was 3)
+    assert batch_size([(z(3, 8, 8), torch.tensor([1]))] * 2) == 2  # a one-element label tensor (was 3, a probe)
+    assert batch_size([(z(3, 8, 8), z(1, 8, 8))]) == 1  # an image and its mask: not one batch's fields
     assert batch_size(((z(1, 3, 4, 4), z(1, 4, 4)), (z(1), torch.tensor(0.5)))) == 1  # one sample, a 0-d weight
     assert batch_size([torch.tensor(1.0)] * n) == n  # one value per sample
 

@@ -48,15 +48,16 @@ def batch_size(batch: Any) -> int | None:
     (``((x, extra), y)``; with one sample, where its fields differ in kind), a mapping of inputs
     (``({"x": x}, y)``, ``({"x": x}, {"y": y})``); a list of per-sample records (dicts, as detectron2
     uses, or ``(image, label)`` tuples as an identity ``collate_fn`` leaves them: more than two, or
-    labelled) counts its length; per-sample metadata first (a list or tuple of file names, ids)
-    counts its length, unless no tensor beside it has as many (class names beside a batch of images:
-    the first tensor beside it counts); a plain value first (a task name, a 0-d step count) counts
-    what follows it. A mapping counts its first list of tensors beside as many records (per-sample,
-    as mmengine's ``pseudo_collate`` gives) or, of different sizes, beside a tensor of as many
-    (per-image boxes beside the images), or its first tensor of one dimension or more. ``None`` when
-    nothing tells. Some shapes cannot be told apart (a list of per-sample images alone, three boxes
-    per image of three channels, one sample's fields all of one kind): pass ``num_batches=`` rather
-    than ``num_samples=`` for those.
+    labelled, or of fields whose first dimensions differ) counts its length; per-sample metadata
+    first (a list or tuple of file names, ids) counts its length, unless no tensor beside it has as
+    many (class names beside a batch of images: the first tensor beside it counts); a plain value
+    first (a task name, a 0-d step count) counts what follows it. A mapping counts its first list of
+    tensors beside as many records (per-sample, as mmengine's ``pseudo_collate`` gives) or, of
+    different sizes, beside a tensor of as many (per-image boxes beside the images), or its first
+    tensor of one dimension or more. ``None`` when nothing tells. Some shapes cannot be told apart (a
+    list of per-sample images alone, three boxes per image of three channels, one sample's fields all
+    of one kind, two dicts with the same keys): pass ``num_batches=`` rather than ``num_samples=``
+    for those.
 
     Example:
         >>> import torch
@@ -142,8 +143,12 @@ def batch_size(batch: Any) -> int | None:
 
 
 def _labelled(item: tuple[Any, ...] | list[Any]) -> bool:
-    """Whether a record holds a label: a value that is not a tensor, or a 0-d tensor (a batch's fields are batched)."""
-    return any(not isinstance(v, Tensor) or v.dim() == 0 for v in item)
+    """Whether ``item`` reads as one sample's record, not as a batch's fields (which share their first dimension,
+    the batch's): it holds a label — a value that is not a tensor, a 0-d tensor — or tensors whose first dimensions
+    differ (an image of 3 channels and a one-element label tensor, a probe)."""
+    if any(not isinstance(v, Tensor) or v.dim() == 0 for v in item):
+        return True
+    return len({v.shape[0] for v in item}) > 1
 
 
 def _records(batch: tuple[Any, ...] | list[Any]) -> bool:
