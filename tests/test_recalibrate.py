@@ -624,6 +624,45 @@ def test_single_value_per_channel_is_a_clear_error(capture: str) -> None:
     assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize("kind", ["subclass", "timm"])
+def test_a_forward_of_its_own_given_one_value_per_channel_is_named(kind: str) -> None:
+    """Found by a probe: a subclass with a forward of its own (timm's BatchNormAct2d: efficientnet_b0 at batch 1 on
+    32x32 inputs) let torch's bare ValueError out, without the layer's name. A model that catches it still can: the
+    error is a ValueError."""
+
+    class Sub(nn.BatchNorm2d):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x)
+
+    if kind == "timm":
+        layer: nn.Module = pytest.importorskip("timm.layers").BatchNormAct2d(8)
+    else:
+        layer = Sub(8)
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), layer)
+    before = state_snapshot(model)
+    with pytest.raises(InvalidArgumentError, match=r"layer '1' \(\w+\) received one value per channel"):
+        precisebn.recalibrate(model, [torch.randn(4, 3, 2, 2), torch.randn(1, 3, 1, 1)])
+    assert_unchanged(model, before)
+
+    class Skips(nn.Module):  # (catches the error and leaves the layer out for such inputs)
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(3, 8, 1), Sub(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            try:
+                return self.body(x)
+            except ValueError:
+                return self.body[0](x)
+
+    skips = Skips()
+    batches = [torch.randn(4, 3, 2, 2) for _ in range(3)] + [torch.randn(1, 3, 1, 1)]
+    truth = compute_truth(skips.body, batches[:3])["1"]
+    stats = precisebn.estimate(skips, batches, num_samples="all")["body.1"]
+    assert max_rel_error(stats.mean, truth.mean, truth.var.sqrt()) < 1e-5
+    assert max_rel_error(stats.var, truth.var) < 1e-5
+
+
 @pytest.mark.parametrize("capture", ["auto", "float64"])
 @pytest.mark.parametrize("unbatched", [False, True])
 def test_an_instance_norm_given_maps_of_one_value_is_a_clear_error(capture: str, unbatched: bool) -> None:

@@ -450,6 +450,14 @@ class LayerCall:
             c._failed(i, j, before)
             if isinstance(exc, UnsupportedLayerError):
                 c._refused = exc
+            x = args[0] if args else None
+            if (  # torch's own error inside a forward of its own, which did not handle the call: named
+                type(exc) is ValueError
+                and isinstance(x, Tensor)
+                and _one_per_channel(x, self.channels)
+                and "more than 1 value per channel" in str(exc)
+            ):
+                raise c._too_few(i, x) from exc
             raise
         finally:
             self.active = inside
