@@ -78,7 +78,7 @@ from torch import Tensor
 
 from ._table import times
 from .errors import InvalidArgumentError, PreciseBNError, UnsupportedLayerError
-from .layercall import LayerCall, layout_of, reach, verified_size
+from .layercall import LayerCall, layout_of, mean_bound, reach, verified_size
 from .layers import RecalibrationState, ScratchGroup
 from .spotcheck import HELD, SpotChecks
 from .state import version_of
@@ -509,18 +509,14 @@ class Collector:
         nothing is known of what it normalised (``t`` None)."""
         entries = [k for k, _ in agreeing]
         means = [mean for _, mean in agreeing]
-        if not entries:
-            return
         calls = [pending[k][0] for k in entries]
-        sizes = [m.numel() for m in means]
-        lengths = torch.tensor(sizes, device="cpu")
+        lengths = torch.tensor([m.numel() for m in means], device="cpu")
         mean = torch.cat(means)
         own = torch.cat([call.pair[0] for call in calls]).double()
         var = torch.cat([call.pair[1] for call in calls]).double()
-        steps = [((pending[k][2] - 1) * 2.0**-24 * 2.0, float(pending[k][0].module.eps)) for k in entries]
-        slack, eps = torch.tensor(steps, dtype=torch.float64, device="cpu").repeat_interleave(lengths, 0).T
-        bound = slack.mul_(mean.square().add(var).sqrt_()).add_(var.add(eps).sqrt_(), alpha=1e-5)
-        far = torch.gt(own.sub_(mean).abs_(), bound).to(torch.float64)
+        steps = [(float(pending[k][2]), float(pending[k][0].module.eps)) for k in entries]
+        n, eps = torch.tensor(steps, dtype=torch.float64, device="cpu").repeat_interleave(lengths, 0).T
+        far = torch.gt(own.sub_(mean).abs_(), mean_bound(mean, var, n, eps)).to(torch.float64)
         disagree = torch.segment_reduce(far, "max", lengths=lengths, unsafe=True).tolist()
         taken = [(call.pair[0], m) for call, m, d in zip(calls, means, disagree) if not d]
         if taken:

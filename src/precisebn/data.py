@@ -152,20 +152,12 @@ def _labelled(item: tuple[Any, ...] | list[Any]) -> bool:
 
 
 def _records(batch: tuple[Any, ...] | list[Any]) -> bool:
-    """Whether the items of ``batch`` are tuples/lists of one structure: as many fields, at each
-    place a tensor of one dtype and number of dimensions or a value of one type — per-sample records, not a
-    batch's fields (an image and its mask, labels and weights)."""
-    head = batch[0]
-    for item in batch[1:]:
-        if not isinstance(item, (tuple, list)) or len(item) != len(head):
-            return False
-        for a, b in zip(head, item):
-            if isinstance(a, Tensor):
-                if not (isinstance(b, Tensor) and a.dim() == b.dim() and a.dtype == b.dtype):
-                    return False
-            elif type(a) is not type(b):
-                return False
-    return True
+    """Whether the items of ``batch`` are tuples/lists of one structure: as many fields, each place of one kind
+    (:func:`_one_kind`) — per-sample records, not a batch's fields (an image and its mask, labels and weights)."""
+    width = len(batch[0])
+    if not all(isinstance(item, (tuple, list)) and len(item) == width for item in batch):
+        return False
+    return all(_one_kind([item[k] for item in batch]) for k in range(width))
 
 
 def _metadata(value: Any) -> bool:
@@ -193,9 +185,12 @@ def _batched_alike(first: tuple[Any, ...] | list[Any], second: tuple[Any, ...] |
 
 
 def _one_kind(items: tuple[Any, ...] | list[Any]) -> bool:
-    """Whether ``items`` are tensors of one dtype and number of dimensions, as per-sample items are."""
+    """Whether ``items`` are of one kind, as per-sample items are: tensors of one dtype and number of
+    dimensions, or values of one type."""
     head = items[0]
-    return all(isinstance(t, Tensor) and t.dim() == head.dim() and t.dtype == head.dtype for t in items)
+    if isinstance(head, Tensor):
+        return all(isinstance(t, Tensor) and t.dim() == head.dim() and t.dtype == head.dtype for t in items)
+    return all(type(v) is type(head) for v in items)
 
 
 def to_device(batch: Any, device: torch.device | None) -> Any:

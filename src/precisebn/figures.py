@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .spotcheck import every_channel_sums
 
-__all__ = ["EXACT_UP_TO", "refigure", "remean"]
+__all__ = ["EXACT_UP_TO", "float64_mean", "refigure", "remean"]
 
 EXACT_UP_TO = 84
 """Values per channel up to which torch's float32 variance is within the float32 tolerance (1e-5 of the variance)
@@ -76,8 +76,18 @@ def remean(t: Tensor, pair: Tensor) -> None:
     >>> pair.tolist()
     [[3.0, 14.0], [4.0, 16.0]]
     """
+    mean = float64_mean(t)
+    if mean is not None:
+        pair[0].copy_(mean)
+
+
+def float64_mean(t: Tensor) -> Tensor | None:
+    """The mean of ``t`` per channel (dimension 1), summed in float64; ``None`` for no values.
+
+    >>> float64_mean(torch.tensor([[1.0, 10.0], [2.0, 20.0]])).tolist()
+    [1.5, 15.0]
+    """
     n = t.numel() // t.shape[1] if t.dim() > 1 and t.shape[1] else 0
     if n == 0:
-        return
-    dims = [d for d in range(t.dim()) if d != 1]
-    pair[0].copy_(t.detach().sum(dims, dtype=torch.float64).div_(n))
+        return None
+    return t.detach().sum([d for d in range(t.dim()) if d != 1], dtype=torch.float64).div_(n)

@@ -344,11 +344,14 @@ class OutputPlan:
                         with contextlib.suppress(OSError):
                             folder.rmdir()
 
+    def described(self) -> str:
+        """The outputs, as given (``"out.pt, report.json"``)."""
+        return ", ".join(text for text, _ in self.outputs.values())
+
     def _note_if_committed(self) -> str | None:
         if not self.committed:
             return None
-        written = ", ".join(text for text, _ in self.outputs.values())
-        return f"precisebn: ended by a signal after every output was written ({written}: complete)."
+        return f"precisebn: ended by a signal after every output was written ({self.described()}: complete)."
 
     def _renamed(self, exc: OSError, temps: dict[str, Path]) -> OSError:
         """``exc`` naming the output whose temporary file it names (by the temporary's own name: two long names

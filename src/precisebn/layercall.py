@@ -23,14 +23,24 @@ from torch import Tensor
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from .errors import UnsupportedLayerError
-from .figures import EXACT_UP_TO, refigure, remean
+from .figures import EXACT_UP_TO, float64_mean, refigure, remean
 from .trial import Trial, fitting
 from .watch import Watch, moments_of, normalises_its_input
 
 if TYPE_CHECKING:
     from .capture import Collector
 
-__all__ = ["REDUCED", "SHAPES", "LayerCall", "call_key", "layout_of", "reach", "refigured_alike", "verified_size"]
+__all__ = [
+    "REDUCED",
+    "SHAPES",
+    "LayerCall",
+    "call_key",
+    "layout_of",
+    "mean_bound",
+    "reach",
+    "refigured_alike",
+    "verified_size",
+]
 
 SHAPES = 256
 """Input shapes remembered per layer with a forward of its own (more: each call of a new one watched)."""
@@ -95,7 +105,7 @@ class LayerCall:
         # where it was not seen to normalise its input itself (x * s, a transpose), are measured in float64: torch's
         # float32 mean of those may err by (n - 1)·u·|mean| (see figures.remean), and what it normalised is at hand
         # only watched (a review: 2.7e-5 of the variance off at |mean|/σ = 75, unwarned). Where it normalised its
-        # input itself, its input's mean is taken where the two agree (figures.remean with eps)
+        # input itself, its input's mean is taken where the two agree (Collector._agreed)
         self.few_watched = not self.own_forward and self.on_cpu and self.pair.dtype == torch.float32
         self.ratios: list[tuple[int, float]] = []  # (values per channel, largest mean² / (var + eps))
         self.cover: dict[int, float] = {}  # by values per channel: the largest ratio the checked calls vouch for
@@ -419,8 +429,8 @@ class LayerCall:
                                 t = None  # (it normalised something else this time: its own figures, nothing to check)
                         elif own:
                             remean(t, self.pair)
-                        elif n:  # (its input, assumed: its mean, summed now, taken where it agrees, checked at once)
-                            agree = t.detach().sum([d for d in range(t.dim()) if d != 1], dtype=torch.float64).div_(n)
+                        else:  # (its input, assumed: its mean, summed now, taken where it agrees, checked at once)
+                            agree = float64_mean(t)
                         c._wrote()
                     c._defer(self, j, n, t, agree)
             elif path == "verify":
@@ -573,15 +583,21 @@ def refigured_alike(t: Tensor, pair: Tensor, eps: float) -> bool:
     n = t.numel() // t.shape[1]
     mean, var = pair[0].double(), pair[1].double()
     slack = (n - 1) * 2.0**-24 * 2.0  # (the kernel's bound, twice over: it reaches about a fifth of it, blank frames)
-    square = mean.square().add_(var)  # (the values' mean square, at least)
-    scale = var + eps
-    far = ((own[0].double() - mean).abs() > slack * square.sqrt() + 1e-5 * scale.sqrt()) | (
-        (own[1].double() - var).abs() > slack * square + 1e-5 * scale
+    far = ((own[0].double() - mean).abs() > mean_bound(mean, var, n, eps)) | (
+        (own[1].double() - var).abs() > slack * mean.square().add(var) + 1e-5 * (var + eps)
     )
     if bool(far.any()):
         pair.copy_(own)
         return False
     return True
+
+
+def mean_bound(mean: Tensor, var: Tensor, n: float | Tensor, eps: float | Tensor) -> Tensor:
+    """How far, per channel, a call's own float32 batch mean may lie from ``mean``, the float64 mean of its input,
+    for the input to count as what it normalised: twice what torch's recursive float32 summation of ``n`` values
+    may round (``(n - 1)·u`` of the values' root mean square, at least ``sqrt(mean² + var)``), and the tolerance
+    (1e-5 σ). ``n`` and ``eps`` may be per-channel tensors (several calls at once)."""
+    return (n - 1) * 2.0**-24 * 2.0 * mean.square().add(var).sqrt_() + 1e-5 * (var + eps).sqrt()
 
 
 def _one_per_channel(x: Tensor, channels: int) -> bool:

@@ -57,8 +57,7 @@ def _interrupted(args: Any) -> int:
     """Ctrl-C: exit 130 and "no output was written" — unless every output was written already."""
     plan = getattr(args, "plan", None)
     if plan is not None and getattr(plan, "committed", False):
-        written = ", ".join(text for text, _ in plan.outputs.values())
-        text = f"precisebn: interrupted after the output was written ({written}: complete)."
+        text = f"precisebn: interrupted after the output was written ({plan.described()}: complete)."
         print(_printable(text), file=sys.stderr)
         return EXIT_OK
     print("precisebn: interrupted; no output was written.", file=sys.stderr)
@@ -105,10 +104,9 @@ def _main(argv: list[str] | None, parsed: list[Any]) -> int:
                 raise
             plan = getattr(args, "plan", None)
             if plan is not None and getattr(plan, "committed", False):  # (printing what was written failed)
-                written = ", ".join(text for text, _ in plan.outputs.values())
                 print(
                     _printable(
-                        f"precisebn {args.command}: every output was written ({written}: complete); then: "
+                        f"precisebn {args.command}: every output was written ({plan.described()}: complete); then: "
                         f"{type(exc).__name__}: {exc}"
                     ),
                     file=sys.stderr,
