@@ -594,7 +594,9 @@ class Collector:
         within a quarter of the tolerance (:meth:`~precisebn.spotcheck.SpotChecks.check_now`)."""
         if pair.dtype != torch.float32:
             return False
-        return self._spot_checks().check_now(t, pair, eps, every=True) is True
+        verdict = self._spot_checks().check_now(t, pair, eps, every=True)
+        self._wrote()  # (figures that passed are the reference's now)
+        return verdict is True
 
     def _spot_checks(self) -> SpotChecks:
         """The batch's CPU checks of float32 figures (made when first needed)."""
@@ -648,10 +650,10 @@ class Collector:
         """
         if self._refused is not None:
             raise self._refused
+        if self._guard and self._changed():  # (before precisebn's own writes below: see _wrote)
+            self._entered(self._last, nested=False)  # (as if the next call started: after the last one)
         if self._pending:
             self._run_pending()
-        if self._guard and self._changed():
-            self._entered(self._last, nested=False)  # (as if the next call started: after the last one)
         if self.per_call:
             self._check_calls_per_batch()
         if any(map(_TRAINING, self._evaluating)):  # (model.train() in forward: every module ran in training mode)
@@ -825,6 +827,7 @@ class Collector:
         nbytes = t.numel() * t.element_size()
         if spots.at_once(nbytes):  # checked now: holding it until the others' checks costs fresh pages
             verdict = spots.check_now(t, pair, eps, every)  # (None: passed on every channel, not comfortably)
+            self._wrote()  # (figures that passed on every channel are the reference's now)
             trial.checked(verdict is not False, seen, x, channels, n)
             return verdict is True and every
         if not spots.room(n, nbytes, channels, every):
@@ -845,7 +848,9 @@ class Collector:
                 since, so that it cannot be measured from it either.
         """
         assert self._spots is not None
-        for (i, trial, k, seen, x, n, version), passed, comfortably in self._spots.run_graded():
+        checked = self._spots.run_graded()
+        self._wrote()  # (figures that passed on every channel are the reference's now)
+        for (i, trial, k, seen, x, n, version), passed, comfortably in checked:
             if passed:
                 if comfortably and layout_of(seen[0]):  # (it vouches for calls up to twice as far from 0: see passed)
                     call = self._calls[i]

@@ -207,6 +207,16 @@ def _passes_one(fm: float, fv: float, shift: float, s1: float, s2: float, n: int
     )
 
 
+def _take_reference(pair: Tensor, ref: tuple[Tensor | float, ...]) -> None:
+    """Overwrites a call's figures ``pair`` that passed their check on every channel with the reference's float64
+    mean and unbiased variance (rounded once to the figures' dtype). The check lets figures within the tolerance
+    pass, but their errors add up over the batches: torch's float32 figures of a channels_last call, checked in the
+    verifying batch at 9.3e-6 σ and 9.9e-6 of the variance off, left a timm mobileone_s0 layer's pooled variance
+    1.13e-5 off after later batches (probe 40, unwarned). The reference is at hand already, so this costs nothing."""
+    pair[0].copy_(ref[0])
+    pair[1].copy_(ref[1])
+
+
 def rounding_passes(pair: Tensor, eps: float, unit: float, tolerance: float) -> bool:
     """Whether the rounding term of a call's figures ``pair`` (``(2, C)``: means, unbiased
     variances, in a dtype of unit roundoff ``unit``), the largest ``(unit · mean)² / (var + eps)``
@@ -381,6 +391,8 @@ class SpotChecks:
         ok = passes(figures[0], figures[1], ref, eps, self.tolerance)
         good = passes(figures[0], figures[1], ref, eps, self.tolerance / PARTIAL_MARGIN)
         passed, comfortably = (bool(v) for v in torch.stack([ok.all(), good.all()]).tolist())
+        if passed:
+            _take_reference(pair, ref)
         return (True if comfortably else None) if passed else False
 
     def run(self) -> list[tuple[Any, bool]]:
@@ -433,6 +445,11 @@ class SpotChecks:
             ok = passes(fig_mean, fig_var, refs, eps_per_column, tolerance)
             failed = torch.segment_reduce((~ok).to(torch.float64), "sum", lengths=checked)
             verdicts.append(((rounding <= tolerance) & (failed == 0)).tolist())  # NaN fails
+        at = 0  # a call checked on every channel that passed: its figures become the reference (see _take_reference)
+        for (_, pair, _, _, picked), width, passed in zip(waiting, widths, verdicts[0]):
+            if passed and len(picked) == width:
+                _take_reference(pair, (refs[0][at : at + width], refs[1][at : at + width]))
+            at += len(picked)
         return [(owner, passed, good) for (owner, *_), passed, good in zip(waiting, *verdicts)]
 
     def _rounding(self, figures: Tensor, widths: list[int], eps: list[float]) -> Tensor:
