@@ -586,6 +586,104 @@ def collectives_let_go(rank: int, world_size: int) -> Result:
     }
 
 
+def _timed_failure(rank: int, call: Callable[[nn.Module], Any], model: nn.Module | None = None) -> Result:
+    """Runs ``call(model)`` expecting it to raise; the error, whether the model kept its exact state, and how long
+    it took (a rank waiting for another until the group's timeout: 60 s here)."""
+    model = make_model() if model is None else model
+    before = buffers(model)
+    start = time.time()
+    try:
+        call(model)
+    except Exception as exc:
+        return {**_error(exc), "unchanged": same_state(before, buffers(model)), "seconds": time.time() - start}
+    return {"error": None, "seconds": time.time() - start}
+
+
+def adapt_unhashable_on_one_rank(rank: int, world_size: int) -> Result:
+    """Probe 40: adapt=["mean"] on rank 1 raised a bare TypeError there before the failure protocol, and rank 0
+    waited in the first collective until the group's timeout."""
+    adapt: Any = ["mean"] if rank == 1 else "mean"
+    return _timed_failure(rank, lambda m: precisebn.recalibrate(m, shard(rank, world_size), adapt=adapt))
+
+
+def num_samples_differ(rank: int, world_size: int) -> Result:
+    """Probe 40: num_samples=8 on rank 0 and 40 on rank 1 (a global number: each rank takes its share) used 4 + 20
+    samples, neither, silently."""
+    n = 8 if rank == 0 else 40
+    data = [torch.randn(4, 3, 6, 6) for _ in range(12)]
+    return _timed_failure(rank, lambda m: precisebn.recalibrate(m, data, num_samples=n))
+
+
+def warning_as_error_on_one_rank(rank: int, world_size: int) -> Result:
+    """Probe 40: the far-from-zero PreciseBNWarning, raised after the merge (when the statistics are put together),
+    that rank 0 alone turns into an error (warnings filters are the process's) was raised there alone; the others
+    waited in the last exchange until the group's timeout. Raised so on rank 0 here."""
+    from precisebn import measure
+
+    original = measure.Measurement.to_population
+
+    def to_population(self):  # type: ignore[no-untyped-def]
+        raise precisebn.errors.PreciseBNWarning("far from zero (an error on rank 0)")
+
+    if rank == 0:
+        measure.Measurement.to_population = to_population  # type: ignore[method-assign]
+    try:
+        return _timed_failure(rank, lambda m: precisebn.recalibrate(m, shard(rank, world_size), num_samples="all"))
+    finally:
+        measure.Measurement.to_population = original  # type: ignore[method-assign]
+
+
+class _Refuse(Exception):
+    pass
+
+
+class _WithUnused(nn.Module):
+    """The scenarios' model beside a layer its forward never reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+        self.unused = nn.BatchNorm1d(7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def logging_fails_on_one_rank(rank: int, world_size: int) -> Result:
+    """Probe 40: a layer no forward reached (so the writes log that it keeps its statistics) and a logging filter
+    raising on rank 0: it raised with its model unchanged, after rank 1 had written its own."""
+    import logging
+
+    class Failing(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            raise _Refuse("log sink down on rank 0")
+
+    model = _WithUnused()
+    logger = logging.getLogger("precisebn")
+    failing = Failing()
+    if rank == 0:
+        logger.addFilter(failing)
+    try:
+        return _timed_failure(
+            rank, lambda m: precisebn.recalibrate(m, shard(rank, world_size), num_samples="all"), model
+        )
+    finally:
+        logger.removeFilter(failing)
+
+
+def scheduler_invalidated_on_one_rank(rank: int, world_size: int) -> Result:
+    """Probe 40: update(10) on every rank after rank 0 alone called invalidate(): rank 1, current, returned while
+    rank 0 waited in the gathering of frozen layers until the group's timeout. Every rank recomputes now."""
+    model = make_model()
+    scheduler = precisebn.PreciseBNScheduler(model, shard(rank, world_size), num_samples="all")
+    scheduler.update(10)
+    if rank == 0:
+        scheduler.invalidate()
+    start = time.time()
+    report = scheduler.update(10)
+    return {"recomputed": report is not None, "seconds": time.time() - start, "state": buffers(model)}
+
+
 SCENARIOS: dict[str, Callable[[int, int], Result]] = {
     f.__name__: f
     for f in (
@@ -624,6 +722,11 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         mismatch_in_a_subgroup,
         interrupted_before_the_writes,
         standard_errors,
+        adapt_unhashable_on_one_rank,
+        num_samples_differ,
+        warning_as_error_on_one_rank,
+        logging_fails_on_one_rank,
+        scheduler_invalidated_on_one_rank,
     )
 }
 

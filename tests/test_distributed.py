@@ -14,6 +14,7 @@ import torch
 import dist_scenarios as sc
 from conftest import compute_truth, max_rel_error
 from precisebn import distributed
+from precisebn.errors import DistributedError
 
 WORKER = Path(__file__).with_name("dist_scenarios.py")
 
@@ -341,6 +342,38 @@ def test_a_scheduler_whose_data_fails_on_one_rank_fails_on_every_rank_at_once(tm
         assert "rank 1: FileNotFoundError: shard-1.tar on rank 1" in f["message"] and f["seconds"] < 20, f
 
 
+def test_what_one_rank_alone_raises_or_decides_reaches_every_rank_at_once(tmp_path: Path) -> None:
+    """Probe 40: an unhashable adapt= on one rank, a warning turned into an error on one rank after the merge, and
+    a scheduler invalidated on one rank each left the other ranks waiting until the group's timeout (60 s here, 30
+    minutes by default); a logging filter raising on one rank left it unchanged and the other written; different
+    global num_samples were taken silently. Now: the same error on every rank at once, every model unchanged — or,
+    for the scheduler, every rank recomputing alike."""
+    names = [
+        "adapt_unhashable_on_one_rank",
+        "num_samples_differ",
+        "warning_as_error_on_one_rank",
+        "logging_fails_on_one_rank",
+        "scheduler_invalidated_on_one_rank",
+    ]
+    results = run_ranks(2, names, tmp_path, timeout=150)
+    for r, res in enumerate(results):
+        a = res["adapt_unhashable_on_one_rank"]
+        assert a["error"] == "DistributedError" and a["failed_ranks"] == [1] and a["unchanged"], a
+        assert "adapt must be" in a["message"] and a["seconds"] < 30, a
+        n = res["num_samples_differ"]
+        assert n["error"] == "DistributedError" and n["unchanged"] and "num_samples=" in n["message"], n
+        for name, what in (("warning_as_error_on_one_rank", "PreciseBNWarning"), ("logging_fails_on_one_rank", "")):
+            w = res[name]
+            assert w["error"] is not None and w["unchanged"] and w["seconds"] < 30, (name, w)
+            if r == 1:
+                assert w["error"] == "DistributedError" and w["failed_ranks"] == [0], (name, w)
+                assert what in w["message"], (name, w)
+        s = res["scheduler_invalidated_on_one_rank"]
+        assert s["recomputed"] and s["seconds"] < 30, s
+    states = [res["scheduler_invalidated_on_one_rank"]["state"] for res in results]
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
 def test_ctrl_c_on_one_rank_before_the_writes_leaves_every_rank_written_alike(tmp_path: Path) -> None:
     """Probe 38: Ctrl-C on one rank during the last exchange, once every rank had agreed to write, raised there at
     once: that rank's model was left as it was while the others wrote (or waited for it). Held until its writes
@@ -373,3 +406,20 @@ def test_no_process_group_is_a_no_op() -> None:
         distributed.RankContext.resolve(True)
     with pytest.raises(ValueError, match="distributed must be"):
         distributed.RankContext.resolve("yes")
+
+
+def test_a_collective_failing_in_the_backend_is_a_distributed_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probe 40: a rank that never called precisebn (it exited, or slept past the group's timeout) left the others
+    with gloo's own RuntimeError ("Connection closed by peer", "Timed out waiting 20000ms"), which named neither
+    precisebn nor what to do. It is a DistributedError now (the backend's words in it, and the error chained)."""
+    ctx = object.__new__(distributed.RankContext)  # (no process group: the backend's failure is simulated)
+    ctx.group, ctx.rank, ctx.world_size, ctx.device, ctx.ranks = None, 1, 2, torch.device("cpu"), (0, 3)
+
+    def closed(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", closed)
+    with pytest.raises(DistributedError, match=r"rank 3: a collective of precisebn's failed") as info:
+        ctx.all_reduce(torch.zeros(2))
+    assert "Connection closed by peer" in str(info.value) and "call it on every rank" in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError) and isinstance(info.value, RuntimeError)

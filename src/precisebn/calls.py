@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .errors import InvalidArgumentError, LayerNotFoundError, UninitializedLayerError, UnsupportedLayerError
+from .interrupts import signals_held
 from .layers import unwrap
 from .population import PopulationStats
 from .state import exclusive
@@ -273,7 +274,7 @@ def untie_calls(model: nn.Module, calls: Mapping[str, int] | PopulationStats) ->
         raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     wanted = _calls_per_layer(calls)
     model = unwrap(model)
-    with exclusive(model):
+    with signals_held(), exclusive(model):  # (the swap of layers and the hook run to their end: see interrupts)
         modules = dict(model.named_modules(remove_duplicate=False))
         plan: dict[int, tuple[nn.Module, int]] = {}  # id(layer) -> (layer, calls)
         for name, k in wanted.items():

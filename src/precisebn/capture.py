@@ -302,7 +302,7 @@ class Collector:
     def _other_thread(self, i: int) -> InvalidArgumentError:
         here = threading.current_thread().name
         return InvalidArgumentError(
-            f"{self.layers[i].label} was called in thread {here!r} while forward(model, batch) "
+            f"{self.layers[i].label} was called in thread {here!r} while precisebn's passes over the model "
             "ran in another thread: precisebn counts the calls of the thread that runs the passes only — a call "
             "from another thread (the data's, prefetching with the model) would count in the statistics as if "
             "it were the batch's, and calls from two threads at once would mix in its bookkeeping. Have the "

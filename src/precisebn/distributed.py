@@ -268,7 +268,19 @@ class RankContext:
         """
         count = getattr(tensor, "_use_count", None)  # private API: without it, no wait
         before = count() if count is not None and tensor.device.type == "cpu" else None
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM if op is None else op, group=self.group)
+        op = torch.distributed.ReduceOp.SUM if op is None else op
+        try:
+            torch.distributed.all_reduce(tensor, op=op, group=self.group)
+        except RuntimeError as exc:  # (the backend's own error, e.g. gloo's timeout: a probe's rank never called)
+            if isinstance(exc, DistributedError):
+                raise
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise DistributedError(
+                f"rank {self._global(self.rank)}: a collective of precisebn's failed ({first}). Another rank of the "
+                "group has exited, or has not called the same precisebn function (a rank that skips it, or runs "
+                "collectives of its own meanwhile); call it on every rank of the group, with the same arguments, or "
+                "pass distributed=False to measure each rank on its own. This rank's model was left unchanged."
+            ) from exc
         if before is None:
             return
         deadline = time.monotonic() + LET_GO_SECONDS

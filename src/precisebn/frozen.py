@@ -45,7 +45,7 @@ from torch import nn
 from .errors import InvalidArgumentError, PreciseBNWarning
 from .layers import LayerSelection, has_running_stats, layer_matcher, unwrap
 
-__all__ = ["FrozenLayers", "agreed_names", "core_model", "train_override"]
+__all__ = ["FrozenLayers", "agreed_names", "any_rank", "core_model", "train_override"]
 
 _RELIST_FACTOR = 100  # the layers are listed again once this many times the last listing's duration has passed
 
@@ -169,6 +169,32 @@ class FrozenLayers:
         return selected, found
 
 
+def _gathered(value: Any, distributed: Any, group: Any) -> list[Any] | None:
+    """Every rank's ``value`` (one ``all_gather_object``), or ``None`` without a process group of several ranks
+    (or with ``distributed=False``)."""
+    dist = torch.distributed
+    if distributed is False or not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = group if group is not None else dist.group.WORLD
+    try:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+    except Exception:  # a wrong process_group: recalibrate says so, on every rank
+        return None
+    if world <= 1 or rank < 0:
+        return None
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
+
+
+def any_rank(flag: bool, distributed: Any, group: Any = None) -> bool:
+    """Whether ``flag`` holds on any rank (see :func:`agreed_names` for when the ranks are asked): a decision every
+    rank must take alike — whether to recalibrate now, when one rank's statistics were invalidated (probe 40: that
+    rank alone went on to the gathering below, and waited for the others until the group's timeout)."""
+    gathered = _gathered(bool(flag), distributed, group)
+    return bool(flag) if gathered is None else any(gathered)
+
+
 def agreed_names(
     names: tuple[str, ...], distributed: Any, group: Any = None, unsure: bool = False
 ) -> tuple[tuple[str, ...], bool]:
@@ -176,18 +202,9 @@ def agreed_names(
     ``unsure`` (see :func:`train_override`), so that all ranks leave the same layers out, or
     all skip — one ``all_gather_object`` when a process group of several ranks is initialised
     and ``distributed`` is not ``False``; ``(names, unsure)`` otherwise."""
-    dist = torch.distributed
-    if distributed is False or not (dist.is_available() and dist.is_initialized()):
+    gathered = _gathered((list(names), unsure), distributed, group)
+    if gathered is None:
         return names, unsure
-    group = group if group is not None else dist.group.WORLD
-    try:
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-    except Exception:  # a wrong process_group: recalibrate says so, on every rank
-        return names, unsure
-    if world <= 1 or rank < 0:
-        return names, unsure
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (list(names), unsure), group=group)
     union: set[str] = set()
     for part, _ in gathered:
         union.update(part or ())

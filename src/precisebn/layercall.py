@@ -307,13 +307,16 @@ class LayerCall:
         if not c.in_forward or get_ident() != c.thread or _is_tracing():  # (before anything is counted)
             if c.pid != os.getpid():  # a loader's worker process, forked with the wrappers on: its own copy, left
                 return forward(*args, **kwargs)  # to the model's own forward, in whatever mode (probe 35a)
-            if c.over:  # (a shallow copy of the layer, made during the passes, called after them)
+            other = get_ident() != c.thread
+            if c.over and not other:  # (a shallow copy of the layer, made during the passes, called after them)
                 raise c._after_passes(i)
-            # between forwards, in another thread than the passes' (a data thread's, while forward runs), or traced
-            if not c.in_forward:
-                c._refused = c._outside_forward(i)
+            # in another thread than the passes' while forward runs (a data thread's), or while the pass is set up
+            # or put back (probe 40: such calls ran unrefused, in training mode, before the wrappers were on);
+            # between forwards (the data's, in any thread); or traced
+            if other and (c.in_forward or c.over or not c._batch):
+                c._refused = c._other_thread(i)
             else:
-                c._refused = c._other_thread(i) if get_ident() != c.thread else c._traced(i)
+                c._refused = c._outside_forward(i) if not c.in_forward else c._traced(i)
             raise c._refused  # (raised again at the end of the batch: a thread of the data's, or code that catches
             # it, would leave the pass to go on)
         path = c.paths[i]

@@ -514,6 +514,7 @@ class RecalibrationState:
     # mode: model.train() in forward, probe 37), and the model's named modules (for the message)
     evaluating: list[nn.Module] = field(default_factory=list)
     modules: list[tuple[str, nn.Module]] = field(default_factory=list)
+    prepared: Any = None  # what recalibration_state's `prepare` returned
 
     def refuse_written_elsewhere(self) -> None:
         """Raises :class:`~precisebn.errors.UnsupportedLayerError` if a selected layer's own ``running_mean``/
@@ -639,6 +640,7 @@ def recalibration_state(
     layers: Sequence[NormLayer],
     mode: Mode,
     modules: list[tuple[str, nn.Module]] | None = None,
+    prepare: Callable[[RecalibrationState], Any] | None = None,
 ) -> Iterator[RecalibrationState]:
     """Prepares ``model`` for a statistics pass and restores it bitwise afterwards.
 
@@ -663,6 +665,8 @@ def recalibration_state(
     could not be restored are named in a :class:`~precisebn.errors.ModelChangedWarning`.
 
     ``modules``: the model's ``named_modules()``, if the caller has already listed them.
+    ``prepare``: called with the state before the training flags are set (the collector, which wraps the
+    layers' forwards); what it returns is the state's ``prepared``.
 
     Raises:
         UninitializedLayerError: The model has lazy modules that never ran (the passes
@@ -686,6 +690,11 @@ def recalibration_state(
         # not a module-by-module restore: 3 ms on efficientnet_b0)
         snapshot = StateSnapshot(modules, uncopied={id(t) for t in originals})
         stack.callback(to_the_end, _restore_snapshot, snapshot)
+        # the forward wrappers come off after everything else they guard is back (and go on before the modes are
+        # set, by `prepare`): a call from another thread meanwhile is refused by them, not run in training mode
+        # on the scratch buffers (a probe: its output silently the batch's)
+        wrapped: list[tuple[nn.Module, object]] = []
+        stack.callback(to_the_end, _unwrap_forwards, wrapped)
         stack.callback(to_the_end, _restore_flags, mods, [m.training for m in mods])
         stack.callback(to_the_end, _restore_momenta, norms, [m.momentum for m in norms])
         stack.callback(to_the_end, _swap_back, [layers[i].module._buffers for i, _ in owners], owners, originals)
@@ -696,8 +705,7 @@ def recalibration_state(
 
         groups, views = _allocate_scratch(layers)
         counters: list[Tensor | None] = []
-        state = RecalibrationState(list(layers), groups, views, counters, kept, owners)
-        stack.callback(to_the_end, _unwrap_forwards, state._wrapped)
+        state = RecalibrationState(list(layers), groups, views, counters, kept, owners, wrapped)
         stack.enter_context(_compiled_code_runs_eagerly())
 
         for layer, (mean_view, var_view) in zip(layers, views):
@@ -712,8 +720,10 @@ def recalibration_state(
                 m._buffers["num_batches_tracked"] = counter
             counters.append(counter)
             _set_attribute(m, "momentum", 1.0)
-        state.evaluating = _set_modes(mods, {id(m) for m in norms}, mode)
         state.modules = modules
+        if prepare is not None:
+            state.prepared = prepare(state)
+        state.evaluating[:] = _set_modes(mods, {id(m) for m in norms}, mode)
         yield state
 
 

@@ -18,7 +18,8 @@ from .calls import call_name
 from .capture import Collector
 from .data import Forward, batch_size, to_device
 from .errors import EmptyDataError, InvalidArgumentError, NonFiniteError, PreciseBNWarning, ShortDataWarning
-from .layers import Mode, NormLayer, recalibration_state
+from .interrupts import signals_let_through
+from .layers import Mode, NormLayer, RecalibrationState, recalibration_state
 from .population import LayerStats, PopulationStats, _per_forward
 from .stats import RunningMoments, fold_errors
 from .watch import TOLERANCE
@@ -93,8 +94,8 @@ class Pass:
         processes fold by fold); else layers the collector can pool come pooled, with their
         errors (see :meth:`Collector.finish`)."""
         start = time.perf_counter()
-        with torch.no_grad(), recalibration_state(self.model, selected, self.mode, modules) as state:
-            collector = Collector(state, per_call=self.per_call)
+        with torch.no_grad(), recalibration_state(self.model, selected, self.mode, modules, self._collector) as state:
+            collector = state.prepared
             try:
                 samples, batches = self._loop(collector, abort)
                 state.refuse_written_elsewhere()
@@ -130,49 +131,16 @@ class Pass:
         )
         return result
 
+    def _collector(self, state: RecalibrationState) -> Collector:
+        """The pass's collector, made by :func:`recalibration_state` before it sets the training flags."""
+        return Collector(state, per_call=self.per_call)
+
     def _loop(self, collector: Collector, abort: Any) -> tuple[int, int]:
         limit, unit = (self.num_samples, "sample") if self.num_batches is None else (self.num_batches, "batch")
         bar = _progress_bar(self.progress, limit, unit)
-        samples = batches = 0
-        limited = False
         try:
-            for batch in self.data:
-                size = batch_size(batch)
-                if size is None and self.num_samples is not None:
-                    given = "num_samples=" if self.samples_given else f"num_samples={self.num_samples} (the default)"
-                    raise InvalidArgumentError(
-                        f"cannot tell how many samples a batch of type {type(batch).__name__} holds, so {given} "
-                        "cannot be counted; pass num_batches= (a number of batches) instead. The model was left "
-                        "unchanged."
-                    )
-                collector.in_forward = True  # (layers called otherwise are refused: see Collector.in_forward)
-                try:
-                    self.forward(self.model, to_device(batch, self.device))
-                finally:
-                    collector.in_forward = False
-                collector.end_batch()
-                batches += 1
-                samples += size or 0
-                if bar is not None:
-                    bar.update(size if unit == "sample" and size is not None else 1)
-                if abort is not None:
-                    abort()
-                if (self.num_batches is not None and batches >= self.num_batches) or (
-                    self.num_samples is not None and samples >= self.num_samples
-                ):
-                    limited = True
-                    break
-                if self._precise_enough(collector, samples, batches):
-                    limited = True
-                    break
-            if batches == 0:  # (before the votes: the other ranks learn of it at their next one)
-                raise EmptyDataError(
-                    "the data yielded no batch, so there is nothing to measure; pass a non-empty "
-                    "iterable of batches (the model was left unchanged)."
-                )
-            if self.vote is not None and not self._decided:  # out of data or at its cap: join the others' votes
-                while not self.vote(self._precision(collector), samples, False):
-                    pass
+            with signals_let_through():  # (the passes run the user's code: signals reach it at once, see interrupts)
+                samples, batches, limited = self._passes(collector, abort, bar)
         finally:
             if bar is not None:
                 bar.close()
@@ -192,6 +160,49 @@ class Pass:
                 stacklevel=4,
             )
         return samples, batches
+
+    def _passes(self, collector: Collector, abort: Any, bar: Any) -> tuple[int, int, bool]:
+        unit = "sample" if self.num_batches is None else "batch"
+        samples = batches = 0
+        limited = False
+        for batch in self.data:
+            size = batch_size(batch)
+            if size is None and self.num_samples is not None:
+                given = "num_samples=" if self.samples_given else f"num_samples={self.num_samples} (the default)"
+                raise InvalidArgumentError(
+                    f"cannot tell how many samples a batch of type {type(batch).__name__} holds, so {given} "
+                    "cannot be counted; pass num_batches= (a number of batches) instead. The model was left "
+                    "unchanged."
+                )
+            collector.in_forward = True  # (layers called otherwise are refused: see Collector.in_forward)
+            try:
+                self.forward(self.model, to_device(batch, self.device))
+            finally:
+                collector.in_forward = False
+            collector.end_batch()
+            batches += 1
+            samples += size or 0
+            if bar is not None:
+                bar.update(size if unit == "sample" and size is not None else 1)
+            if abort is not None:
+                abort()
+            if (self.num_batches is not None and batches >= self.num_batches) or (
+                self.num_samples is not None and samples >= self.num_samples
+            ):
+                limited = True
+                break
+            if self._precise_enough(collector, samples, batches):
+                limited = True
+                break
+        if batches == 0:  # (before the votes: the other ranks learn of it at their next one)
+            raise EmptyDataError(
+                "the data yielded no batch, so there is nothing to measure; pass a non-empty "
+                "iterable of batches (the model was left unchanged)."
+            )
+        if self.vote is not None and not self._decided:  # out of data or at its cap: join the others' votes
+            while not self.vote(self._precision(collector), samples, False):
+                pass
+        return samples, batches, limited
 
     def _precise_enough(self, collector: Collector, samples: int, batches: int) -> bool:
         if self.tolerance is None or batches < AUTO_MIN_BATCHES or batches % AUTO_CHECK_EVERY:

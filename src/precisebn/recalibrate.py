@@ -34,6 +34,7 @@ from . import distributed as _dist
 from .adapt import WRITTEN, Adapt, check_adapt
 from .data import Forward, default_forward, model_device
 from .errors import InvalidArgumentError, UninitializedLayerError
+from .interrupts import signals_held, signals_let_through
 from .layers import (
     Capture,
     LayerSelection,
@@ -259,6 +260,7 @@ def estimate(
         {'calls.0': (1.0, 1.0), 'calls.1': (12.0, 4.0)}
     """
     with contextlib.ExitStack() as guard:
+        guard.enter_context(signals_held())  # (the model's restore runs to its end: see interrupts)
         return _estimate(
             guard,
             model,
@@ -358,6 +360,7 @@ def _estimate(
         vote = None
         if ctx is not None and auto:
             vote = ctx.vote(tolerance, AUTO_MIN_SAMPLES, num_samples or sys.maxsize)  # type: ignore[arg-type]
+        shared = "auto" if auto else "all" if num_samples is None else num_samples  # (as every rank must pass it)
         if ctx is not None and num_samples is not None:
             num_samples = math.ceil(num_samples / ctx.world_size)
         given, model = model, unwrap(model)
@@ -403,22 +406,29 @@ def _estimate(
         ctx.fail(exc)  # always raises, on every rank
         raise
     else:
-        if ctx is not None:
-            options = f"per_call={per_call!r}, {'writes' if plan is not None else 'no writes'}"
-            try:
-                local = ctx.merge(local, options)  # (paths and per_forward over the ranks, as the statistics)
+        if ctx is not None:  # (num_samples: this rank's share of the global number, alike on every rank)
+            options = f"per_call={per_call!r}, {'writes' if plan is not None else 'no writes'}, num_samples={shared}"
+            try:  # (Ctrl-C reaches the merge as it reaches the passes: see merge, and interrupts)
+                with signals_let_through():
+                    local = ctx.merge(local, options)  # (paths and per_forward over the ranks, as the statistics)
             except KeyboardInterrupt as exc:  # (held until the merge's collectives were done: see merge)
                 if plan is not None:  # the others go on to agree(): they learn of it there
                     ctx.fail(exc)
                 raise
             local.check()  # the same verdict on every rank: they all hold the same values
-        stats = local.to_population()
+        try:
+            stats = local.to_population()  # (its warning may be an error on one rank: warnings filters are per rank)
+        except BaseException as exc:
+            if ctx is not None and plan is not None:  # the others wait in agree(): they learn of it there
+                ctx.fail(exc)
+            raise
         if plan is None:
             return stats, None
         if ctx is None:
             return stats, plan(stats)
         try:
             planned = plan(stats)  # e.g. a prior pooled with this rank's own statistics: may fail here only
+            planned.announce()  # (its logging too: a handler raising on one rank is that rank's failure)
         except BaseException as exc:
             ctx.fail(exc)
             raise
@@ -485,7 +495,7 @@ def apply(model: nn.Module, stats: PopulationStats, *, prior: float | None = Non
         raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     checked_prior = check_adapt(prior, adapt)
     model = unwrap(model)
-    with exclusive(model), torch.inference_mode(False):
+    with signals_held() as held, exclusive(model), torch.inference_mode(False):
         writes = plan_writes(model, stats, checked_prior, adapt)
         others = [name for name, m in model.named_modules() if has_running_stats(m) and name not in stats]
         if others:  # (statistics of another model, or of some layers: said, as the report lists only those written;
@@ -497,7 +507,9 @@ def apply(model: nn.Module, stats: PopulationStats, *, prior: float | None = Non
                 len(others),
                 shown,
             )
-        return writes.commit()
+        report = writes.commit()
+        held.done = "apply() had completed before this signal: the model holds the new statistics"
+        return report
 
 
 def recalibrate(
@@ -549,6 +561,7 @@ def recalibrate(
         return plan_writes(unwrap(model), stats, check_adapt(prior, adapt), adapt, walk, shared_checked=True)
 
     with contextlib.ExitStack() as guard:
+        held = guard.enter_context(signals_held())  # (the model's restore runs to its end: see interrupts)
         _, writes = _estimate(
             guard,
             model,
@@ -566,9 +579,12 @@ def recalibrate(
             tolerance=tolerance,
             _mode=None,
             walk=walk,
-            writes=WRITTEN.get(adapt, ()),  # (a wrong adapt is refused by check())
+            # (a wrong adapt is refused by check(), on every rank: an unhashable one too, probe 40's hang)
+            writes=WRITTEN.get(adapt, ()) if isinstance(adapt, str) else (),
             check=check,
             plan=plan,
         )
         assert writes is not None  # (plan was given)
-        return writes.commit()
+        report = writes.commit()
+        held.done = "recalibrate() had completed before this signal: the model holds the new statistics"
+        return report

@@ -262,8 +262,9 @@ class Report(Mapping[str, LayerReport]):
         """Draws per-layer shifts (needs ``pip install 'precisebn[plot]'``).
 
         Args:
-            path_or_ax: A file path to save a PNG to, a matplotlib ``Axes`` to draw
-                on, or ``None`` for a new figure.
+            path_or_ax: A file path to save the figure to, in the format its extension
+                names (``.png``, ``.svg``, ``.pdf``...), a matplotlib ``Axes`` to draw on, or
+                ``None`` for a new figure.
 
         Returns:
             The matplotlib ``Figure``.

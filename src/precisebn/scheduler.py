@@ -35,7 +35,7 @@ from torch import nn
 
 from .data import Forward
 from .errors import InvalidArgumentError, PreciseBNError, PreciseBNWarning
-from .frozen import FrozenLayers, agreed_names, train_override
+from .frozen import FrozenLayers, agreed_names, any_rank, train_override
 from .layers import LayerSelection, find_norm_layers, unwrap
 from .loaders import attribute, independent
 from .recalibrate import check_options, recalibrate
@@ -253,7 +253,8 @@ class PreciseBNScheduler:
         integration's evaluation on start), so that a model not seen training may not be in its
         training modes yet (see :func:`~precisebn.frozen.train_override`)."""
         step = check_step(step, "step")
-        if not force and self.is_current(step):
+        due = force or not self.is_current(step)
+        if not any_rank(due, self._options["distributed"], self._options["process_group"]):  # (alike on every rank)
             return None
         options = self._without_frozen(before_training)
         if options is None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import threading
 from typing import Any
 
 import torch
@@ -81,24 +80,26 @@ _UNIT = 2.0**-53  # unit roundoff of float64
 # One workspace of CAPACITY values kept between passes (2 MiB, once a pass has used it): a fresh one
 # costs a page fault per 4 KiB it fills, in every pass — about as much as the copies themselves. A pass
 # takes it while its checks wait and gives it back when they have run; a pass that finds it taken (two
-# passes at once, in threads or nested) makes its own.
+# passes at once, in threads or nested) makes its own. Taken and given back by single list operations, atomic
+# under the GIL, not under a lock: a Ctrl-C as `with lock:` was entered left a lock held, and every later pass
+# in the process waited for it forever (probe 40).
 _spare: list[Tensor] = []
-_spare_lock = threading.Lock()
 
 
 def _take_workspace(size: int) -> Tensor:
-    with _spare_lock:
-        if _spare and _spare[0].numel() == size:
-            return _spare.pop()
+    try:
+        spare = _spare.pop()
+    except IndexError:
+        spare = None
+    if spare is not None and spare.numel() == size:
+        return spare
     with torch.inference_mode(False):
         return torch.empty(size, dtype=torch.float64, device="cpu")
 
 
 def _give_back(workspace: Tensor) -> None:
-    if workspace.numel() == CAPACITY and not workspace.is_inference():  # (one would fail every later pass)
-        with _spare_lock:
-            if not _spare or _spare[0].numel() != CAPACITY:  # (one of an earlier CAPACITY is dropped)
-                _spare[:] = [workspace]
+    if workspace.numel() == CAPACITY and not workspace.is_inference() and not _spare:  # (one would fail every
+        _spare.append(workspace)  # later pass; two passes giving theirs back at once may keep both: 4 MiB)
 
 
 def checked_channels(channels: int) -> slice:

@@ -51,11 +51,13 @@ class Writes:
         raw = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in self._new])
         return zlib.crc32(raw.cpu().numpy().tobytes()) ^ len(self._targets)  # (one copy to the host)
 
-    def commit(self) -> Report:
-        """Writes every value at once (the old values put back if that is interrupted). What is logged is logged
-        first: a logging handler that raises then fails the call with nothing written (a probe: after the writes,
-        the call raised with the model changed)."""
-        for name, calls in self._kept:
+    def announce(self) -> None:
+        """Logs what the writes will leave as it is (once): before :meth:`commit`, so that a logging handler that
+        raises fails the call with nothing written (a probe: after the writes, the call raised with the model
+        changed) — and, with several ranks, before they agree to write (probe 40: a filter raising on one rank
+        left it unchanged and the others written)."""
+        kept, self._kept = self._kept, []
+        for name, calls in kept:
             logger.warning(
                 "precisebn: layer %r %s; its statistics are kept",
                 name,
@@ -63,6 +65,10 @@ class Writes:
                 if calls
                 else "was not reached by any forward pass",
             )
+
+    def commit(self) -> Report:
+        """Writes every value at once (the old values put back if that is interrupted), after :meth:`announce`."""
+        self.announce()
         with torch.no_grad(), restore_on_error(self._targets):
             copy_all(self._targets, self._new)
         return self.report

@@ -117,7 +117,8 @@ def _common_options() -> argparse.ArgumentParser:
         type=_positive_int,
         metavar="N",
         default=argparse.SUPPRESS,
-        help="CPU threads for torch (default: torch's; 1 is often fastest on a busy machine)",
+        help="CPU threads for torch (default: torch's, but 1 for demo, whose figures are measured so; 1 is often "
+        "fastest on a busy machine)",
     )
     return common
 
@@ -198,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-samples",
         type=_num_samples,
         metavar="N",
-        help="samples to use, 'all', or 'auto' (until precise to --tolerance; default 8192)",
+        help="samples to use, 'all', or 'auto' (until precise to --tolerance; default 8192, unless --num-batches "
+        "is given alone)",
     )
     rec.add_argument(
         "--tolerance",
@@ -207,7 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="T",
         help="with --num-samples auto: stop once every layer's median standard error is within T (default 0.02)",
     )
-    rec.add_argument("--num-batches", type=_positive_int, metavar="N", help="stop after N batches")
+    rec.add_argument(
+        "--num-batches",
+        type=_positive_int,
+        metavar="N",
+        help="stop after N batches (with --num-samples: the first limit reached)",
+    )
     rec.add_argument(
         "--layers", type=_layers, metavar="NAMES", help="only these layers: comma-separated names or glob patterns"
     )
