@@ -423,3 +423,18 @@ def test_a_collective_failing_in_the_backend_is_a_distributed_error(monkeypatch:
         ctx.all_reduce(torch.zeros(2))
     assert "Connection closed by peer" in str(info.value) and "call it on every rank" in str(info.value)
     assert isinstance(info.value.__cause__, RuntimeError) and isinstance(info.value, RuntimeError)
+
+
+def test_a_status_exchange_paired_with_a_foreign_collective_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probe 40: a rank that skipped precisebn and ran an all_reduce of its own paired it with precisebn's status
+    exchange; its values were read as statuses — "ranks disagree on num_samples: rank  uses num_samples='auto'",
+    no rank named and nobody had passed 'auto'. Values no rank of precisebn sends are named as such now."""
+    ctx = object.__new__(distributed.RankContext)  # (no process group: the other rank's tensor is simulated)
+    ctx.group, ctx.rank, ctx.world_size, ctx.device, ctx.ranks = None, 0, 2, torch.device("cpu"), (0, 1)
+
+    def foreign(tensor: torch.Tensor, *args: object, **kwargs: object) -> None:
+        tensor.add_(torch.arange(tensor.numel(), dtype=tensor.dtype).view_as(tensor) * 0.37)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", foreign)
+    with pytest.raises(DistributedError, match="received values no rank of precisebn sent"):
+        ctx._exchange(0.0, 4, 1, 123, 0.1)

@@ -67,6 +67,7 @@ LET_GO_SECONDS = 1.0
 the tensor it reduced (see :meth:`RankContext.all_reduce`)."""
 
 _OK, _FAILED, _STOPPED, _VOTE = 0.0, 1.0, 2.0, 3.0
+_STATUSES = frozenset((_OK, _FAILED, _STOPPED, _VOTE))
 _ROW = 8  # status, samples, batches, layer digest, seconds, weighted precision, has data, per-call digest
 
 
@@ -249,7 +250,16 @@ class RankContext:
         row = [status, samples, batches, digest, seconds, precision, float(data), calls_digest]
         table[self.rank] = torch.tensor(row, dtype=torch.float64, device="cpu")
         self.all_reduce(table)  # collective 1 (and each vote)
-        return table.tolist()
+        rows = table.tolist()
+        if any(row[0] not in _STATUSES for row in rows):  # (a rank's own collective paired with this one: probe 40
+            # read its values as votes, "rank  uses num_samples='auto'")
+            raise DistributedError(
+                f"rank {self._global(self.rank)}: precisebn's status exchange received values no rank of precisebn "
+                "sent: a collective of the program's own, on another rank, paired with it (a rank that skipped the "
+                "precisebn call, or ran its own collectives meanwhile). Call the same precisebn function at the same "
+                "point on every rank of the group. This rank's model was left unchanged."
+            )
+        return rows
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = None) -> None:
         """Sums ``tensor`` over the ranks in place (or reduces it by ``op``); on CPU, returns once the
