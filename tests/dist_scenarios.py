@@ -684,6 +684,31 @@ def scheduler_invalidated_on_one_rank(rank: int, world_size: int) -> Result:
     return {"recomputed": report is not None, "seconds": time.time() - start, "state": buffers(model)}
 
 
+def ctrl_c_after_the_passes_of_estimate(rank: int, world_size: int) -> Result:
+    """The review of probe 40: Ctrl-C on rank 0 just after its passes (held there, raised before the merge) in
+    estimate(): rank 0 raised alone and rank 1 waited in the merge until the group's timeout."""
+    import signal
+
+    from precisebn import layers
+
+    original = layers.RecalibrationState.refuse_written_elsewhere
+
+    def refuse_written_elsewhere(self):  # type: ignore[no-untyped-def]
+        os.kill(os.getpid(), signal.SIGINT)
+        return original(self)
+
+    if rank == 0:
+        layers.RecalibrationState.refuse_written_elsewhere = refuse_written_elsewhere  # type: ignore[method-assign]
+    start = time.time()
+    try:
+        precisebn.estimate(make_model(), shard(rank, world_size), num_samples="all")
+    except (DistributedError, KeyboardInterrupt) as exc:
+        return {**_error(exc), "seconds": time.time() - start}
+    finally:
+        layers.RecalibrationState.refuse_written_elsewhere = original  # type: ignore[method-assign]
+    return {"error": None}
+
+
 SCENARIOS: dict[str, Callable[[int, int], Result]] = {
     f.__name__: f
     for f in (
@@ -727,6 +752,7 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         warning_as_error_on_one_rank,
         logging_fails_on_one_rank,
         scheduler_invalidated_on_one_rank,
+        ctrl_c_after_the_passes_of_estimate,
     )
 }
 

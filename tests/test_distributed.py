@@ -345,7 +345,8 @@ def test_a_scheduler_whose_data_fails_on_one_rank_fails_on_every_rank_at_once(tm
 def test_what_one_rank_alone_raises_or_decides_reaches_every_rank_at_once(tmp_path: Path) -> None:
     """Probe 40: an unhashable adapt= on one rank, a warning turned into an error on one rank after the merge, and
     a scheduler invalidated on one rank each left the other ranks waiting until the group's timeout (60 s here, 30
-    minutes by default); a logging filter raising on one rank left it unchanged and the other written; different
+    minutes by default), and so did a Ctrl-C held on one rank through the end of estimate()'s passes; a logging
+    filter raising on one rank left it unchanged and the other written; different
     global num_samples were taken silently. Now: the same error on every rank at once, every model unchanged — or,
     for the scheduler, every rank recomputing alike."""
     names = [
@@ -354,8 +355,12 @@ def test_what_one_rank_alone_raises_or_decides_reaches_every_rank_at_once(tmp_pa
         "warning_as_error_on_one_rank",
         "logging_fails_on_one_rank",
         "scheduler_invalidated_on_one_rank",
+        "ctrl_c_after_the_passes_of_estimate",
     ]
     results = run_ranks(2, names, tmp_path, timeout=150)
+    c0, c1 = (res["ctrl_c_after_the_passes_of_estimate"] for res in results)
+    assert c0["error"] == "KeyboardInterrupt" and c0["seconds"] < 30, c0
+    assert c1["error"] == "DistributedError" and c1["failed_ranks"] == [0] and c1["seconds"] < 30, c1
     for r, res in enumerate(results):
         a = res["adapt_unhashable_on_one_rank"]
         assert a["error"] == "DistributedError" and a["failed_ranks"] == [1] and a["unchanged"], a

@@ -53,41 +53,41 @@ def test_held_signals_are_held_through_nested_blocks_and_let_through_the_passes(
     def handler(signum: int, frame: Any) -> None:
         seen.append("handled")
 
-    previous = signal.signal(signal.SIGUSR1, handler)
+    previous = signal.signal(signal.SIGVTALRM, handler)
     try:
         with signals_held():
             with signals_held():
-                os.kill(os.getpid(), signal.SIGUSR1)
+                os.kill(os.getpid(), signal.SIGVTALRM)
                 seen.append("inner end")
             seen.append("outer")
             with signals_let_through():  # (the held one first, then as usual)
                 seen.append("passes")
-                os.kill(os.getpid(), signal.SIGUSR1)
+                os.kill(os.getpid(), signal.SIGVTALRM)
                 for _ in range(1000):
                     pass
                 seen.append("passes end")
-            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGVTALRM)
             seen.append("outer end")
         assert seen == ["inner end", "outer", "handled", "passes", "handled", "passes end", "outer end", "handled"]
-        assert signal.getsignal(signal.SIGUSR1) is handler
+        assert signal.getsignal(signal.SIGVTALRM) is handler
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        signal.signal(signal.SIGVTALRM, previous)
 
 
 def test_a_handler_installed_while_signals_were_let_through_is_held_and_put_back() -> None:
     seen: list[int] = []
-    previous = signal.getsignal(signal.SIGUSR2)
+    previous = signal.getsignal(signal.SIGPROF)
     try:
         with signals_held():
             with signals_let_through():
-                signal.signal(signal.SIGUSR2, lambda s, f: seen.append(s))
-            os.kill(os.getpid(), signal.SIGUSR2)
+                signal.signal(signal.SIGPROF, lambda s, f: seen.append(s))
+            os.kill(os.getpid(), signal.SIGPROF)
             for _ in range(1000):
                 pass
             assert seen == []
-        assert seen == [signal.SIGUSR2]
+        assert seen == [signal.SIGPROF]
     finally:
-        signal.signal(signal.SIGUSR2, previous)
+        signal.signal(signal.SIGPROF, previous)
 
 
 def test_nothing_is_held_outside_the_main_thread() -> None:
@@ -308,3 +308,99 @@ def _ends(call: Callable[[], Any], seconds: float = 60.0) -> bool:
     t.start()
     t.join(timeout=seconds)
     return ended == [True]
+
+
+def test_a_call_inside_another_calls_passes_holds_signals_for_its_own_restore(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The review of probe 40: a forward that recalibrates another model (inside the outer call's passes, where
+    signals are let through) ran that call's restore with signals not held."""
+    from precisebn import layers
+
+    under: list[Any] = []  # the SIGINT handler at each set-up and restore, and in the outer passes
+    for name in ("_set_modes", "_restore_flags"):
+        monkeypatch.setattr(layers, name, _spied(getattr(layers, name), under))
+    inner = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+    def forward(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        under.append(signal.getsignal(signal.SIGINT))
+        precisebn.estimate(inner, [torch.randn(8, 4)])
+        under.append(signal.getsignal(signal.SIGINT))
+        return model(batch)
+
+    precisebn.estimate(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), [torch.randn(8, 4)], forward=forward)
+    held, through = [h is not signal.default_int_handler for h in under], signal.default_int_handler
+    # outer set-up, passes, inner set-up and restore, passes again, outer restore
+    assert held == [True, False, True, True, False, True], under
+    assert signal.getsignal(signal.SIGINT) is through
+
+
+def _spied(fn: Callable[..., Any], under: list[Any]) -> Callable[..., Any]:
+    def spy(*args: Any) -> Any:
+        under.append(signal.getsignal(signal.SIGINT))
+        return fn(*args)
+
+    return spy
+
+
+def test_a_c_level_handler_on_a_signal_left_alone_survives_a_call(tmp_path: Any) -> None:
+    """The review of probe 40: re-installing every Python-level handler through signal.signal replaced a C-level
+    one chained over it — faulthandler.register(SIGUSR1 or SIGTERM, chain=True), which training jobs use to dump
+    their stacks when preempted — for good. Only SIGINT and the timers are held now."""
+    import faulthandler
+
+    signum = signal.SIGUSR1
+    previous = signal.signal(signum, lambda s, f: None)
+    path = tmp_path / "dump.txt"
+    with open(path, "w+") as dump:
+        faulthandler.register(signum, file=dump, all_threads=False, chain=True)
+        try:
+            precisebn.recalibrate(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), [torch.randn(8, 4)])
+            os.kill(os.getpid(), signum)
+            for _ in range(1000):
+                pass
+        finally:
+            faulthandler.unregister(signum)
+            signal.signal(signum, previous)
+    assert "most recent call first" in path.read_text(), "faulthandler's handler was lost"
+
+
+class _Finaliser:
+    """Recalibrates another model when collected (a ``__del__`` running precisebn)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.me = model, self
+
+    def __del__(self) -> None:
+        precisebn.estimate(self.model, [torch.randn(8, 4)])
+
+
+def test_a_finaliser_recalibrating_inside_a_held_call_does_not_swallow_its_ctrl_c() -> None:
+    """The review of probe 40: a Ctrl-C held by a call, then a garbage collection running a finaliser that called
+    precisebn: that nested call's passes let the outer call's held Ctrl-C through inside the finaliser, where
+    Python ignores exceptions — the Ctrl-C was lost. Only the call whose hold engaged lets signals through."""
+    import gc
+    import logging
+
+    other = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+    class Collecting(logging.Handler):  # (user code precisebn runs while it holds signals: its logging)
+        def emit(self, record: logging.LogRecord) -> None:
+            os.kill(os.getpid(), signal.SIGINT)
+            _Finaliser(other)
+            gc.collect()
+
+    class WithUnused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn, self.unused = nn.BatchNorm1d(4), nn.BatchNorm1d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(x)
+
+    handler = Collecting()
+    logging.getLogger("precisebn").addHandler(handler)
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:
+            precisebn.recalibrate(WithUnused(), [torch.randn(8, 4) for _ in range(2)])
+    finally:
+        logging.getLogger("precisebn").removeHandler(handler)
+    assert any("had completed" in note for note in getattr(info.value, "__notes__", []))

@@ -7,14 +7,16 @@ also between two steps of a restore, where nothing can catch it in time: probe 4
 precisebn's scratch buffers, momentum 1.0 and wrapped forwards, and one in ``exclusive``'s release leaving every
 later call on the model refused as concurrent.
 
-So :func:`signals_held` replaces, for the length of a public call, every Python-level signal handler by one that
-only records the signal; the recorded signals are handed to their own handlers, in order, once the call has put
-everything back (or finished its writes), and whatever those raise is raised then. The forward passes, which run
+So :func:`signals_held` replaces, for the length of a public call, the Python-level handlers of ``SIGINT`` and
+of the timer signals (:data:`_SIGNALS`) by one that only records the signal; the recorded signals are handed to
+their own handlers, in order, once the call has put everything back (or finished its writes), and whatever
+those raise is raised then. The forward passes, which run
 the user's code and may take long, let signals through as usual (:func:`signals_let_through`). A call that
 completed before a held signal's handler raised says so in a note on that exception.
 
 Only the main thread runs Python signal handlers, so only there is anything held; elsewhere these do nothing.
-Signals handled by the operating system's default (``SIG_DFL``: termination) or ignored are left alone.
+Signals handled by the operating system's default (``SIG_DFL``: termination) or ignored are left alone, and so are
+the others (``SIGTERM``, ``SIGHUP``, ``SIGUSR1``...: see :data:`_SIGNALS`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,15 @@ from typing import Any
 
 __all__ = ["signals_held", "signals_let_through"]
 
-_SIGNALS = sorted(set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP})
+# The signals whose Python handlers raise in a process that goes on: Ctrl-C (an interactive session, a notebook),
+# and the timers a time limit is built on. Others are left alone: re-installing a handler through signal.signal
+# replaces a C-level one chained over it (faulthandler.register(signal.SIGTERM, chain=True), which ML jobs use to
+# dump their stacks when preempted, was lost for good: the review of probe 40), and a SIGTERM or SIGHUP ends the
+# process anyway (precisebn's command line removes its temporary files then: see files).
+_SIGNALS = [signal.SIGINT] + [getattr(signal, n) for n in ("SIGALRM", "SIGVTALRM", "SIGPROF") if hasattr(signal, n)]
 
-_depth = 0  # nested holds in the main thread (a gc finaliser or a signal handler may run precisebn within one)
+_engaged = False  # whether the recorder is in place (in the main thread)
+_holds: list[bool] = []  # the holds open in the main thread, innermost last: whether each put the recorder in place
 _saved: dict[int, Callable[..., Any]] = {}  # the handlers replaced while held
 _pending: list[tuple[int, FrameType | None]] = []  # the signals recorded meanwhile
 
@@ -45,6 +53,8 @@ def _in_main_thread() -> bool:
 def _engage() -> None:
     """Puts the recorder in place of every Python-level handler (as they are now: a handler installed while
     signals were let through is held too, and put back after)."""
+    global _engaged
+    _engaged = True
     try:
         for s in _SIGNALS:
             handler = signal.getsignal(s)
@@ -59,6 +69,8 @@ def _engage() -> None:
 def _disengage() -> None:
     """Puts the replaced handlers back, every one of them even if a signal's handler raises meanwhile (one put
     back already, for a signal arriving now); that exception is raised after."""
+    global _engaged
+    _engaged = False
     raised: BaseException | None = None
     while _saved:
         try:
@@ -84,41 +96,44 @@ def _dispatch() -> None:
 
 
 class signals_held:
-    """Holds signals until the block ends (see the module's docstring); re-entrant. Set ``done`` to a sentence
+    """Holds signals until the block ends (see the module's docstring); re-entrant: a block inside another's does
+    nothing more, one inside another call's passes (its forward recalibrating another model) holds them for its
+    own length. Set ``done`` to a sentence
     once the call's result is complete: a held signal's exception raised at the end then carries it as a note.
 
     >>> import os, signal
     >>> seen = []
-    >>> previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append("handled"))
+    >>> previous = signal.signal(signal.SIGVTALRM, lambda signum, frame: seen.append("handled"))
     >>> with signals_held():
-    ...     os.kill(os.getpid(), signal.SIGUSR1)  # (held: the block goes on)
+    ...     os.kill(os.getpid(), signal.SIGVTALRM)  # (held: the block goes on)
     ...     seen.append("block")
     >>> seen
     ['block', 'handled']
-    >>> _ = signal.signal(signal.SIGUSR1, previous)
+    >>> _ = signal.signal(signal.SIGVTALRM, previous)
     """
 
     def __init__(self) -> None:
         self.done: str | None = None
-        self._held = False
+        self._open = self._held = False
 
     def __enter__(self) -> signals_held:
-        global _depth
         if _in_main_thread():
-            if _depth == 0:
+            engaging = not _engaged  # (inside another call's hold: nothing more to do)
+            if engaging:
                 _engage()
-            _depth += 1
-            self._held = True
+            _holds.append(engaging)
+            self._open, self._held = True, engaging
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        global _depth
+        if not self._open:
+            return
+        self._open = False
+        if _holds:
+            _holds.pop()
         if not self._held:
             return
         self._held = False
-        _depth -= 1
-        if _depth:
-            return
         try:
             _disengage()
         except BaseException:  # (a signal let through meanwhile: the ones held are dropped with it)
@@ -140,8 +155,10 @@ class signals_let_through:
         self._let = False
 
     def __enter__(self) -> None:
-        if not _in_main_thread() or _depth == 0:
-            return
+        if not _in_main_thread() or not _engaged or not (_holds and _holds[-1]):
+            return  # (signals are let through only by the call whose hold put the recorder in place: one run
+            # inside another's hold — a __del__ or a signal handler recalibrating another model — would hand that
+            # call's held Ctrl-C to its own passes, where the finaliser swallows it: the review of probe 40)
         _disengage()
         self._let = True
         try:

@@ -408,12 +408,14 @@ def _estimate(
     else:
         if ctx is not None:  # (num_samples: this rank's share of the global number, alike on every rank)
             options = f"per_call={per_call!r}, {'writes' if plan is not None else 'no writes'}, num_samples={shared}"
+            merging = False
             try:  # (Ctrl-C reaches the merge as it reaches the passes: see merge, and interrupts)
-                with signals_let_through():
+                with signals_let_through():  # (a Ctrl-C held since the passes is raised here, before the merge)
+                    merging = True
                     local = ctx.merge(local, options)  # (paths and per_forward over the ranks, as the statistics)
             except KeyboardInterrupt as exc:  # (held until the merge's collectives were done: see merge)
-                if plan is not None:  # the others go on to agree(): they learn of it there
-                    ctx.fail(exc)
+                if plan is not None or not merging:  # the others go on to agree(), or wait in the merge: they
+                    ctx.fail(exc)  # learn of it there (the review of probe 40: estimate's others waited)
                 raise
             local.check()  # the same verdict on every rank: they all hold the same values
         try:

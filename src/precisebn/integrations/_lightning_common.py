@@ -217,7 +217,7 @@ class _Recalibrator:
 
     def _compute(self, trainer: Any, step: int) -> Report | None:
         """Recalibrates unless current for ``step``; logs the figures of a computation."""
-        if self._trigger.scheduler is None or self._trigger.is_current(step):
+        if self._trigger.scheduler is None:  # (current or not: decided by every rank alike, see Trigger.compute)
             return None
         report = self._trigger.compute(
             step, context=trainer.precision_plugin.forward_context(), warn=trainer.is_global_zero

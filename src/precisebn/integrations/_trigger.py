@@ -254,7 +254,10 @@ class Trigger:
                 unchanged and the step is not recorded.
         """
         scheduler = self._scheduler
-        if scheduler is None or scheduler.is_current(step) or not self.has_layers(warn=warn):
+        # (whether the statistics are current is decided by every rank alike, in the scheduler: one rank whose
+        # statistics were invalidated returned here while the others gathered, until the group's timeout — the
+        # review of probe 40)
+        if scheduler is None or not self.has_layers(warn=warn):
             return None
         # Evaluation may run under inference_mode; leave it so that what the computation
         # creates (the report's tensors) is made of ordinary tensors.
