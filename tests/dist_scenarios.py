@@ -684,6 +684,22 @@ def scheduler_invalidated_on_one_rank(rank: int, world_size: int) -> Result:
     return {"recomputed": report is not None, "seconds": time.time() - start, "state": buffers(model)}
 
 
+def trigger_invalidated_on_one_rank(rank: int, world_size: int) -> Result:
+    """The review of probe 40: the same through the integrations' Trigger (Lightning, mmengine, transformers,
+    ignite), which returned on a rank whose statistics were current before the scheduler's vote."""
+    from precisebn.integrations._trigger import Trigger
+
+    model = make_model()
+    trigger = Trigger("test", num_samples="all")
+    trigger.bind(model, shard(rank, world_size))
+    trigger.compute(10)
+    if rank == 0:
+        trigger.invalidate_at(10)
+    start = time.time()
+    report = trigger.compute(10)
+    return {"recomputed": report is not None, "seconds": time.time() - start, "state": buffers(model)}
+
+
 def ctrl_c_after_the_passes_of_estimate(rank: int, world_size: int) -> Result:
     """The review of probe 40: Ctrl-C on rank 0 just after its passes (held there, raised before the merge) in
     estimate(): rank 0 raised alone and rank 1 waited in the merge until the group's timeout."""
@@ -752,6 +768,7 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         warning_as_error_on_one_rank,
         logging_fails_on_one_rank,
         scheduler_invalidated_on_one_rank,
+        trigger_invalidated_on_one_rank,
         ctrl_c_after_the_passes_of_estimate,
     )
 }

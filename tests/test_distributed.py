@@ -355,6 +355,7 @@ def test_what_one_rank_alone_raises_or_decides_reaches_every_rank_at_once(tmp_pa
         "warning_as_error_on_one_rank",
         "logging_fails_on_one_rank",
         "scheduler_invalidated_on_one_rank",
+        "trigger_invalidated_on_one_rank",
         "ctrl_c_after_the_passes_of_estimate",
     ]
     results = run_ranks(2, names, tmp_path, timeout=150)
@@ -373,10 +374,12 @@ def test_what_one_rank_alone_raises_or_decides_reaches_every_rank_at_once(tmp_pa
             if r == 1:
                 assert w["error"] == "DistributedError" and w["failed_ranks"] == [0], (name, w)
                 assert what in w["message"], (name, w)
-        s = res["scheduler_invalidated_on_one_rank"]
-        assert s["recomputed"] and s["seconds"] < 30, s
-    states = [res["scheduler_invalidated_on_one_rank"]["state"] for res in results]
-    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+        for name in ("scheduler_invalidated_on_one_rank", "trigger_invalidated_on_one_rank"):
+            s = res[name]
+            assert s["recomputed"] and s["seconds"] < 30, (name, s)
+    for name in ("scheduler_invalidated_on_one_rank", "trigger_invalidated_on_one_rank"):
+        states = [res[name]["state"] for res in results]
+        assert all(torch.equal(states[0][k], states[1][k]) for k in states[0]), name
 
 
 def test_ctrl_c_on_one_rank_before_the_writes_leaves_every_rank_written_alike(tmp_path: Path) -> None:
