@@ -1,7 +1,7 @@
 """CUDA-only checks of precisebn (``make gpu-check``); a clean skip without a GPU.
 
     python benchmarks/gpu_check.py            # exits 0 with "skipped: no CUDA" on a machine without one
-    python benchmarks/gpu_check.py --dry-run  # runs checks (b) and (c) on CPU, to test this script itself
+    python benchmarks/gpu_check.py --dry-run  # runs checks (b), (c), (e), (f) on CPU, to test this script
 
 (a) No host synchronisation inside the batch loop: ``precisebn.recalibrate`` runs over a
     data iterator that turns ``torch.cuda.set_sync_debug_mode`` to "error" when it yields
@@ -18,6 +18,13 @@
 (d) SyncBatchNorm across two processes (nccl with two GPUs, gloo with CUDA tensors on
     one): every rank ends with the same statistics, equal to the float64 statistics of
     the union of both ranks' inputs (each layer measured once, not twice).
+(e) Layouts and capture paths on CUDA: resnet18 and (with timm) efficientnet_b0, whose
+    ``BatchNormAct2d`` has a forward of its own, in the default layout and channels_last,
+    with ``capture="auto"`` and ``capture="float64"``, against float64 statistics of the
+    values each layer received (cuDNN deterministic, so both runs see the same values).
+(f) Nothing lost on CUDA: a Ctrl-C from the data, an exception in the model's forward
+    and a NaN batch, in both modes, leave every parameter and buffer bitwise as it was,
+    the training flags as they were, and no hook or wrapped ``forward`` behind.
 
 Self-contained (torch, torchvision if installed, precisebn); finishes in well under
 three minutes on one GPU. Exit status 1 if any check fails.
@@ -137,10 +144,11 @@ def check_syncs(device: torch.device) -> list[tuple[str, bool, str]]:
         if n_floor:
             results.append((f"(a) floor, {label}", False, f"the model itself synchronises ({n_floor}); {where_floor}"))
             continue
-        for mode in ("norm", "train"):
+        configs = [("norm", "auto"), ("train", "auto")] + ([("norm", "float64")] if not pinned else [])
+        for mode, capture in configs:
 
-            def run(data: Iterable[Any], mode: str = mode) -> None:
-                precisebn.recalibrate(model, data, num_samples="all", mode=mode, device=device)
+            def run(data: Iterable[Any], mode: str = mode, capture: str = capture) -> None:
+                precisebn.recalibrate(model, data, num_samples="all", mode=mode, device=device, capture=capture)
 
             run(batches)  # warm-up
             n, where = count_syncs(run, batches)
@@ -148,7 +156,8 @@ def check_syncs(device: torch.device) -> list[tuple[str, bool, str]]:
             msg = f"{n} syncs in batches 2-{BATCHES} ({n / (BATCHES - 1):.2f} per batch)" + (
                 f"; first at {where}" if where else ""
             )
-            results.append((f"(a) host syncs in the loop, mode={mode}, {label}", ok, msg))
+            what = f"mode={mode}" + (f", capture={capture}" if capture != "auto" else "")
+            results.append((f"(a) host syncs in the loop, {what}, {label}", ok, msg))
     return results
 
 
@@ -240,6 +249,143 @@ def check_exactness(device: torch.device) -> list[tuple[str, bool, str]]:
                 f"max mean err. {mean_err:.1e} σ",
             )
         )
+    return results
+
+
+# -- (e) layouts and capture paths ------------------------------------------------------
+
+
+def _layout_models(device: torch.device) -> list[tuple[str, Callable[[], nn.Module]]]:
+    models: list[tuple[str, Callable[[], nn.Module]]] = [("resnet18", lambda: build_model(device))]
+    try:
+        import timm
+    except ImportError:
+        return models
+
+    def effnet() -> nn.Module:
+        torch.manual_seed(0)
+        return timm.create_model("efficientnet_b0", pretrained=False).to(device)
+
+    models.append(("timm efficientnet_b0", effnet))
+    return models
+
+
+def check_layouts(device: torch.device) -> list[tuple[str, bool | None, str]]:
+    import precisebn
+
+    tol = {"auto": 1e-5, "float64": 1e-7}  # the README's float32 claim; issue 11's float64 figure
+    size = 224 if device.type == "cuda" else 32
+    g = torch.Generator().manual_seed(1)
+    base = [torch.randn(8, 3, size, size, generator=g) * 2 + 0.5 for _ in range(6 if device.type == "cuda" else 2)]
+    results: list[tuple[str, bool | None, str]] = []
+    saved = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        for name, make in _layout_models(device):
+            for layout in ("contiguous", "channels_last"):
+                fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+                model = make().to(memory_format=fmt)
+                batches = [b.to(device).contiguous(memory_format=fmt) for b in base]
+                truth = float64_truth(model, batches, lambda m, b: m(b))
+                for capture in ("auto", "float64"):
+                    stats = precisebn.estimate(model, batches, num_samples="all", capture=capture)
+                    var_err, mean_err, layers = max_errors(stats, truth)
+                    results.append(
+                        (
+                            f"(e) {name}, {layout}, capture={capture}",
+                            var_err <= tol[capture] and mean_err <= tol[capture],
+                            f"{layers} layers: max rel. err. var {var_err:.1e}, max mean err. {mean_err:.1e} σ "
+                            f"(tolerance {tol[capture]:.0e})",
+                        )
+                    )
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
+    return results
+
+
+# -- (f) nothing lost --------------------------------------------------------------------
+
+
+class _Raising(nn.Module):
+    """Wraps a model; its forward raises on the ``at``-th call."""
+
+    def __init__(self, inner: nn.Module, at: int) -> None:
+        super().__init__()
+        self.inner, self.at, self.calls = inner, at, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("planted failure in the model's forward")
+        return self.inner(x)
+
+
+def _snapshot(model: nn.Module) -> dict[str, Any]:
+    return {
+        "tensors": {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]},
+        "flags": [m.training for m in model.modules()],
+        "momenta": [getattr(m, "momentum", None) for m in model.modules()],
+    }
+
+
+def _unchanged(model: nn.Module, before: dict[str, Any]) -> str:
+    """'' when the model is as ``before`` and carries nothing of precisebn's, else what differs."""
+    now = dict([*model.named_parameters(), *model.named_buffers()])
+    if set(now) != set(before["tensors"]):
+        return f"tensors added or removed: {sorted(set(now) ^ set(before['tensors']))[:3]}"
+    for k, v in before["tensors"].items():
+        t = now[k]
+        if t.dtype != v.dtype or t.device != v.device or not torch.equal(t.detach(), v):
+            return f"{k} changed"
+    if [m.training for m in model.modules()] != before["flags"]:
+        return "training flags changed"
+    if [getattr(m, "momentum", None) for m in model.modules()] != before["momenta"]:
+        return "a momentum changed"
+    for name, m in model.named_modules():
+        if m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
+            return f"a hook or wrapped forward left on {name or 'the model'}"
+    return ""
+
+
+def check_nothing_lost(device: torch.device) -> list[tuple[str, bool | None, str]]:
+    import precisebn
+    from precisebn.errors import NonFiniteError
+
+    results: list[tuple[str, bool | None, str]] = []
+    batches = make_batches(6, device)
+
+    def interrupted() -> Iterator[Tensor]:
+        yield from batches[:3]
+        raise KeyboardInterrupt
+
+    nan = [*batches[:2], torch.full_like(batches[2], float("nan")), *batches[3:]]
+    cases: list[tuple[str, Callable[[], Iterable[Any]], int, type[BaseException]]] = [
+        ("Ctrl-C from the data at batch 4", interrupted, 0, KeyboardInterrupt),
+        ("exception in the model's forward at batch 3", lambda: batches, 3, RuntimeError),
+        ("NaN batch 3", lambda: nan, 0, NonFiniteError),
+    ]
+    for mode in ("norm", "train"):
+        for label, data, at, expected in cases:
+            model = build_model(device)
+            model.train()
+            for m in model.modules():
+                if isinstance(m, _BatchNorm):
+                    m.eval()  # mixed flags: each must come back as it was
+                    break
+            wrapped = _Raising(model, at) if at else model
+            before = _snapshot(wrapped)
+            raised: BaseException | None = None
+            try:
+                precisebn.recalibrate(wrapped, data(), num_samples="all", mode=mode)
+            except BaseException as exc:  # Ctrl-C included, on purpose
+                raised = exc
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            diff = _unchanged(wrapped, before)
+            ok = isinstance(raised, expected) and not diff
+            what = type(raised).__name__ if raised else "nothing"
+            msg = f"raised {what}; " + (diff or "model bitwise unchanged, no hooks")
+            results.append((f"(f) {label}, mode={mode}", ok, msg))
     return results
 
 
@@ -366,7 +512,7 @@ def check_syncbn_two_processes(device: torch.device) -> list[tuple[str, bool | N
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="CUDA-only checks of precisebn")
-    p.add_argument("--dry-run", action="store_true", help="run checks (b) and (c) on CPU (tests this script)")
+    p.add_argument("--dry-run", action="store_true", help="run checks (b), (c), (e) and (f) on CPU (tests this script)")
     args = p.parse_args(argv)
     if args.dry_run:
         device = torch.device("cpu")
@@ -383,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         check_exactness,
         check_syncbn,
         check_syncbn_two_processes,
+        check_layouts,
+        check_nothing_lost,
     ]
     if device.type == "cuda":
         checks.insert(0, check_syncs)
