@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import linecache
 import warnings
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 from torch.optim import swa_utils
 
+import precisebn
 from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
 from precisebn import compat
 from precisebn.errors import InvalidArgumentError, ShortDataWarning
@@ -355,3 +357,40 @@ def test_update_bn_stats_leaves_the_warning_filters_alone_during_its_passes() ->
     compat.update_bn_stats(model, [torch.randn(8, 3) for _ in range(2)], num_iters=2)
     assert seen and all(filters == before for filters in seen)
     assert list(warnings.filters) == before
+
+
+class _FarFromZero(nn.Module):
+    """A BatchNorm1d whose input sits 390 σ from 0 (probe 41's case): its own float32 figures are warned of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.bn, self.bn1 = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.bn(self.c(x) * 4 + 30) * 2 + 1)
+        return self.bn1(y.mean((2, 3)) * 3 + 100)
+
+
+@pytest.mark.parametrize("call", ["update_bn_stats", "update_bn", "recalibrate"])
+def test_a_warning_names_the_users_line_and_an_option_the_user_can_pass(call: str) -> None:
+    """Probe 41: the drop-ins' far-from-zero warning was attributed to compat.py (a stacklevel fixed for
+    recalibrate's depth) and told the user to pass capture='float64', which the drop-ins do not take."""
+    torch.manual_seed(0)
+    model = _FarFromZero().to(memory_format=torch.channels_last).train()
+    data = [(torch.randn(n, 3, 9, 9) * 2 + 1).contiguous(memory_format=torch.channels_last) for n in (6, 2, 6, 3)]
+    threads = torch.get_num_threads()  # (one thread: the layer's own figures pass the check, and are warned of)
+    torch.set_num_threads(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if call == "update_bn_stats":
+            compat.update_bn_stats(model, data, num_iters=4)
+        elif call == "update_bn":
+            compat.update_bn(data, model)
+        else:
+            precisebn.recalibrate(model, data)
+    torch.set_num_threads(threads)
+    far = [w for w in caught if "so far from 0" in str(w.message)]
+    assert len(far) == 1, [str(w.message) for w in caught]
+    assert far[0].filename == __file__
+    assert f"{call}(" in linecache.getline(__file__, far[0].lineno)  # this test's line that called precisebn
+    assert "capture='float64' (an option of precisebn.recalibrate" in str(far[0].message)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import precisebn
+from precisebn import compat
 from precisebn import state as _state
 from precisebn.errors import InvalidArgumentError
 from precisebn.interrupts import signals_held, signals_let_through
@@ -166,7 +167,7 @@ def _signalled_at(line: int, signum: int, call: Callable[[], Any], codes: Any = 
 
 
 @pytest.mark.parametrize("kind", ["Ctrl-C", "a SIGALRM handler raising"])
-@pytest.mark.parametrize("function", ["recalibrate", "apply", "estimate"])
+@pytest.mark.parametrize("function", ["recalibrate", "apply", "estimate", "update_bn", "update_bn_stats"])
 def test_a_signal_anywhere_leaves_the_model_as_it_was_or_recalibrated_whole(function: str, kind: str) -> None:
     """The model after each: bitwise as it was (the flags, momenta, wrappers and hooks too), or — the signal
     handled after the writes — recalibrated whole, the exception saying so; no module left marked as in use;
@@ -180,6 +181,8 @@ def test_a_signal_anywhere_leaves_the_model_as_it_was_or_recalibrated_whole(func
     signal.signal(signal.SIGALRM, timeout)
     try:
         template = _model()
+        if function == "update_bn_stats":  # (it recalibrates the layers in training mode only)
+            template.train()
         g = torch.Generator().manual_seed(1)
         data = [torch.randn(4, 3, 8, 8, generator=g) for _ in range(2)]
         done = copy.deepcopy(template)
@@ -190,6 +193,10 @@ def test_a_signal_anywhere_leaves_the_model_as_it_was_or_recalibrated_whole(func
             "recalibrate": lambda m: precisebn.recalibrate(m, data),
             "apply": lambda m: precisebn.apply(m, stats),
             "estimate": lambda m: precisebn.estimate(m, data),
+            # the drop-ins (probe 41: they held no signals, and left the model marked in use, or with the scratch
+            # buffers, momentum 1.0 and wrapped forwards)
+            "update_bn": lambda m: compat.update_bn(data, m),
+            "update_bn_stats": lambda m: compat.update_bn_stats(m, data, num_iters=len(data)),
         }
         call = calls[function]
         count, noted = [0], [0]

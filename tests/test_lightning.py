@@ -74,6 +74,7 @@ class TinyNet(L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         if batch_idx == 0 and not self.trainer.sanity_checking:
             self.validated.append((self.trainer.global_step, {k: v.clone() for k, v in self.state_dict().items()}))
+        self.log("val_seen", float(batch_idx))  # (a validation metric: the step Lightning logs it at)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
@@ -171,7 +172,11 @@ def test_before_validation_and_checkpoint_once_per_step(tmp_path: Path, float64_
     # Checkpoints at steps 3, 6, 9, 12 (before validation at 12) and after each validation
     # (4, 8, 12); validations at 4, 8, 12: six distinct steps, six computations.
     assert precise.computations == 6
-    assert logged_steps(tmp_path / "log" / "version_0") == [3, 4, 6, 8, 9, 12]
+    # logged at Lightning's own logging step (one behind global_step in an epoch's last batch), so that the
+    # figures of the computations for validation share a row's step with that validation's metrics (probe 41:
+    # they were logged at global_step, one after): validation metrics at 3, 7, 11
+    assert logged_steps(tmp_path / "log" / "version_0") == [2, 3, 5, 7, 8, 11]
+    assert logged_steps(tmp_path / "log" / "version_0", "val_seen") == [3, 7, 11]
     assert precise.last_step == 12
     assert [step for step, _ in model.validated] == [4, 8, 12]
     for _, state in model.validated:

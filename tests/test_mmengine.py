@@ -420,3 +420,31 @@ def test_a_checkpoint_saved_by_rank_0_alone_computes_nothing_and_says_so() -> No
         hook.before_save_checkpoint(runner, {"state_dict": {}})
     hook.before_save_checkpoint(runner, {"state_dict": {}})  # said once
     assert hook.computations == 0
+
+
+def test_with_ema_the_checkpoint_holds_the_statistics_validation_used(tmp_path: Path, float64_truth: Any) -> None:
+    """Probe 41: EMAHook (buffers copied from the model after each iteration, its default) fills the checkpoint's
+    state_dict from its EMA module; statistics computed at an epoch's end, after the last copy, reached validation
+    but not that state_dict (0.91 off). Each checkpoint's state_dict now holds the statistics validation ran with,
+    which are exact for the trained model's weights (kept under ema_state_dict, as EMAHook swaps them)."""
+    x, y = make_data()
+    hook, probe = ExactPreciseBNHook(num_samples="all", interval=1), AtValidation()
+    run(
+        tmp_path,
+        TinyNet(),
+        loader(x, y),
+        hooks=[hook, {"type": "EMAHook", "momentum": 0.5}, probe],
+        train_cfg={"by_epoch": True, "max_epochs": 2, "val_interval": 1},
+        val=loader(x[:32], y[:32]),
+        checkpoint={"type": "CheckpointHook", "interval": 1},
+    )
+    assert [it for it, _ in probe.seen] == [4, 8]
+    for epoch, (_, validated) in zip((1, 2), probe.seen):
+        saved = torch.load(tmp_path / f"epoch_{epoch}.pth", weights_only=False)
+        trained = {k.removeprefix("module."): v for k, v in saved["ema_state_dict"].items() if k.startswith("module.")}
+        assert_precise(float64_truth, trained, x)  # the statistics: exact for the trained weights
+        for buffer in ("running_mean", "running_var"):
+            key = f"{BN}.{buffer}"
+            assert torch.equal(saved["state_dict"][key], validated[key]), (epoch, buffer)
+            assert torch.equal(saved["state_dict"][key], trained[key]), (epoch, buffer)
+        assert not torch.equal(saved["state_dict"][f"{BN}.weight"], trained[f"{BN}.weight"])  # (EMA weights there)

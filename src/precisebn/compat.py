@@ -25,6 +25,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .adapt import WRITTEN
 from .errors import EmptyDataError, InvalidArgumentError, ShortDataWarning
+from .interrupts import signals_held
 from .layers import find_norm_layers, unwrap
 from .recalibrate import _estimate
 from .writing import plan_writes
@@ -78,6 +79,7 @@ def update_bn_stats(
     data_loader = _batches_of(data_loader, "update_bn_stats")
     walk: list[tuple[str, nn.Module]] = []
     with contextlib.ExitStack() as guard:  # one hold on the model from the passes to the writes
+        held = guard.enter_context(signals_held())  # (the model's restore runs to its end: see interrupts)
         try:  # (a short loader is its own error here: no warning first — nor a filter that would hide other threads')
             stats = _measure(
                 guard,
@@ -103,6 +105,7 @@ def update_bn_stats(
                 f"{stats.batches} iterations; the model was left unchanged."
             )
         plan_writes(unwrap(model), stats, modules=walk, shared_checked=True).commit()
+        held.done = "update_bn_stats() had completed before this signal: the model holds the new statistics"
 
 
 def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | str | None = None) -> None:
@@ -137,6 +140,7 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
     loader = _batches_of(loader, "update_bn")
     walk: list[tuple[str, nn.Module]] = []
     with contextlib.ExitStack() as guard:  # one hold on the model from the passes to the writes
+        held = guard.enter_context(signals_held())  # (the model's restore runs to its end: see interrupts)
         try:
             stats = _measure(
                 guard,
@@ -160,6 +164,7 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
             )
             return
         plan_writes(unwrap(model), stats, modules=walk, shared_checked=True).commit()
+        held.done = "update_bn() had completed before this signal: the model holds the new statistics"
 
 
 def _refuse_non_module(model: Any, signature: str, other: Any) -> None:

@@ -26,6 +26,9 @@ the call.
 
 from __future__ import annotations
 
+import os
+import sys
+
 __all__ = [
     "BatchTypeError",
     "ConcurrentUseError",
@@ -118,3 +121,19 @@ class ShortDataWarning(PreciseBNWarning):
 class ModelChangedWarning(PreciseBNWarning):
     """The model's own forward changed parameters in place during the passes, and they
     could not be put back (precisebn copies buffers, not parameters)."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` with which a ``warnings.warn`` in the calling function names the first frame outside
+    precisebn (and contextlib): the user's line, however deep in precisebn the warning comes from — a fixed
+    level named precisebn's own line when the same code was reached through another entry point (the drop-ins
+    of :mod:`precisebn.compat` named ``compat.py``, probe 41)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE) or frame.f_code.co_filename.endswith("contextlib.py")
+    ):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1

@@ -32,6 +32,7 @@ from .errors import (
     PreciseBNWarning,
     UninitializedLayerError,
     UnsupportedLayerError,
+    caller_stacklevel,
 )
 from .state import StateSnapshot, ValueCopies, copy_all, overlapping, refuse_uninitialized, to_the_end
 
@@ -335,7 +336,7 @@ def find_norm_layers(
                 "watch, and their statistics are kept. Recalibrate the nn.Module before tracing it (or trace with "
                 "its normalization layers as leaf modules).",
                 PreciseBNWarning,
-                stacklevel=4,
+                stacklevel=caller_stacklevel(),
             )
     if require and not found:
         chosen = repr(layers)  # (the command line's selection shows itself as its option: "--layers ...")
@@ -370,7 +371,7 @@ def find_norm_layers(
         )
     if scripted and layers is None:
         kept = "Its statistics are" if len(scripted) == 1 else "Their statistics are"
-        warnings.warn(f"The {script} {kept} kept.", PreciseBNWarning, stacklevel=4)  # recalibrate's caller
+        warnings.warn(f"The {script} {kept} kept.", PreciseBNWarning, stacklevel=caller_stacklevel())
     return found
 
 
@@ -828,7 +829,7 @@ def _restore_snapshot(snapshot: StateSnapshot) -> None:
             "not copy or reshape keeps its new values too). Make forward leave parameters alone, or recalibrate a copy "
             "(copy.deepcopy(model)).",
             ModelChangedWarning,
-            stacklevel=4,
+            stacklevel=caller_stacklevel(),
         )
 
 

@@ -17,7 +17,14 @@ from torch import Tensor, nn
 from .calls import call_name
 from .capture import Collector
 from .data import Forward, batch_size, to_device
-from .errors import EmptyDataError, InvalidArgumentError, NonFiniteError, PreciseBNWarning, ShortDataWarning
+from .errors import (
+    EmptyDataError,
+    InvalidArgumentError,
+    NonFiniteError,
+    PreciseBNWarning,
+    ShortDataWarning,
+    caller_stacklevel,
+)
 from .interrupts import signals_let_through
 from .layers import Mode, NormLayer, RecalibrationState, recalibration_state
 from .population import LayerStats, PopulationStats, _per_forward
@@ -157,7 +164,7 @@ class Pass:
                 f"the data ran out after {samples} samples in {batches} batches, fewer than {asked}; "
                 "the statistics use all of them.",
                 ShortDataWarning,
-                stacklevel=4,
+                stacklevel=caller_stacklevel(),
             )
         return samples, batches
 
@@ -368,9 +375,10 @@ def _warn_far_from_zero(entries: list[tuple[NormLayer, LayerStats]]) -> None:
         warnings.warn(
             f"precisebn: layer(s) {shown} read their own batch figures on channels so far from 0 that the "
             "rounding of each batch's mean to the buffers' dtype may have moved their variances by more than "
-            "the tolerance; capture='float64' measures them exactly.",
+            "the tolerance; capture='float64' (an option of precisebn.recalibrate and precisebn.estimate) measures "
+            "them exactly.",
             PreciseBNWarning,
-            stacklevel=5,
+            stacklevel=caller_stacklevel(),
         )
 
 
@@ -390,7 +398,8 @@ def _non_finite_message(bad: list[NormLayer], moments: list[RunningMoments], pat
         (
             f" — or, for {', '.join(map(repr, fast[:5]))}{' and more' if len(fast) > 5 else ''}, which read "
             "their own batch figures, finite values so large that those figures overflowed (|x| beyond about "
-            "1e18 in float32); capture='float64' measures such values in float64"
+            "1e18 in float32); capture='float64' (of precisebn.recalibrate and estimate) measures such values in "
+            "float64"
         )
         if fast
         else ""

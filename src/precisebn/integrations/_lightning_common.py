@@ -230,8 +230,9 @@ class _Recalibrator:
         if not trainer.loggers or not trainer.is_global_zero:
             return
         metrics = report_metrics(report, self._log_prefix)
+        step = _logging_step(trainer)
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(metrics, step=step)
             logger.save()
 
     def _warn_uncovered_saves(self, trainer: Any) -> None:
@@ -601,3 +602,12 @@ class AveragingMixin(_Recalibrator):
         if ours is not None:
             self._load_scheduler_state(ours)
         super().load_state_dict(state)  # type: ignore[misc]
+
+
+def _logging_step(trainer: Any) -> int:
+    """The step Lightning logs ``self.log`` metrics at (its logger connector's: the training batches that stepped,
+    which a validation at the end of an epoch is logged at before the count moves on), so that each computation's
+    figures share a row with the metrics of the validation they were computed for; ``global_step`` was one ahead
+    there (probe 41). ``global_step`` where that count is not found."""
+    count = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "_batches_that_stepped", None)
+    return count if isinstance(count, int) else trainer.global_step

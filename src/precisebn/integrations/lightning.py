@@ -86,7 +86,8 @@ class PreciseBN(PreciseBNMixin, _pl.Callback):
     all ranks end with identical statistics over the union (``num_samples`` is the
     total over ranks); the triggers above happen on all ranks together.
 
-    Each computation logs, through the Trainer's loggers at ``global_step``:
+    Each computation logs, through the Trainer's loggers at the step Lightning logs its
+    own metrics at (a validation's figures share its metrics' step):
     ``precisebn/mean_shift`` (mean over layers of the mean over channels of
     ``|Δmean|/σ``), ``precisebn/max_mean_shift``, ``precisebn/var_ratio`` (geometric
     mean of new/old variance), ``precisebn/seconds`` and ``precisebn/samples``.

@@ -46,7 +46,8 @@ import warnings
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from .._optional import require
 from ..checkpoint import buffer_names
@@ -276,6 +277,8 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
     def _compute(self, runner: Any) -> Report | None:
         step = self._step(runner)
         report = self._trigger.compute(step, warn=runner.rank == 0)
+        if report is not None and self._trigger.scheduler is not None:
+            _share_with_ema(runner, self._trigger.scheduler.model, report)
         if report is not None and self.log:
             metrics = report_metrics(report)
             for key, value in metrics.items():
@@ -286,6 +289,36 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
                     f"{report.samples} samples at iteration {step} in {report.seconds:.2f} s"
                 )
         return report
+
+
+def _share_with_ema(runner: Any, model: nn.Module, report: Report) -> None:
+    """Copies the new statistics into the EMA module of every ``EMAHook`` that follows ``model``'s buffers.
+
+    ``EMAHook`` (with ``update_buffers=False``, its default) averages the parameters only and copies the model's
+    buffers into its EMA module after each training iteration; validation runs the EMA parameters with the model's
+    buffers, and a checkpoint's ``state_dict`` is filled from the EMA module. Statistics computed after the last
+    iteration — at an epoch's end, before validation or a save — reached that ``state_dict`` as they were before
+    (probe 41: 0.91 off the statistics validation ran with); this copies them as the next iteration would. An EMA
+    module that averages its buffers too (``update_buffers=True``) keeps its own."""
+    names = None
+    for hook in getattr(runner, "hooks", ()):
+        ema = getattr(hook, "ema_model", None)
+        if not isinstance(hook, _hooks.EMAHook) or getattr(hook, "src_model", None) is not model or ema is None:
+            continue
+        if getattr(ema, "update_buffers", True) or not isinstance(getattr(ema, "module", None), nn.Module):
+            continue
+        if names is None:
+            names = buffer_names(model, report.updated, ("running_mean", "running_var"))
+        with torch.no_grad():
+            for key in names:
+                owner, _, buffer = key.rpartition(".")
+                value = getattr(model.get_submodule(owner), buffer, None)
+                try:
+                    target = getattr(ema.module.get_submodule(owner), buffer, None)
+                except AttributeError:
+                    continue
+                if isinstance(value, Tensor) and isinstance(target, Tensor) and target.shape == value.shape:
+                    target.copy_(value)
 
 
 def register_mmpretrain_name(registry: Any = None, *, force: bool = False) -> None:
