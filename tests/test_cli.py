@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -728,6 +729,14 @@ def test_every_alias_of_a_shared_layer_is_written(tiny, work, capsys):
     torch.testing.assert_close(loaded.bn.running_var, truth.bn.running_var, rtol=1e-6, atol=1e-6)
     old = torch.load(tiny["shared"], weights_only=True)
     assert not torch.equal(written["block.1.running_var"], old["block.1.running_var"])
+    # one storage under both names, as in the input (probe 41: two storages, the file larger), by apply too
+    stats = precisebn.estimate(cli_tiny.Shared(), cli_tiny.batches(), num_samples="all")
+    stats.save(work["dir"] / "s.safetensors")
+    assert main(["apply", str(tiny["shared"]), "s.safetensors", "--out", "applied.pt"]) == 0
+    applied = torch.load(work["dir"] / "applied.pt", weights_only=True)
+    for saved in (old, written, applied):
+        for buffer in ("running_mean", "running_var"):
+            assert saved[f"bn.{buffer}"].data_ptr() == saved[f"block.1.{buffer}"].data_ptr(), buffer
 
 
 def test_a_model_factory_that_changes_the_working_folder_reads_the_folder_named(tiny, work, capsys):
@@ -785,6 +794,52 @@ def test_apply_writes_every_copy_of_a_shared_layer(tiny, work, capsys, dtype):
     assert "'block.1' (like 'bn'): not in the statistics, and holding the initial" in capsys.readouterr().err
     kept = torch.load(work["dir"] / "out2.pt", weights_only=True)
     assert torch.equal(kept["block.1.running_mean"], fresh["block.1.running_mean"])
+
+
+class _Towers(torch.nn.Module):
+    """Two towers, ``b`` a deep copy of ``a`` (a Siamese model, a teacher kept beside the student); only ``a`` runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+        with torch.no_grad():
+            self.a[1].running_mean.uniform_(0.5, 2.0)
+            self.a[1].running_var.uniform_(0.5, 2.0)
+        self.b = copy.deepcopy(self.a)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x)
+
+
+@pytest.mark.parametrize("case", ["never reached", "not selected"])
+def test_apply_leaves_a_separate_layer_with_the_same_statistics_alone(work, capsys, case):
+    """Probe 41: a layer holding bitwise the statistics of a written layer was taken as its copy under another name
+    and written — also a deep-copied tower that the statistics file names as never reached (the report said "left
+    as they are"). A layer the file names is never a copy; one it does not name (statistics of some layers only) is
+    still written as a copy, with a warning naming it."""
+    torch.manual_seed(0)
+    model = _Towers()
+    torch.save(model.state_dict(), work["dir"] / "towers.pt")
+    data = [torch.randn(6, 3, 8, 8) * 3 + 2 for _ in range(2)]
+    stats = precisebn.estimate(model, data, num_samples="all", layers=None if case == "never reached" else ["a.1"])
+    if case == "never reached":
+        assert not stats["b.1"].reached  # (named in the file, as never reached)
+    else:
+        assert "b.1" not in stats
+    stats.save(work["dir"] / "s.safetensors")
+    capsys.readouterr()
+    assert main(["apply", "towers.pt", "s.safetensors", "--out", "out.pt"]) == 0
+    err = capsys.readouterr().err
+    before = torch.load(work["dir"] / "towers.pt", weights_only=True)
+    after = torch.load(work["dir"] / "out.pt", weights_only=True)
+    assert torch.equal(after["a.1.running_var"], stats["a.1"].var.float())
+    if case == "never reached":
+        for buffer in ("running_mean", "running_var"):
+            assert torch.equal(after[f"b.1.{buffer}"], before[f"b.1.{buffer}"]), buffer
+        assert "taken as the same layer" not in err
+    else:
+        assert torch.equal(after["b.1.running_var"], stats["a.1"].var.float())
+        assert "'b.1' (as 'a.1'): not in the statistics" in err and "apply statistics that name it" in err
 
 
 def test_a_failing_report_writes_nothing_and_names_the_output(tiny, work, capsys, monkeypatch):
@@ -1003,6 +1058,11 @@ def test_skip_bad_images_counts_and_lists_them(tiny, work, capsys):
     assert "bad1.png" in captured.err and "bad2.jpg" in captured.err
     saved = json.loads(Path("r.json").read_text())
     assert saved["samples"] == 10 and len(saved["skipped_images"]) == 2
+    # a --num-samples above the folder's size: its files counted as such (probe 41: "12 images", 10 readable)
+    args[args.index("all")] = "100"
+    assert main([*args, "--skip-bad-images"]) == 0
+    said = "(12 image files, fewer than --num-samples 100; unreadable ones are skipped)"
+    assert said in capsys.readouterr().out
 
 
 def test_diff_refuses_unrelated_checkpoints_and_compares_dtypes(tiny, files, work, capsys):
@@ -1593,3 +1653,38 @@ def test_no_output_goes_where_a_symlinked_folder_of_the_data_leads(tiny, work, c
         assert not out.exists() and sorted(p.name for p in outside.iterdir()) == [f"{i}.png" for i in range(6)]
     assert main(args(work["dir"] / "rep.json")) == 0
     assert "6 samples" in capsys.readouterr().out  # (the linked folder's images are read)
+
+
+def test_no_output_goes_where_a_symlinked_image_of_the_data_leads(tiny, work, capsys):
+    """Probe 41: an image of --data that is a symlink to a file elsewhere (a training image kept in a shared
+    folder) was overwritten by --report's PNG or by --out (exit 0); a dangling one's target was written by
+    --report and read as a training image by the next run. Both are refused before any work."""
+    data, shared = work["dir"] / "imgs", work["dir"] / "shared"
+    (data / "cls").mkdir(parents=True)
+    shared.mkdir()
+    images = sorted(tiny["images"].glob("*.png"))[:6]
+    for image in images[:5]:
+        (data / "cls" / image.name).write_bytes(image.read_bytes())
+    (shared / "kept.png").write_bytes(images[5].read_bytes())
+    (data / "cls" / "linked.png").symlink_to(shared / "kept.png")
+    (data / "cls" / "zz_dangling.png").symlink_to(shared / "later.png")
+    before = (shared / "kept.png").read_bytes()
+    out = work["dir"] / "out.pt"
+
+    def args(*extra: str, to: Path = out) -> list[str]:  # (the dangling link: an unreadable image, skipped)
+        given = _tiny_args(tiny, work["ckpt"], to, *extra, "--skip-bad-images")
+        return [str(data) if a == str(tiny["images"]) else a for a in given]
+
+    refused = [
+        (args("--report", str(shared / "kept.json")), "--report's PNG"),
+        (args(to=shared / "kept.png"), "--out"),
+        (args("--report", str(shared / "later.json")), "--report's PNG"),
+    ]
+    for given, label in refused:
+        assert main(given) == 2
+        err = capsys.readouterr().err
+        assert f"{label} " in err and "is the input --data's linked image" in err, err
+        assert not out.exists() and (shared / "kept.png").read_bytes() == before
+        assert sorted(p.name for p in shared.iterdir()) == ["kept.png"]
+    assert main(args("--report", str(work["dir"] / "rep.json"))) == 0
+    assert "6 samples" in capsys.readouterr().out  # (the linked image is read; the dangling one skipped)

@@ -16,7 +16,7 @@ import os
 import re
 import warnings
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from ._optional import require
 from .adapt import WRITTEN
-from .errors import InvalidArgumentError, StatsMismatchError
+from .errors import InvalidArgumentError, PreciseBNWarning, StatsMismatchError
 from .files import Terminated, atomic_path
 from .population import buffer_key
 from .state import geometry
@@ -256,9 +256,18 @@ def _replaced(ckpt: Checkpoint, replace: Mapping[str, Tensor]) -> dict[str, Tens
     if unknown:
         raise InvalidArgumentError(f"cannot replace tensors missing from the checkpoint: {unknown[:5]}")
     sd = dict(ckpt.state_dict)
+    shared: dict[tuple[Any, ...], Tensor] = {}  # (one new tensor for names that held one view and get one value:
+    # a layer under two names stays one storage, as in the input — probe 41 found two, the file larger)
     for k, v in replace.items():
+        view = geometry(sd[k]) if isinstance(sd[k], Tensor) else None
+        key = (geometry(v) or id(v), view)  # (the same value: one tensor, or views of one: detach() of one buffer)
+        if view is not None and key in shared:
+            sd[k] = shared[key]
+            continue
         value = v.detach().to("cpu")
         sd[k] = value.to(sd[k].dtype).clone()
+        if view is not None:
+            shared[key] = sd[k]
         if sd[k].is_floating_point() and not bool(sd[k].isfinite().all()) and bool(value.isfinite().all()):
             largest = float(value.abs().max())
             raise InvalidArgumentError(
@@ -417,10 +426,11 @@ def stats_replacement(
         wanted = _pooled_with_checkpoint(ckpt, stats, prefix, prior).state_dict()
     if adapt != "both":
         wanted = {k: v for k, v in wanted.items() if k.rpartition(".")[2] in WRITTEN[adapt]}
-    return _with_aliases(ckpt.state_dict, {prefix + k: v for k, v in wanted.items()}), prefix
+    named = {prefix + name for name in stats}  # (every layer the file names, reached or not: a layer of its own)
+    return _with_aliases(ckpt.state_dict, {prefix + k: v for k, v in wanted.items()}, named), prefix
 
 
-def _with_aliases(sd: Mapping[str, Any], replace: dict[str, Tensor]) -> dict[str, Tensor]:
+def _with_aliases(sd: Mapping[str, Any], replace: dict[str, Tensor], named: Collection[str] = ()) -> dict[str, Tensor]:
     """``replace`` with the same values under every other name of ``sd`` that holds the very tensor a replaced
     name holds: a layer registered under two names (a shared layer, ``self.head = nn.Sequential(self.bn2)``) is
     saved once, and loads as two views of one storage — given new values under one name only, loading the
@@ -435,7 +445,7 @@ def _with_aliases(sd: Mapping[str, Any], replace: dict[str, Tensor]) -> dict[str
         key = geometry(t) if isinstance(t, Tensor) else None
         for other in by_view.get(key, []) if key is not None else []:
             out.setdefault(other, replace[name])
-    _with_copies(sd, out)
+    _with_copies(sd, out, named)
     return out
 
 
@@ -453,21 +463,26 @@ def _statistics_of(sd: Mapping[str, Any], layer: str) -> tuple[Any, ...] | None:
     )
 
 
-def _with_copies(sd: Mapping[str, Any], out: dict[str, Tensor]) -> None:
+def _with_copies(sd: Mapping[str, Any], out: dict[str, Tensor], named: Collection[str] = ()) -> None:
     """Adds to ``out`` (names of ``sd`` -> new values) the same values under every other layer of ``sd`` that holds
     bitwise the very statistics a replaced layer held and is not replaced itself: a layer registered under two names
     (a shared layer) saved as copies — ``safetensors.save_file({k: v.clone()})``, a state_dict converted to another
     dtype — loads the name written last, so given new values under one name only, the model kept the old ones (a
     probe: ``apply`` exited 0). Statistics still at their initial values (mean 0, variance 1), which distinct layers
-    share, are not taken as a copy: such a layer is left as it is, with a warning."""
+    share, are not taken as a copy: such a layer is left as it is, with a warning.
+
+    A layer the statistics name (``named``: reached or not) is a layer of its own, never a copy: a tower deep-copied
+    from another, never reached, got the other's new statistics (probe 41, "left as they are" said the report). A
+    layer they do not name may still be a separate one (statistics estimated on some layers only): each copy written
+    is named in a warning."""
     replaced = {name[: -len(suffix)] for name in out for suffix in _STATS if name.endswith(suffix)}
     by_value: dict[tuple[Any, ...], list[str]] = {}
     for name in sd:
-        if name.endswith(_STATS[0]) and (layer := name[: -len(_STATS[0])]) not in replaced:
+        if name.endswith(_STATS[0]) and (layer := name[: -len(_STATS[0])]) not in replaced and layer not in named:
             value = _statistics_of(sd, layer)
             if value is not None:
                 by_value.setdefault(value, []).append(layer)
-    doubtful = []
+    doubtful, written = [], []
     for layer in sorted(replaced):
         value = _statistics_of(sd, layer)
         copies = by_value.get(value, []) if value is not None else []
@@ -478,9 +493,19 @@ def _with_copies(sd: Mapping[str, Any], out: dict[str, Tensor]) -> None:
             doubtful += [f"{other!r} (like {layer!r})" for other in copies]
             continue
         for other in copies:
+            written.append(f"{other!r} (as {layer!r})")
             for suffix in _STATS:
                 if layer + suffix in out:
                     out.setdefault(other + suffix, out[layer + suffix])
+    if written:
+        warnings.warn(
+            f"{', '.join(written[:5])}{' and more' if len(written) > 5 else ''}: not in the statistics, and holding "
+            "bitwise the statistics of the layer written, so taken as the same layer saved under another name and "
+            "written too. If one is a separate layer (a deep copy: a second tower, a teacher), its old statistics "
+            "were replaced: apply statistics that name it (estimated on the whole model).",
+            PreciseBNWarning,
+            stacklevel=3,
+        )
     if doubtful:
         warnings.warn(
             f"{', '.join(doubtful)}: not in the statistics, and holding the initial statistics (mean 0, variance 1) "

@@ -37,6 +37,7 @@ __all__ = [
     "Preprocessing",
     "batch_indices",
     "image_batches",
+    "linked_files",
     "linked_folders",
     "resolve_preprocessing",
 ]
@@ -314,6 +315,21 @@ def linked_folders(root: str | os.PathLike[str]) -> dict[str, str]:
     ``{path as reached: real path}`` (an output there would be read as data by the next run)."""
     top = Path(os.path.realpath(root))
     return {here: real for here, real, _ in _folders(root) if not Path(real).is_relative_to(top)}
+
+
+def linked_files(root: str | os.PathLike[str]) -> dict[str, str]:
+    """The images outside every folder that reading ``root`` reads (``root`` and :func:`linked_folders`), reached
+    through symlinked files — dangling ones too, which name where an image would be read: ``{path as reached: real
+    path}`` (an output there overwrote a training image, or was read as one by the next run: probe 41)."""
+    folder = require("torchvision.datasets.folder", "images", "--data FOLDER")
+    read = [Path(real) for _, real, _ in _folders(root)]
+    found = {}
+    for p in _walk(Path(root)):
+        if p.is_symlink() and folder.has_file_allowed_extension(p.name, folder.IMG_EXTENSIONS):
+            real = os.path.realpath(p)
+            if not any(Path(real).is_relative_to(r) for r in read):
+                found[str(p)] = real
+    return found
 
 
 def _load_rgb(path: str) -> Any:

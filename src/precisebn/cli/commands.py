@@ -176,11 +176,14 @@ def check_recalibrate(args: argparse.Namespace) -> Any:
 
     args.folder = os.getcwd()  # (where relative paths are read, whatever user code does: see _back_in)
     folders = {"--data": Path(args.data)} if Path(args.data).is_dir() else {}
-    if folders:  # (and the folders its symlinked folders lead to: a probe's --report went into one, read next time)
-        from ..images import linked_folders
+    images: dict[str, Path] = {}
+    if folders:  # (and the folders its symlinked folders lead to: a probe's --report went into one, read next time;
+        # and the images its symlinked files lead to, probe 41: --out or --report overwrote one)
+        from ..images import linked_files, linked_folders
 
         folders.update({f"--data (through {here!r})": Path(real) for here, real in linked_folders(args.data).items()})
-    plan = _plan_checkpoint_output(args, {"CHECKPOINT": args.checkpoint, **_sources(args)}, folders)
+        images = {f"--data's linked image {i}": Path(here) for i, here in enumerate(linked_files(args.data), 1)}
+    plan = _plan_checkpoint_output(args, {"CHECKPOINT": args.checkpoint, **_sources(args), **images}, folders)
     if args.report is not None:
         if args.report.suffix.lower() == ".png":
             raise InvalidArgumentError(
@@ -421,8 +424,9 @@ def run_recalibrate(args: argparse.Namespace) -> int:
     limit = DEFAULT_NUM_SAMPLES if num_samples is None else num_samples  # (the library's default)
     if available is not None and isinstance(limit, int) and available < limit and not args.num_batches:
         if num_samples is not None:
-            _say(f"precisebn: using every image of {args.data} ({_plural(available, 'image')}, fewer than "
-                 f"--num-samples {num_samples})")  # fmt: skip
+            files = "" if skipped is None else " file"  # (probe 41: unreadable ones, skipped, were counted as images)
+            _say(f"precisebn: using every image of {args.data} ({_plural(available, 'image' + files)}, fewer than "
+                 f"--num-samples {num_samples}{'; unreadable ones are skipped' if files else ''})")  # fmt: skip
         # all of them: counted, so that a progress bar counts to the folder's size (unless images may be skipped)
         num_samples = "all" if skipped is not None else available
     progress = not args.no_progress and not getattr(args, "quiet", False)
