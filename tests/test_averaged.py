@@ -89,3 +89,19 @@ def test_compat_update_bn_is_a_drop_in_for_torch_swa_utils(float64_truth: Any) -
     update_bn(data, averaged)  # the call torch.optim.swa_utils.update_bn(loader, swa_model) takes
     assert_precise(averaged, {"module.1": truth["module.1"]})  # upstream of the dropout: no random masks
     assert [m.training for m in averaged.modules()] == flags
+
+
+def test_statistics_of_a_wrapper_given_to_the_model_it_wraps_say_so() -> None:
+    """Probe 41: statistics estimated on an AveragedModel (named 'module.1') given to the bare model, or the other
+    way round, were refused without a word of the prefix; the message now says which name the model holds."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    averaged = AveragedModel(model)
+    data = [torch.randn(8, 4) for _ in range(3)]
+    of_wrapper, of_model = precisebn.estimate(averaged, data), precisebn.estimate(model, data)
+    with pytest.raises(precisebn.PreciseBNError, match=r"'module\.1' is not in the model \(the model holds '1': "):
+        precisebn.apply(model, of_wrapper)
+    with pytest.raises(precisebn.PreciseBNError, match=r"'1' is not in the model \(the model holds it as 'module\.1'"):
+        precisebn.apply(averaged, of_model)
+    with pytest.raises(precisebn.PreciseBNError) as unrelated:  # no such name at any depth: no hint
+        precisebn.apply(nn.Sequential(nn.BatchNorm1d(4)), of_wrapper)
+    assert "the model holds" not in str(unrelated.value)

@@ -126,7 +126,7 @@ def plan_writes(
     for name, s in stats.items():
         m = found[name] if name in found else _submodule(model, name)
         if m is None:
-            problems.append(f"{name!r} is not in the model" + _call_hint(name, found))
+            problems.append(f"{name!r} is not in the model" + (_call_hint(name, found) or _prefix_hint(name, found)))
         elif not has_running_stats(m):
             problems.append(f"{name!r} ({type(m).__name__}) has no running statistics")
         elif _other_kind(m, s.layer_type):
@@ -258,6 +258,28 @@ def _call_hint(name: str, modules: Mapping[str, nn.Module]) -> str:
             f"{index}: untie the original model with them, or recalibrate this model itself, without per_call)"
         )
     return " (per-call statistics: call precisebn.untie_calls(model, stats) first)"
+
+
+def _prefix_hint(name: str, modules: Mapping[str, nn.Module]) -> str:
+    """What to do about statistics named ``name`` that the model holds under a shorter or a longer name: statistics
+    of a wrapper (``AveragedModel``, an EMA shell: ``module.1``) given to the model it wraps, or the other way round
+    (probe 41: the message named neither)."""
+    rest = name
+    while "." in rest:
+        rest = rest.partition(".")[2]
+        if rest in modules and has_running_stats(modules[rest]):
+            return (
+                f" (the model holds {rest!r}: these statistics name it under the prefix "
+                f"{name[: len(name) - len(rest)]!r}, estimated on a wrapper of this model — an AveragedModel, an EMA "
+                "shell; apply them to that wrapper)"
+            )
+    longer = sorted((k for k in modules if k.endswith("." + name) and has_running_stats(modules[k])), key=len)
+    if longer:
+        return (
+            f" (the model holds it as {longer[0]!r}: these statistics are of the module it holds under the prefix "
+            f"{longer[0][: -len(name)]!r}, e.g. an AveragedModel's .module; apply them to that module)"
+        )
+    return ""
 
 
 def _refuse(what: str, problems: list[str], hint: str | None = None) -> None:
