@@ -239,6 +239,19 @@ def test_a_non_finite_prior_names_the_layer_and_writes_nothing() -> None:
     assert str(raised.value).endswith("recalibrate it without prior= first. Nothing was written."), str(raised.value)
     precisebn.recalibrate(model, batches, prior=4, layers=["1"])  # the other layer is fine
     assert not torch.equal(model[1].running_mean, snap["state"]["1.running_mean"])
+    # probe 41: adapt="mean" pools the mean alone, which needs no variance, and leaves the NaN variance as it is
+    model5 = copy.deepcopy(model)
+    precisebn.recalibrate(model, batches, prior=4, adapt="mean", layers=["5"])
+    assert torch.isnan(model[5].running_var[2]) and not torch.equal(model[5].running_mean, model5[5].running_mean)
+    expected = copy.deepcopy(model5)
+    with torch.no_grad():
+        expected[5].running_var.fill_(1.0)  # (any finite variance: the pooled mean does not depend on it)
+    precisebn.recalibrate(expected, batches, prior=4, adapt="mean", layers=["5"])
+    assert torch.equal(model[5].running_mean, expected[5].running_mean)
+    with torch.no_grad():
+        model[5].running_mean[0] = float("nan")
+    with pytest.raises(StatsMismatchError, match=r"'5': its current running_mean, the prior, is NaN"):
+        precisebn.recalibrate(model, batches, prior=4, adapt="mean", layers=["5"])
 
 
 CLI_MODULE = """

@@ -1683,7 +1683,7 @@ def test_no_output_goes_where_a_symlinked_image_of_the_data_leads(tiny, work, ca
     for given, label in refused:
         assert main(given) == 2
         err = capsys.readouterr().err
-        assert f"{label} " in err and "is the input --data's linked image" in err, err
+        assert f"{label} " in err and "of --data links to" in err, err
         assert not out.exists() and (shared / "kept.png").read_bytes() == before
         assert sorted(p.name for p in shared.iterdir()) == ["kept.png"]
     assert main(args("--report", str(work["dir"] / "rep.json"))) == 0

@@ -850,3 +850,23 @@ def test_precise_weight_averaging_under_true_precision(tmp_path: Path, float64_t
     else:  # (batches rounded to bfloat16 by the training loop, computed under its forward context)
         errors = precision_errors(float64_truth, averaged.state_dict(), x.to(torch.bfloat16).float())
         assert max(errors) < 2e-2, errors  # bfloat16's own rounding (2⁻⁸ ≈ 4e-3 per value)
+
+
+def test_figures_of_an_epoch_end_computation_share_the_epochs_metrics_step(tmp_path: Path) -> None:
+    """Probe 41: the figures were logged at global_step, one step after Lightning's own metrics of the validation
+    (see test_before_validation_and_checkpoint_once_per_step) and of the epoch they were computed for."""
+
+    class EpochLogged(TinyNet):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_epoch_loss", loss, on_step=False, on_epoch=True)
+            return loss
+
+    x, y = make_data()
+    precise = PreciseBN(num_samples="all", on_validation=False, on_checkpoint=False, every_n_epochs=1)
+    logger = CSVLogger(tmp_path, name="log", version=0)
+    trainer = make_trainer(tmp_path, callbacks=[precise], logger=logger, max_epochs=2, limit_val_batches=0)
+    trainer.fit(EpochLogged(), loader(x, y))
+    folder = tmp_path / "log" / "version_0"
+    assert logged_steps(folder) == logged_steps(folder, "train_epoch_loss") == [3, 7]
+    assert trainer.global_step == 8

@@ -312,3 +312,33 @@ def test_merged_statistics_keep_what_produced_each_input() -> None:
     merged = a.merge(b)
     assert merged.versions == {"precisebn": f"{a.versions['precisebn']} + 0.0.9", "torch": a.versions["torch"]}
     assert a.merge(measure(model, data[2:])).versions == a.versions
+
+
+def test_disjoint_parts_that_reached_none_of_the_layers_selected_merge() -> None:
+    """Probe 41: two parts of disjoint data whose batches all missed the layer selected (a branch taken by rare
+    batches) are alike — the same samples and batches, the layer unreached — and were refused as "the same
+    statistics" (a copied file), though they hold no values that could count twice."""
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn, self.rare = nn.BatchNorm1d(3), nn.BatchNorm1d(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.bn(x)
+            return self.rare(y) if bool((x > 3.5).any()) else y
+
+    torch.manual_seed(0)
+    model = Branchy()
+    parts = [[torch.randn(4, 3).clamp(-3, 3) + shift for _ in range(2)] for shift in (0.0, 0.1)]
+    parts.append([torch.randn(4, 3) + 5.0 for _ in range(2)])  # (the one that reaches it)
+    a, b, c = (precisebn.estimate(model, p, num_samples="all", layers=["rare"]) for p in parts)
+    assert not a["rare"].reached and not b["rare"].reached and c["rare"].reached
+    merged = a.merge(b, c)
+    # the inputs of 'rare': bn's output, bn not selected so in eval mode (running statistics 0 and 1)
+    truth = torch.cat(parts[2]).double() / (1 + 1e-5) ** 0.5
+    assert (merged.samples, merged.batches) == (24, 6)
+    assert torch.allclose(merged["rare"].mean, truth.mean(0), atol=1e-6)
+    assert torch.allclose(merged["rare"].var, truth.var(0, unbiased=False), atol=1e-6)
+    with pytest.raises(InvalidArgumentError, match="inputs 0 and 1 hold the same statistics"):
+        c.merge(copy.deepcopy(c))  # (one that reached a layer, copied: still refused)

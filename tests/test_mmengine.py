@@ -448,3 +448,28 @@ def test_with_ema_the_checkpoint_holds_the_statistics_validation_used(tmp_path: 
             assert torch.equal(saved["state_dict"][key], validated[key]), (epoch, buffer)
             assert torch.equal(saved["state_dict"][key], trained[key]), (epoch, buffer)
         assert not torch.equal(saved["state_dict"][f"{BN}.weight"], trained[f"{BN}.weight"])  # (EMA weights there)
+
+
+def test_with_ema_averaging_buffers_not_yet_begun_validation_gets_the_statistics(
+    tmp_path: Path, float64_truth: Any
+) -> None:
+    """The review of probe 41: before EMAHook begins averaging (begin_epoch), it copies the whole model into its
+    EMA module after each iteration, buffers too, even with update_buffers=True, and validation runs that module's
+    weights and buffers: the statistics computed at the epoch's end did not reach validation. They are copied as
+    the next iteration would."""
+    x, y = make_data()
+    probe = AtValidation()
+    run(
+        tmp_path,
+        TinyNet(),
+        loader(x, y),
+        hooks=[
+            ExactPreciseBNHook(num_samples="all", interval=1),
+            {"type": "EMAHook", "momentum": 0.5, "update_buffers": True, "begin_epoch": 2},
+            probe,
+        ],
+        train_cfg={"by_epoch": True, "max_epochs": 2, "val_interval": 1},
+        val=loader(x[:32], y[:32]),
+    )
+    assert [it for it, _ in probe.seen] == [4, 8]
+    assert_precise(float64_truth, probe.seen[0][1], x)  # (epoch 1: before averaging; from epoch 2 it averages them)

@@ -166,3 +166,22 @@ def test_the_footer_states_only_the_standard_errors_that_are_known(adapt: str) -
         f"worst layer {worst.name!r} ±{100 * worst.se_var_median:.2g}%"
     )
     assert footer.endswith(f", the means ±{means:.2g}σ at worst" if means is not None else "%")
+
+
+def test_a_report_written_to_a_full_disk_names_the_file(tmp_path) -> None:
+    """Probe 41: Report.to_json and Report.plot on a full disk (a file size limit here) raised an OSError of no
+    file, as PopulationStats.save did before probe 37; every atomic write now names the file asked for."""
+    import resource
+
+    model = nn.Sequential(nn.BatchNorm1d(64))
+    report = precisebn.recalibrate(model, [torch.randn(8, 64) for _ in range(3)])
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))  # (Python ignores SIGXFSZ: writes fail with EFBIG)
+    try:
+        for write, name in ((report.to_json, "r.json"), (report.plot, "r.png")):
+            with pytest.raises(OSError) as caught:
+                write(tmp_path / name)
+            assert caught.value.filename == str(tmp_path / name)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # (no partial file, no temporary)

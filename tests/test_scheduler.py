@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any
 
 import numpy as np
@@ -457,3 +458,45 @@ def test_odd_data_objects_neither_crash_a_computation_nor_raise_after_its_writes
         with pytest.warns(PreciseBNWarning, match=r"_PassCounting.epoch moved from 0 .* cannot be put back"):
             assert scheduler.update(1) is not None
         assert scheduler.is_current(1)
+
+
+def test_another_model_assigned_is_read_afresh(float64_truth: Any) -> None:
+    """Probe 41: with ``scheduler.model`` assigned another model, the frozen layers were still read off the old
+    one: the new model's frozen layer was recalibrated and its trained one kept its statistics. The new model's
+    own modes count now, and its statistics are not current at the step already computed."""
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4))
+
+    torch.manual_seed(0)
+    data = [torch.randn(8, 3) for _ in range(4)]
+    old = make().train()
+    old[2].eval()  # frozen for training
+    scheduler = precisebn.PreciseBNScheduler(old, data, num_samples="all")
+    assert scheduler.update(1).updated == ["1"] and scheduler.frozen_layers == ("2",)
+    new = make().train()
+    new[1].eval()  # here '1' is frozen, '2' trains
+    kept = new[1].running_mean.clone()
+    scheduler.model = new
+    assert not scheduler.is_current(1)
+    truth = float64_truth(new, data, select=lambda name, m: name == "2")  # (the frozen one normalises as it is)
+    report = scheduler.update(1)
+    assert report is not None and report.updated == ["2"] and scheduler.frozen_layers == ("1",)
+    assert torch.equal(new[1].running_mean, kept)
+    assert max_rel_error(new[2].running_var, truth["2"].var) < 1e-5
+    with pytest.raises(InvalidArgumentError, match=r"model must be a torch\.nn\.Module"):
+        scheduler.model = "resnet"  # type: ignore[assignment]
+
+
+def test_the_schedulers_warnings_name_the_users_line() -> None:
+    """The review of probe 41: warnings about frozen layers were attributed to precisebn's own lines (stack levels
+    fixed for one depth); they name the line of the caller outside precisebn."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4)).train()
+    model[1].eval()  # frozen, and the only layer selected
+    scheduler = precisebn.PreciseBNScheduler(model, [torch.randn(8, 4)], layers=["1"])
+    scheduler.observe(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scheduler.update(1)
+    ours = [w for w in caught if issubclass(w.category, PreciseBNWarning)]
+    assert ours and all(w.filename == __file__ for w in ours), [(w.filename, str(w.message)[:60]) for w in caught]

@@ -114,12 +114,14 @@ def pool_with_prior(
 
 
 def with_prior(
-    entries: list[tuple[str, Any, LayerStats]], prior: float, samples: int
+    entries: list[tuple[str, Any, LayerStats]], prior: float, samples: int, adapt: str = "both"
 ) -> tuple[list[tuple[str, Any, LayerStats]], list[str]]:
     """``(name, layer, stats)`` entries whose reached statistics are pooled with the
     layer's current running buffers as ``prior`` samples; and the problems found (a
     layer whose current statistics are NaN/Inf or negative cannot serve as a prior).
-    Nothing is written here."""
+    With ``adapt="mean"`` only the mean is pooled (it needs no variance: a NaN variance,
+    which that leaves as it is, is no problem — probe 41 found it refused). Nothing is
+    written here."""
     out, problems = [], []
     for name, m, s in entries:
         if not s.reached:
@@ -134,12 +136,17 @@ def with_prior(
             continue
         old_mean = m.running_mean.detach().to("cpu", torch.float64)
         old_var = m.running_var.detach().to("cpu", torch.float64)
+        mean_only = adapt == "mean"
+        if mean_only:
+            old_var = torch.zeros_like(old_var)  # (not read by the pooled mean; the pooled variance is not written)
         if not (bool(old_mean.isfinite().all()) and bool(old_var.isfinite().all()) and bool((old_var >= 0).all())):
+            which = "running_mean" if mean_only else "running statistics"
             problems.append(
-                f"{name!r}: its current running statistics, the prior, are NaN/Inf or negative; recalibrate it "
-                "without prior= first"
+                f"{name!r}: its current {which}, the prior, {'is' if mean_only else 'are'} NaN/Inf or negative; "
+                "recalibrate it without prior= first"
             )
             continue
         mean, var = pool_with_prior(old_mean, old_var, prior_values(prior, s.count, measured), s.mean, s.var, s.count)
+        var = s.var if mean_only else var
         out.append((name, m, dataclasses.replace(s, mean=mean, var=var, se_mean=None, se_var=None)))
     return out, problems

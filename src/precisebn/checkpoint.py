@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from ._optional import require
 from .adapt import WRITTEN
-from .errors import InvalidArgumentError, PreciseBNWarning, StatsMismatchError
+from .errors import InvalidArgumentError, PreciseBNWarning, StatsMismatchError, caller_stacklevel
 from .files import Terminated, atomic_path
 from .population import buffer_key
 from .state import geometry
@@ -423,7 +423,7 @@ def stats_replacement(
             "measured on the model this checkpoint belongs to."
         )
     if prior:
-        wanted = _pooled_with_checkpoint(ckpt, stats, prefix, prior).state_dict()
+        wanted = _pooled_with_checkpoint(ckpt, stats, prefix, prior, adapt).state_dict()
     if adapt != "both":
         wanted = {k: v for k, v in wanted.items() if k.rpartition(".")[2] in WRITTEN[adapt]}
     named = {prefix + name for name in stats}  # (every layer the file names, reached or not: a layer of its own)
@@ -500,11 +500,12 @@ def _with_copies(sd: Mapping[str, Any], out: dict[str, Tensor], named: Collectio
     if written:
         warnings.warn(
             f"{', '.join(written[:5])}{' and more' if len(written) > 5 else ''}: not in the statistics, and holding "
-            "bitwise the statistics of the layer written, so taken as the same layer saved under another name and "
-            "written too. If one is a separate layer (a deep copy: a second tower, a teacher), its old statistics "
-            "were replaced: apply statistics that name it (estimated on the whole model).",
+            "bitwise the statistics of the layer written, so taken as the same layer saved under another name (a "
+            "shared layer saved as copies) and written too. If one is a separate layer (a deep copy: a second "
+            "tower, a teacher), its old statistics were replaced: apply statistics that name it (estimated on the "
+            "whole model).",
             PreciseBNWarning,
-            stacklevel=3,
+            stacklevel=caller_stacklevel(),
         )
     if doubtful:
         warnings.warn(
@@ -512,11 +513,11 @@ def _with_copies(sd: Mapping[str, Any], out: dict[str, Tensor], named: Collectio
             "as the layer written does — the same layer saved under two names, or another layer never trained; "
             "left as it is. If it is the same layer, write its name's statistics too (estimate on a model that "
             "names it, or recalibrate the checkpoint).",
-            stacklevel=3,
+            stacklevel=caller_stacklevel(),
         )
 
 
-def _pooled_with_checkpoint(ckpt: Checkpoint, stats: Any, prefix: str, prior: float) -> Any:
+def _pooled_with_checkpoint(ckpt: Checkpoint, stats: Any, prefix: str, prior: float, adapt: str = "both") -> Any:
     """``stats`` with each reached layer's statistics pooled with the checkpoint's own, as ``prior``
     samples (:func:`~precisebn.adapt.with_prior`, given the checkpoint's tensors for the layer's buffers)."""
     from types import SimpleNamespace
@@ -529,7 +530,7 @@ def _pooled_with_checkpoint(ckpt: Checkpoint, stats: Any, prefix: str, prior: fl
         (name, SimpleNamespace(**{b: sd[prefix + buffer_key(name, b)] for b in both}) if s.reached else None, s)
         for name, s in stats.items()
     ]
-    pooled, problems = with_prior(entries, prior, stats.samples)
+    pooled, problems = with_prior(entries, prior, stats.samples, adapt)
     if problems:
         more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
         raise StatsMismatchError(

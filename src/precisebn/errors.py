@@ -26,6 +26,7 @@ the call.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -124,6 +125,7 @@ class ModelChangedWarning(PreciseBNWarning):
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_CONTEXTLIB = contextlib.__file__
 
 
 def caller_stacklevel() -> int:
@@ -133,7 +135,7 @@ def caller_stacklevel() -> int:
     of :mod:`precisebn.compat` named ``compat.py``, probe 41)."""
     level, frame = 1, sys._getframe(1)
     while frame is not None and (
-        frame.f_code.co_filename.startswith(_PACKAGE) or frame.f_code.co_filename.endswith("contextlib.py")
+        frame.f_code.co_filename.startswith(_PACKAGE) or frame.f_code.co_filename == _CONTEXTLIB
     ):
         frame, level = frame.f_back, level + 1
     return level if frame is not None else 1

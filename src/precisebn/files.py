@@ -498,5 +498,13 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """
     plan = OutputPlan()
     plan.add("output", path)
-    with plan.staged() as temps:
-        yield temps["output"]
+    staged: list[Path] = []
+    try:
+        with plan.staged() as temps:
+            staged.append(temps["output"])
+            yield temps["output"]
+    except OSError as exc:  # named by the file asked for: a full disk names no file, the temporary one is gone
+        # (Report.to_json, the plots: an error of no file, probe 41; PopulationStats.save did this itself)
+        if exc.filename is None or os.fspath(exc.filename) in map(os.fspath, staged):
+            raise OSError(exc.errno, exc.strerror or str(exc), os.fspath(path)) from exc
+        raise

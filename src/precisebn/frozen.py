@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import InvalidArgumentError, PreciseBNWarning
+from .errors import InvalidArgumentError, PreciseBNWarning, caller_stacklevel
 from .layers import LayerSelection, has_running_stats, layer_matcher, unwrap
 
 __all__ = ["FrozenLayers", "agreed_names", "any_rank", "core_model", "train_override"]
@@ -157,7 +157,7 @@ class FrozenLayers:
                     f"recalibrated ({type(model).__name__}), so none is left out there; observe() the model being "
                     "trained, with the same structure (an averaged copy's own module, not its wrapper).",
                     PreciseBNWarning,
-                    stacklevel=3,
+                    stacklevel=caller_stacklevel(),
                 )
             return layers, []
         skipped = {id(core[name]) for name in found}

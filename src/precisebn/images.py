@@ -37,8 +37,9 @@ __all__ = [
     "Preprocessing",
     "batch_indices",
     "image_batches",
-    "linked_files",
+    "link_leading_to",
     "linked_folders",
+    "linked_images",
     "resolve_preprocessing",
 ]
 
@@ -317,19 +318,39 @@ def linked_folders(root: str | os.PathLike[str]) -> dict[str, str]:
     return {here: real for here, real, _ in _folders(root) if not Path(real).is_relative_to(top)}
 
 
-def linked_files(root: str | os.PathLike[str]) -> dict[str, str]:
-    """The images outside every folder that reading ``root`` reads (``root`` and :func:`linked_folders`), reached
-    through symlinked files — dangling ones too, which name where an image would be read: ``{path as reached: real
-    path}`` (an output there overwrote a training image, or was read as one by the next run: probe 41)."""
+def linked_images(root: str | os.PathLike[str]) -> dict[Any, str]:
+    """The images that symlinked files among those reading ``root`` reads lead to, dangling links too: ``{key: the
+    link as reached}``, keyed by the target's ``(st_dev, st_ino)``, or by its real path where it does not exist (an
+    output there overwrote a training image, or was read as one by the next run: probe 41). One ``stat`` per link
+    (a folder of a million links to a shared store: seconds); see :func:`link_leading_to`."""
     folder = require("torchvision.datasets.folder", "images", "--data FOLDER")
-    read = [Path(real) for _, real, _ in _folders(root)]
-    found = {}
-    for p in _walk(Path(root)):
-        if p.is_symlink() and folder.has_file_allowed_extension(p.name, folder.IMG_EXTENSIONS):
-            real = os.path.realpath(p)
-            if not any(Path(real).is_relative_to(r) for r in read):
-                found[str(p)] = real
+    found: dict[Any, str] = {}
+    for here, _, _ in _folders(root):
+        try:
+            entries = list(os.scandir(here))
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.name.startswith(".") or not entry.is_symlink():
+                continue
+            if not folder.has_file_allowed_extension(entry.name, folder.IMG_EXTENSIONS):
+                continue
+            try:
+                st = os.stat(entry.path)
+            except OSError:
+                found.setdefault(os.path.realpath(entry.path), entry.path)
+            else:
+                found.setdefault((st.st_dev, st.st_ino), entry.path)
     return found
+
+
+def link_leading_to(links: dict[Any, str], path: str | os.PathLike[str]) -> str | None:
+    """The link of :func:`linked_images` that leads to ``path`` (the same file, or where a dangling one points)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return links.get(os.path.realpath(path))
+    return links.get((st.st_dev, st.st_ino))
 
 
 def _load_rgb(path: str) -> Any:

@@ -176,7 +176,7 @@ class PopulationStats(Mapping[str, LayerStats]):
 
         Raises:
             InvalidArgumentError: An input is not a ``PopulationStats``, or one object is given
-                twice, or two equal ones (a copied file): its data would count twice.
+                twice, or two equal ones that reached a layer (a copied file): its data would count twice.
             StatsMismatchError: A layer has different channel counts or layer types in
                 two inputs, is pooled over its calls in one and per call in another, or the
                 inputs were measured in different modes.
@@ -205,7 +205,11 @@ class PopulationStats(Mapping[str, LayerStats]):
                     "with itself counts it twice (the counts and samples double, the standard errors shrink). "
                     "Merge statistics of disjoint data, each once."
                 )
-        for i, other in enumerate(inputs):  # (equal values, not the same object: a copied file, probe 37)
+        for i, other in enumerate(inputs):  # (equal values, not the same object: a copied file, probe 37 — unless
+            # no layer was reached in it: shards whose batches all missed the layers selected are alike, and hold
+            # no values that could count twice, only samples that are theirs, probe 41)
+            if not any(layer.reached for layer in other.values()):
+                continue
             twice = next((j for j in range(i) if equal_fields(inputs[j], other, but=("seconds", "versions"))), None)
             if twice is not None:
                 raise InvalidArgumentError(

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .data import Forward
-from .errors import InvalidArgumentError, PreciseBNError, PreciseBNWarning
+from .errors import InvalidArgumentError, PreciseBNError, PreciseBNWarning, caller_stacklevel
 from .frozen import FrozenLayers, agreed_names, any_rank, train_override
 from .layers import LayerSelection, find_norm_layers, unwrap
 from .loaders import attribute, independent
@@ -318,7 +318,7 @@ class PreciseBNScheduler:
             "seen (or after scheduler.observe() with the model in training mode); pass frozen='include' to "
             "recompute every layer now.",
             PreciseBNWarning,
-            stacklevel=3,
+            stacklevel=caller_stacklevel(),
         )
 
     def _note_skipped(self, skipped: list[str], everything: bool) -> None:
@@ -336,15 +336,36 @@ class PreciseBNScheduler:
         names = {named} if isinstance(named, str) else set(named) if isinstance(named, (list, tuple, set)) else set()
         asked = sorted(names & set(skipped))
         if everything:
-            warnings.warn(f"precisebn: nothing to recompute: {text}", PreciseBNWarning, stacklevel=3)
+            warnings.warn(f"precisebn: nothing to recompute: {text}", PreciseBNWarning, stacklevel=caller_stacklevel())
         elif asked:
             warnings.warn(
                 f"precisebn: layers= names {', '.join(map(repr, asked))}, frozen for training: {text}",
                 PreciseBNWarning,
-                stacklevel=3,
+                stacklevel=caller_stacklevel(),
             )
         else:
             logger.info("precisebn: %s", text)
+
+    @property
+    def model(self) -> nn.Module:
+        """The model whose statistics are recomputed. Another one assigned here starts afresh: its statistics are
+        not current, and, unless another model was named as the one trained (:meth:`observe`, :meth:`trains`), its
+        own layers' modes are the ones read — the frozen layers noted on the model before were read on (probe 41:
+        the new model's frozen layer was recalibrated, and its trained one kept its statistics)."""
+        return self._model
+
+    @model.setter
+    def model(self, model: nn.Module) -> None:
+        if not isinstance(model, nn.Module):
+            raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        old = self.__dict__.get("_model")
+        self._model = model
+        if old is not None and old is not model:
+            if self._trained is old:
+                self._trained = model
+                self._frozen = FrozenLayers()
+                self._skipped = None
+            self._stale = True
 
     def invalidate(self) -> None:
         """Marks the statistics as out of date, so that the next :meth:`update` recomputes
@@ -543,7 +564,7 @@ def preserved_epochs(*sources: Any) -> Iterator[None]:
                     "and cannot be put back (read-only, or its setter refused); training's next pass may differ. "
                     "Give the computations data of their own (data=), or let the sampler count passes otherwise.",
                     PreciseBNWarning,
-                    stacklevel=3,
+                    stacklevel=caller_stacklevel(),
                 )
 
 

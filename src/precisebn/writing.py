@@ -146,7 +146,7 @@ def plan_writes(
                 entries.append((name, m, s))
     _refuse("the statistics do not fit this model", problems)
     if prior is not None:  # the current statistics as `prior` samples of pseudo-data, pooled exactly
-        entries, problems = with_prior(entries, prior, stats.samples)
+        entries, problems = with_prior(entries, prior, stats.samples, adapt)
         unknown = (
             "precisebn counts a batch's samples by the first dimension of its input tensor and could not tell it for "
             "these batches (a custom batch type?): give batches as tensors, or tuples, lists or dicts of tensors, or "
@@ -270,14 +270,14 @@ def _prefix_hint(name: str, modules: Mapping[str, nn.Module]) -> str:
         if rest in modules and has_running_stats(modules[rest]):
             return (
                 f" (the model holds {rest!r}: these statistics name it under the prefix "
-                f"{name[: len(name) - len(rest)]!r}, estimated on a wrapper of this model — an AveragedModel, an EMA "
-                "shell; apply them to that wrapper)"
+                f"{name[: len(name) - len(rest)]!r}: perhaps estimated on a wrapper of this model — an "
+                "AveragedModel, an EMA shell; if so, apply them to that wrapper)"
             )
     longer = sorted((k for k in modules if k.endswith("." + name) and has_running_stats(modules[k])), key=len)
     if longer:
         return (
-            f" (the model holds it as {longer[0]!r}: these statistics are of the module it holds under the prefix "
-            f"{longer[0][: -len(name)]!r}, e.g. an AveragedModel's .module; apply them to that module)"
+            f" (the model holds it as {longer[0]!r}: perhaps these statistics are of the module it holds under the "
+            f"prefix {longer[0][: -len(name)]!r}, e.g. an AveragedModel's .module; if so, apply them to that module)"
         )
     return ""
 

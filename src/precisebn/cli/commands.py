@@ -176,14 +176,11 @@ def check_recalibrate(args: argparse.Namespace) -> Any:
 
     args.folder = os.getcwd()  # (where relative paths are read, whatever user code does: see _back_in)
     folders = {"--data": Path(args.data)} if Path(args.data).is_dir() else {}
-    images: dict[str, Path] = {}
-    if folders:  # (and the folders its symlinked folders lead to: a probe's --report went into one, read next time;
-        # and the images its symlinked files lead to, probe 41: --out or --report overwrote one)
-        from ..images import linked_files, linked_folders
+    if folders:  # (and the folders its symlinked folders lead to: a probe's --report went into one, read next time)
+        from ..images import linked_folders
 
         folders.update({f"--data (through {here!r})": Path(real) for here, real in linked_folders(args.data).items()})
-        images = {f"--data's linked image {i}": Path(here) for i, here in enumerate(linked_files(args.data), 1)}
-    plan = _plan_checkpoint_output(args, {"CHECKPOINT": args.checkpoint, **_sources(args), **images}, folders)
+    plan = _plan_checkpoint_output(args, {"CHECKPOINT": args.checkpoint, **_sources(args)}, folders)
     if args.report is not None:
         if args.report.suffix.lower() == ".png":
             raise InvalidArgumentError(
@@ -192,6 +189,16 @@ def check_recalibrate(args: argparse.Namespace) -> Any:
         plan.add("--report", args.report)
         plan.add("--report's PNG", args.report.with_suffix(".png"))
         require("matplotlib.figure", "plot", "--report's PNG")
+    if folders:  # (and the images its symlinked files lead to, dangling ones too, probe 41: one was overwritten)
+        from ..images import link_leading_to, linked_images
+
+        links = linked_images(args.data)
+        for label, (text, real) in plan.outputs.items() if links else ():
+            if (link := link_leading_to(links, real)) is not None:
+                raise InvalidArgumentError(
+                    f"{label} {text!r} is the image that {link!r} of --data links to ({real}); writing it would "
+                    "destroy (or add) a training image. Choose another path."
+                )
     _check_device(args.device)
     if args.tolerance is not None and args.num_samples != "auto":
         raise InvalidArgumentError("--tolerance goes with --num-samples auto; pass both.")

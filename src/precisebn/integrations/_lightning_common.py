@@ -230,7 +230,7 @@ class _Recalibrator:
         if not trainer.loggers or not trainer.is_global_zero:
             return
         metrics = report_metrics(report, self._log_prefix)
-        step = _logging_step(trainer)
+        step = _logging_step(trainer, epoch_end=getattr(self, "_epoch_end", False))
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
             logger.save()
@@ -362,7 +362,11 @@ class PreciseBNMixin(_Recalibrator):
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         n = self.every_n_epochs
         if n is not None and (trainer.current_epoch + 1) % n == 0 and _fitting(trainer):
-            self._compute(trainer, trainer.global_step)
+            self._epoch_end = True  # (logged with the epoch's metrics: see _logging_step)
+            try:
+                self._compute(trainer, trainer.global_step)
+            finally:
+                self._epoch_end = False
         super().on_train_epoch_end(trainer, pl_module)  # type: ignore[misc]
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
@@ -604,10 +608,13 @@ class AveragingMixin(_Recalibrator):
         super().load_state_dict(state)  # type: ignore[misc]
 
 
-def _logging_step(trainer: Any) -> int:
+def _logging_step(trainer: Any, epoch_end: bool = False) -> int:
     """The step Lightning logs ``self.log`` metrics at (its logger connector's: the training batches that stepped,
-    which a validation at the end of an epoch is logged at before the count moves on), so that each computation's
-    figures share a row with the metrics of the validation they were computed for; ``global_step`` was one ahead
-    there (probe 41). ``global_step`` where that count is not found."""
+    which a validation at the end of an epoch is logged at before the count moves on; the epoch's own metrics one
+    below it, ``epoch_end``), so that each computation's figures share a row with the metrics of the validation or
+    the epoch they were computed for; ``global_step`` was one ahead there (probe 41). ``global_step`` where that
+    count is not found."""
     count = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "_batches_that_stepped", None)
-    return count if isinstance(count, int) else trainer.global_step
+    if not isinstance(count, int):
+        return int(trainer.global_step)
+    return max(0, count - 1) if epoch_end else count

@@ -53,6 +53,7 @@ from .._optional import require
 from ..checkpoint import buffer_names
 from ..data import Forward
 from ..errors import InvalidArgumentError, PreciseBNWarning
+from ..interrupts import signals_held
 from ..layers import LayerSelection
 from ..loaders import independent
 from ..report import Report
@@ -299,17 +300,23 @@ def _share_with_ema(runner: Any, model: nn.Module, report: Report) -> None:
     buffers, and a checkpoint's ``state_dict`` is filled from the EMA module. Statistics computed after the last
     iteration — at an epoch's end, before validation or a save — reached that ``state_dict`` as they were before
     (probe 41: 0.91 off the statistics validation ran with); this copies them as the next iteration would. An EMA
-    module that averages its buffers too (``update_buffers=True``) keeps its own."""
+    module that averages its buffers too (``update_buffers=True``) keeps its own once averaging has begun (before
+    ``begin_iter``/``begin_epoch`` ``EMAHook`` copies the whole model, buffers too: so does this). The copies are
+    made with signals held (see :mod:`precisebn.interrupts`): all of them or none."""
     names = None
     for hook in getattr(runner, "hooks", ()):
         ema = getattr(hook, "ema_model", None)
         if not isinstance(hook, _hooks.EMAHook) or getattr(hook, "src_model", None) is not model or ema is None:
             continue
-        if getattr(ema, "update_buffers", True) or not isinstance(getattr(ema, "module", None), nn.Module):
+        if not isinstance(getattr(ema, "module", None), nn.Module):
             continue
+        if getattr(ema, "update_buffers", True):
+            started = getattr(hook, "_ema_started", None)
+            if not callable(started) or started(runner):
+                continue
         if names is None:
             names = buffer_names(model, report.updated, ("running_mean", "running_var"))
-        with torch.no_grad():
+        with torch.no_grad(), signals_held():
             for key in names:
                 owner, _, buffer = key.rpartition(".")
                 value = getattr(model.get_submodule(owner), buffer, None)
