@@ -23,7 +23,7 @@
     with ``capture="auto"`` and ``capture="float64"``, against float64 statistics of the
     values each layer received (cuDNN deterministic, so both runs see the same values).
 (f) Nothing lost on CUDA: a Ctrl-C from the data, an exception in the model's forward
-    and a NaN batch, in both modes, leave every parameter and buffer bitwise as it was,
+    and a NaN batch, in both modes and through ``compat.update_bn``, leave every parameter and buffer bitwise as it was,
     the training flags as they were, and no hook or wrapped ``forward`` behind.
 
 Self-contained (torch, torchvision if installed, precisebn); finishes in well under
@@ -364,7 +364,9 @@ def check_nothing_lost(device: torch.device) -> list[tuple[str, bool | None, str
         ("exception in the model's forward at batch 3", lambda: batches, 3, RuntimeError),
         ("NaN batch 3", lambda: nan, 0, NonFiniteError),
     ]
-    for mode in ("norm", "train"):
+    from precisebn.compat import update_bn
+
+    for mode in ("norm", "train", "compat.update_bn"):
         for label, data, at, expected in cases:
             model = build_model(device)
             model.train()
@@ -376,7 +378,10 @@ def check_nothing_lost(device: torch.device) -> list[tuple[str, bool | None, str
             before = _snapshot(wrapped)
             raised: BaseException | None = None
             try:
-                precisebn.recalibrate(wrapped, data(), num_samples="all", mode=mode)
+                if mode == "compat.update_bn":
+                    update_bn(data(), wrapped)
+                else:
+                    precisebn.recalibrate(wrapped, data(), num_samples="all", mode=mode)
             except BaseException as exc:  # Ctrl-C included, on purpose
                 raised = exc
             if device.type == "cuda":
@@ -385,7 +390,8 @@ def check_nothing_lost(device: torch.device) -> list[tuple[str, bool | None, str
             ok = isinstance(raised, expected) and not diff
             what = type(raised).__name__ if raised else "nothing"
             msg = f"raised {what}; " + (diff or "model bitwise unchanged, no hooks")
-            results.append((f"(f) {label}, mode={mode}", ok, msg))
+            what = mode if mode.startswith("compat") else f"mode={mode}"
+            results.append((f"(f) {label}, {what}", ok, msg))
     return results
 
 
