@@ -469,3 +469,25 @@ def test_a_folder_that_refuses_removals_reports_the_error_that_stopped_the_write
     monkeypatch.undo()
     assert (tmp_path / "b.txt").read_text() == "old b" and not (tmp_path / "a.txt").exists()
     assert [n for n in _names(tmp_path) if n.startswith(".b.txt")] == []  # (the other temporaries: removed)
+
+
+def test_atomic_path_names_the_output_only_for_a_failed_write(tmp_path) -> None:
+    """The review of probe 41: naming the file asked for in every OSError of the block (the fix for a full disk's
+    error of no file) renamed the block's own errors too — a ConnectionResetError named the output, and
+    io.UnsupportedOperation stopped being a ValueError. Only a failed write (no space, too large, I/O) is renamed."""
+    import errno
+    import io
+
+    def full(raised: BaseException) -> None:
+        with atomic_path(tmp_path / "out.json") as tmp:
+            tmp.write_text("half")
+            raise raised
+
+    for raised in (OSError("network down"), ConnectionResetError(104, "reset"), io.UnsupportedOperation("seek")):
+        with pytest.raises(type(raised)) as caught:
+            full(raised)
+        assert caught.value is raised
+    with pytest.raises(OSError) as caught:
+        full(OSError(errno.ENOSPC, "No space left on device"))
+    assert caught.value.filename == str(tmp_path / "out.json") and caught.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []

@@ -863,10 +863,16 @@ def test_figures_of_an_epoch_end_computation_share_the_epochs_metrics_step(tmp_p
             return loss
 
     x, y = make_data()
-    precise = PreciseBN(num_samples="all", on_validation=False, on_checkpoint=False, every_n_epochs=1)
-    logger = CSVLogger(tmp_path, name="log", version=0)
-    trainer = make_trainer(tmp_path, callbacks=[precise], logger=logger, max_epochs=2, limit_val_batches=0)
-    trainer.fit(EpochLogged(), loader(x, y))
-    folder = tmp_path / "log" / "version_0"
-    assert logged_steps(folder) == logged_steps(folder, "train_epoch_loss") == [3, 7]
-    assert trainer.global_step == 8
+    for version, options in enumerate([{"every_n_epochs": 1}, {"on_checkpoint": True}]):  # (the second: a
+        # checkpoint another callback saves at the epoch's end, without validation: a review of probe 41)
+        precise = PreciseBN(num_samples="all", on_validation=False, **{"on_checkpoint": False, **options})
+        logger = CSVLogger(tmp_path, name="log", version=version)
+        saves = [ModelCheckpoint(dirpath=tmp_path / f"ckpt{version}")] if "on_checkpoint" in options else []
+        trainer = make_trainer(
+            tmp_path, callbacks=[precise, *saves], logger=logger, max_epochs=2, limit_val_batches=0,
+            enable_checkpointing=bool(saves),
+        )  # fmt: skip
+        trainer.fit(EpochLogged(), loader(x, y))
+        folder = tmp_path / "log" / f"version_{version}"
+        assert logged_steps(folder) == logged_steps(folder, "train_epoch_loss") == [3, 7], options
+        assert trainer.global_step == 8

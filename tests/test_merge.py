@@ -24,7 +24,7 @@ from torch import nn
 import precisebn
 from conftest import compute_truth, max_rel_error
 from precisebn.cli import main
-from precisebn.errors import InvalidArgumentError, StatsMismatchError
+from precisebn.errors import InvalidArgumentError, PreciseBNWarning, StatsMismatchError
 
 F64 = torch.float64
 
@@ -258,7 +258,6 @@ def test_per_call_parts_with_different_calls_per_forward_are_warned_of(model_is_
     into calls.0 and calls.1 of both and a calls.2 of one part alone, data that estimate() refuses as one, without
     a word. A warning now says so (a first version refused them, and with them layers of a container named
     `calls` estimated with different selections: probe 29)."""
-    from precisebn.errors import PreciseBNWarning
 
     model: nn.Module = Branchy()
     forward: Any = lambda m, b: m(b)  # noqa: E731
@@ -334,7 +333,8 @@ def test_disjoint_parts_that_reached_none_of_the_layers_selected_merge() -> None
     parts.append([torch.randn(4, 3) + 5.0 for _ in range(2)])  # (the one that reaches it)
     a, b, c = (precisebn.estimate(model, p, num_samples="all", layers=["rare"]) for p in parts)
     assert not a["rare"].reached and not b["rare"].reached and c["rare"].reached
-    merged = a.merge(b, c)
+    with pytest.warns(PreciseBNWarning, match="inputs 0 and 1 are alike and reached none of their layers"):
+        merged = a.merge(b, c)
     # the inputs of 'rare': bn's output, bn not selected so in eval mode (running statistics 0 and 1)
     truth = torch.cat(parts[2]).double() / (1 + 1e-5) ** 0.5
     assert (merged.samples, merged.batches) == (24, 6)

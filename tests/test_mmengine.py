@@ -450,8 +450,9 @@ def test_with_ema_the_checkpoint_holds_the_statistics_validation_used(tmp_path: 
         assert not torch.equal(saved["state_dict"][f"{BN}.weight"], trained[f"{BN}.weight"])  # (EMA weights there)
 
 
+@pytest.mark.parametrize("interval", [1, None])  # (None: computed in before_val, where the loop counted the epoch)
 def test_with_ema_averaging_buffers_not_yet_begun_validation_gets_the_statistics(
-    tmp_path: Path, float64_truth: Any
+    tmp_path: Path, float64_truth: Any, interval: int | None
 ) -> None:
     """The review of probe 41: before EMAHook begins averaging (begin_epoch), it copies the whole model into its
     EMA module after each iteration, buffers too, even with update_buffers=True, and validation runs that module's
@@ -464,7 +465,7 @@ def test_with_ema_averaging_buffers_not_yet_begun_validation_gets_the_statistics
         TinyNet(),
         loader(x, y),
         hooks=[
-            ExactPreciseBNHook(num_samples="all", interval=1),
+            ExactPreciseBNHook(num_samples="all", interval=interval),
             {"type": "EMAHook", "momentum": 0.5, "update_buffers": True, "begin_epoch": 2},
             probe,
         ],

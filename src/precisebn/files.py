@@ -478,6 +478,9 @@ def _mode_for(target: Path) -> int:
         return 0o666 & ~_UMASK
 
 
+_WRITE_ERRNOS = {getattr(errno, n) for n in ("ENOSPC", "EFBIG", "EDQUOT", "EIO") if hasattr(errno, n)}
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yields a temporary path next to ``path``; renames it onto ``path`` on success.
@@ -504,7 +507,8 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
             staged.append(temps["output"])
             yield temps["output"]
     except OSError as exc:  # named by the file asked for: a full disk names no file, the temporary one is gone
-        # (Report.to_json, the plots: an error of no file, probe 41; PopulationStats.save did this itself)
-        if exc.filename is None or os.fspath(exc.filename) in map(os.fspath, staged):
+        # (Report.to_json, the plots: an error of no file, probe 41; PopulationStats.save did this itself) — a
+        # failed write only: another error of the block (of another file, a socket's) is the block's own
+        if exc.errno in _WRITE_ERRNOS and (exc.filename is None or os.fspath(exc.filename) in map(os.fspath, staged)):
             raise OSError(exc.errno, exc.strerror or str(exc), os.fspath(path)) from exc
         raise

@@ -207,11 +207,17 @@ class PopulationStats(Mapping[str, LayerStats]):
                 )
         for i, other in enumerate(inputs):  # (equal values, not the same object: a copied file, probe 37 — unless
             # no layer was reached in it: shards whose batches all missed the layers selected are alike, and hold
-            # no values that could count twice, only samples that are theirs, probe 41)
-            if not any(layer.reached for layer in other.values()):
-                continue
+            # no values that could count twice, only samples — which prior= converts by: a warning, probe 41)
             twice = next((j for j in range(i) if equal_fields(inputs[j], other, but=("seconds", "versions"))), None)
-            if twice is not None:
+            if twice is not None and not any(layer.reached for layer in other.values()):
+                warnings.warn(
+                    f"PopulationStats.merge: inputs {twice} and {i} are alike and reached none of their layers "
+                    "(parts whose batches all missed the layers selected); merged as parts of disjoint data. If one "
+                    "is a copy of the other, its samples count twice, which weighs a prior= applied with the result.",
+                    PreciseBNWarning,
+                    stacklevel=2,
+                )
+            elif twice is not None:
                 raise InvalidArgumentError(
                     f"PopulationStats.merge: inputs {twice} and {i} hold the same statistics (every layer's counts, "
                     "means and variances, and the samples and batches): the same measurement twice — a copied "

@@ -352,13 +352,16 @@ class PreciseBNScheduler:
         not current, and, unless another model was named as the one trained (:meth:`observe`, :meth:`trains`), its
         own layers' modes are the ones read — the frozen layers noted on the model before were read on (probe 41:
         the new model's frozen layer was recalibrated, and its trained one kept its statistics)."""
-        return self._model
+        try:
+            return self._model
+        except AttributeError:  # (a scheduler pickled before this was a property holds it as "model")
+            return self.__dict__["model"]  # type: ignore[no-any-return]
 
     @model.setter
     def model(self, model: nn.Module) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        old = self.__dict__.get("_model")
+        old = self.__dict__.get("_model", self.__dict__.get("model"))
         self._model = model
         if old is not None and old is not model:
             if self._trained is old:

@@ -354,19 +354,23 @@ class PreciseBNMixin(_Recalibrator):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # type: ignore[misc]
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._epoch_end = False
         if self.on_validation and _fitting(trainer):
             self._trigger.observe(pl_module, modes=_modes_before_validating(trainer))  # (it is in eval mode now)
             self._compute(trainer, trainer.global_step)
         super().on_validation_start(trainer, pl_module)  # type: ignore[misc]
 
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._epoch_end = False
+        super().on_train_epoch_start(trainer, pl_module)  # type: ignore[misc]
+
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        # From here to the next epoch (or validation) a computation — this one, or a checkpoint's that another
+        # callback's on_train_epoch_end saves — is logged with the epoch's metrics: see _logging_step
+        self._epoch_end = True
         n = self.every_n_epochs
         if n is not None and (trainer.current_epoch + 1) % n == 0 and _fitting(trainer):
-            self._epoch_end = True  # (logged with the epoch's metrics: see _logging_step)
-            try:
-                self._compute(trainer, trainer.global_step)
-            finally:
-                self._epoch_end = False
+            self._compute(trainer, trainer.global_step)
         super().on_train_epoch_end(trainer, pl_module)  # type: ignore[misc]
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:

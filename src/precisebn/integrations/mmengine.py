@@ -311,8 +311,10 @@ def _share_with_ema(runner: Any, model: nn.Module, report: Report) -> None:
         if not isinstance(getattr(ema, "module", None), nn.Module):
             continue
         if getattr(ema, "update_buffers", True):
-            started = getattr(hook, "_ema_started", None)
-            if not callable(started) or started(runner):
+            # (begun: update_parameters ran — not EMAHook's clock, which in before_val already answers for the
+            # next epoch or iteration, a review found: 1.6 σ off at the first validation)
+            steps = getattr(ema, "steps", None)
+            if not isinstance(steps, Tensor) or int(steps) > 0:
                 continue
         if names is None:
             names = buffer_names(model, report.updated, ("running_mean", "running_var"))
