@@ -201,6 +201,9 @@ def test_mapping_and_repr() -> None:
     assert len(stats) == 3 and "1" in stats
     assert "3 layers" in repr(stats)
     assert stats.to("cpu")["1"].mean.device.type == "cpu"
+    assert stats.to(torch.device("cpu"))["1"].mean.dtype == torch.float64
+    with pytest.raises(InvalidArgumentError, match=r"takes a device, got the dtype torch\.float16"):
+        stats.to(torch.float16)  # probe 41: rounded the statistics to float16, silently
 
 
 def test_saved_file_has_normal_permissions(tmp_path) -> None:

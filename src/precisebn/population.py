@@ -137,7 +137,13 @@ class PopulationStats(Mapping[str, LayerStats]):
         )
 
     def to(self, device: torch.device | str) -> PopulationStats:
-        """A copy with every tensor on ``device``."""
+        """A copy with every tensor on ``device`` (float64 still: a dtype is refused — probe 41 found
+        ``to(torch.float16)`` rounding the statistics silently)."""
+        if isinstance(device, torch.dtype):
+            raise InvalidArgumentError(
+                f"PopulationStats.to takes a device, got the dtype {device}; the statistics stay float64 (apply() "
+                "converts them to each layer's dtype)."
+            )
         moved = {
             k: LayerStats(
                 v.mean.to(device),

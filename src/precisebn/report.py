@@ -233,7 +233,8 @@ class Report(Mapping[str, LayerReport]):
 
     @property
     def not_reached(self) -> list[str]:
-        """Names of the selected layers that no forward pass reached (statistics kept)."""
+        """Names of the selected layers whose statistics were kept: no forward pass reached them, or
+        none normalised with their running buffers (the summary counts those apart)."""
         return [r.name for r in self.layers if not r.updated]
 
     @property
