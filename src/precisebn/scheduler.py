@@ -361,7 +361,7 @@ class PreciseBNScheduler:
     def model(self, model: nn.Module) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        old = self.__dict__.get("_model", self.__dict__.get("model"))
+        old = self.__dict__.get("_model", self.__dict__.pop("model", None))
         self._model = model
         if old is not None and old is not model:
             if self._trained is old:

@@ -230,7 +230,7 @@ class _Recalibrator:
         if not trainer.loggers or not trainer.is_global_zero:
             return
         metrics = report_metrics(report, self._log_prefix)
-        step = _logging_step(trainer, epoch_end=getattr(self, "_epoch_end", False))
+        step = _logging_step(trainer)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
             logger.save()
@@ -354,20 +354,12 @@ class PreciseBNMixin(_Recalibrator):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # type: ignore[misc]
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        self._epoch_end = False
         if self.on_validation and _fitting(trainer):
             self._trigger.observe(pl_module, modes=_modes_before_validating(trainer))  # (it is in eval mode now)
             self._compute(trainer, trainer.global_step)
         super().on_validation_start(trainer, pl_module)  # type: ignore[misc]
 
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        self._epoch_end = False
-        super().on_train_epoch_start(trainer, pl_module)  # type: ignore[misc]
-
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        # From here to the next epoch (or validation) a computation — this one, or a checkpoint's that another
-        # callback's on_train_epoch_end saves — is logged with the epoch's metrics: see _logging_step
-        self._epoch_end = True
         n = self.every_n_epochs
         if n is not None and (trainer.current_epoch + 1) % n == 0 and _fitting(trainer):
             self._compute(trainer, trainer.global_step)
@@ -612,13 +604,18 @@ class AveragingMixin(_Recalibrator):
         super().load_state_dict(state)  # type: ignore[misc]
 
 
-def _logging_step(trainer: Any, epoch_end: bool = False) -> int:
+def _logging_step(trainer: Any) -> int:
     """The step Lightning logs ``self.log`` metrics at (its logger connector's: the training batches that stepped,
-    which a validation at the end of an epoch is logged at before the count moves on; the epoch's own metrics one
-    below it, ``epoch_end``), so that each computation's figures share a row with the metrics of the validation or
-    the epoch they were computed for; ``global_step`` was one ahead there (probe 41). ``global_step`` where that
-    count is not found."""
-    count = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "_batches_that_stepped", None)
+    which a validation at the end of an epoch is logged at before the count moves on; an epoch's own metrics one
+    below it, logged after the epoch's ``on_train_epoch_end`` hooks — while the loop counts the epoch processed but
+    not completed, which is when a computation there, or a checkpoint's that a callback saves there, runs), so that
+    each computation's figures share a row with the metrics of the validation or the epoch they were computed for;
+    ``global_step`` was one ahead there (probe 41). ``global_step`` where that count is not found."""
+    fit_loop = getattr(trainer, "fit_loop", None)
+    count = getattr(getattr(fit_loop, "epoch_loop", None), "_batches_that_stepped", None)
     if not isinstance(count, int):
         return int(trainer.global_step)
+    progress = getattr(getattr(fit_loop, "epoch_progress", None), "current", None)
+    processed, completed = getattr(progress, "processed", 0), getattr(progress, "completed", 0)
+    epoch_end = isinstance(processed, int) and isinstance(completed, int) and processed > completed
     return max(0, count - 1) if epoch_end else count

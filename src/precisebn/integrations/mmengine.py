@@ -312,7 +312,7 @@ def _share_with_ema(runner: Any, model: nn.Module, report: Report) -> None:
             continue
         if getattr(ema, "update_buffers", True):
             # (begun: update_parameters ran — not EMAHook's clock, which in before_val already answers for the
-            # next epoch or iteration, a review found: 1.6 σ off at the first validation)
+            # next epoch or iteration, a review found: 1.6 σ off in the mean at the first validation)
             steps = getattr(ema, "steps", None)
             if not isinstance(steps, Tensor) or int(steps) > 0:
                 continue
