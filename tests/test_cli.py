@@ -811,6 +811,23 @@ class _Towers(torch.nn.Module):
         return self.a(x)
 
 
+def test_apply_leaves_a_parameter_saved_as_a_view_of_a_statistic_alone(work):
+    """Probe 41: a checkpoint whose weight is saved as the very tensor of the running variance (a saver storing
+    equal values once) got the new variance as its weight: the names of one view were all written. Only names of
+    the same buffer (a layer under two names) are."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4))
+    stats = precisebn.estimate(model, [torch.randn(16, 4) * 3 + 1])
+    stats.save(work["dir"] / "s.safetensors")
+    saved = model.state_dict()
+    saved["0.weight"] = saved["0.running_var"]  # (both ones: one tensor under both names)
+    torch.save(saved, work["dir"] / "aliased.pt")
+    assert main(["apply", "aliased.pt", "s.safetensors", "--out", "out.pt"]) == 0
+    written = torch.load(work["dir"] / "out.pt", weights_only=True)
+    assert torch.equal(written["0.weight"], torch.ones(4))
+    assert torch.equal(written["0.running_var"], stats["0"].var.float())
+
+
 @pytest.mark.parametrize("case", ["never reached", "not selected"])
 def test_apply_leaves_a_separate_layer_with_the_same_statistics_alone(work, capsys, case):
     """Probe 41: a layer holding bitwise the statistics of a written layer was taken as its copy under another name

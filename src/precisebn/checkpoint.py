@@ -443,8 +443,11 @@ def _with_aliases(sd: Mapping[str, Any], replace: dict[str, Tensor], named: Coll
     for name in replace:
         t = sd.get(name)
         key = geometry(t) if isinstance(t, Tensor) else None
+        kind = name.rpartition(".")[2]  # (only a buffer of the same kind: a weight saved as a view of the same
+        # memory as a running_var, which a saver storing equal values once may write, got the new variance, probe 41)
         for other in by_view.get(key, []) if key is not None else []:
-            out.setdefault(other, replace[name])
+            if other.rpartition(".")[2] == kind:
+                out.setdefault(other, replace[name])
     _with_copies(sd, out, named)
     return out
 
