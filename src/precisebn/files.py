@@ -56,6 +56,9 @@ def _prefix(target: Path) -> str:
     return f".{name}{_MARK}"
 
 
+_WRITE_ERRNOS = {getattr(errno, n) for n in ("ENOSPC", "EFBIG", "EDQUOT", "EIO") if hasattr(errno, n)}  # failed writes
+
+
 def real_path(path: str | os.PathLike[str]) -> Path:
     """The absolute path ``path`` names once its folders exist: symlinks and ``..`` resolved.
 
@@ -355,7 +358,12 @@ class OutputPlan:
 
     def _renamed(self, exc: OSError, temps: dict[str, Path]) -> OSError:
         """``exc`` naming the output whose temporary file it names (by the temporary's own name: two long names
-        may share a shortened prefix), else ``exc`` itself."""
+        may share a shortened prefix), or the only output for a failed write that names no file (a full disk at
+        a close: ``Report.to_json`` and the plots said "File too large" of nothing, probe 41); else ``exc`` itself
+        (another error of the block: of another file, a socket's)."""
+        if exc.filename is None and exc.errno in _WRITE_ERRNOS and len(temps) == 1:
+            (label,) = temps
+            return OSError(exc.errno, exc.strerror or str(exc), self.outputs[label][0])
         name = Path(os.fspath(exc.filename)).name if exc.filename else ""
         for label, tmp in temps.items():
             if name in (tmp.name, tmp.name[:-4] + ".old.tmp"):
@@ -478,9 +486,6 @@ def _mode_for(target: Path) -> int:
         return 0o666 & ~_UMASK
 
 
-_WRITE_ERRNOS = {getattr(errno, n) for n in ("ENOSPC", "EFBIG", "EDQUOT", "EIO") if hasattr(errno, n)}
-
-
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yields a temporary path next to ``path``; renames it onto ``path`` on success.
@@ -501,14 +506,5 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """
     plan = OutputPlan()
     plan.add("output", path)
-    staged: list[Path] = []
-    try:
-        with plan.staged() as temps:
-            staged.append(temps["output"])
-            yield temps["output"]
-    except OSError as exc:  # named by the file asked for: a full disk names no file, the temporary one is gone
-        # (Report.to_json, the plots: an error of no file, probe 41; PopulationStats.save did this itself) — a
-        # failed write only: another error of the block (of another file, a socket's) is the block's own
-        if exc.errno in _WRITE_ERRNOS and (exc.filename is None or os.fspath(exc.filename) in map(os.fspath, staged)):
-            raise OSError(exc.errno, exc.strerror or str(exc), os.fspath(path)) from exc
-        raise
+    with plan.staged() as temps:
+        yield temps["output"]

@@ -266,10 +266,7 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
         # The checkpoint's state_dict was taken before this computation; on CPU it holds
         # the buffers themselves (written in place), elsewhere CPU copies: refresh those,
         # under every name of a layer (one registered under two parents has two).
-        model = self._trigger.scheduler.model
-        for key in buffer_names(model, report.updated, ("running_mean", "running_var")):
-            owner, _, buffer = key.rpartition(".")
-            value = getattr(model.get_submodule(owner), buffer, None)
+        for key, value in _new_statistics(self._trigger.scheduler.model, report):
             if key in state and value is not None and state[key] is not value:
                 state[key] = value.detach().cpu()
 
@@ -303,7 +300,7 @@ def _share_with_ema(runner: Any, model: nn.Module, report: Report) -> None:
     module that averages its buffers too (``update_buffers=True``) keeps its own once averaging has begun (before
     ``begin_iter``/``begin_epoch`` ``EMAHook`` copies the whole model, buffers too: so does this). The copies are
     made with signals held (see :mod:`precisebn.interrupts`): all of them or none."""
-    names = None
+    new: list[tuple[str, Tensor | None]] | None = None
     for hook in getattr(runner, "hooks", ()):
         ema = getattr(hook, "ema_model", None)
         if not isinstance(hook, _hooks.EMAHook) or getattr(hook, "src_model", None) is not model or ema is None:
@@ -316,18 +313,26 @@ def _share_with_ema(runner: Any, model: nn.Module, report: Report) -> None:
             steps = getattr(ema, "steps", None)
             if not isinstance(steps, Tensor) or int(steps) > 0:
                 continue
-        if names is None:
-            names = buffer_names(model, report.updated, ("running_mean", "running_var"))
+        new = _new_statistics(model, report) if new is None else new
         with torch.no_grad(), signals_held():
-            for key in names:
+            for key, value in new:
                 owner, _, buffer = key.rpartition(".")
-                value = getattr(model.get_submodule(owner), buffer, None)
                 try:
                     target = getattr(ema.module.get_submodule(owner), buffer, None)
                 except AttributeError:
                     continue
                 if isinstance(value, Tensor) and isinstance(target, Tensor) and target.shape == value.shape:
                     target.copy_(value)
+
+
+def _new_statistics(model: nn.Module, report: Report) -> list[tuple[str, Tensor | None]]:
+    """The running statistics ``report`` wrote, under every name of their layer (one registered under two
+    parents has two): ``(state_dict key, the buffer now)``."""
+    found = []
+    for key in buffer_names(model, report.updated, ("running_mean", "running_var")):
+        owner, _, buffer = key.rpartition(".")
+        found.append((key, getattr(model.get_submodule(owner), buffer, None)))
+    return found
 
 
 def register_mmpretrain_name(registry: Any = None, *, force: bool = False) -> None:
