@@ -368,6 +368,21 @@ def test_a_resumed_run_keeps_its_last_step() -> None:
     trigger.load_state_dict({"last_step": 7, "stale": False, "computations": 1})  # a checkpoint's, for a resume
     trigger.bind(model, [torch.randn(8, 4)])
     assert trigger.last_step == 7 and trigger.compute(7) is None
+    # a run that raised is never unbound: the next run starts afresh all the same (probe 42)
+    trigger.bind(model, [torch.randn(8, 4)])
+    assert trigger.last_step is None
+    # bound (an Ignite handler is, between its runs): a state loaded goes on in the next run...
+    trigger.load_state_dict({"last_step": 7, "stale": False, "computations": 1})
+    trigger.new_run()
+    assert trigger.last_step == 7
+    trigger.new_run()  # ...only in that one
+    assert trigger.last_step is None
+    # Lightning restores a checkpoint after binding the run: for that run only
+    trigger.bind(model, [torch.randn(8, 4)])
+    trigger.load_state_dict({"last_step": 7, "stale": False, "computations": 1}, for_next_run=False)
+    assert trigger.last_step == 7
+    trigger.bind(model, [torch.randn(8, 4)])
+    assert trigger.last_step is None
 
 
 def test_a_one_shot_iterator_without_data_is_refused_when_the_run_starts() -> None:
@@ -396,3 +411,40 @@ def test_a_run_without_data_is_refused_in_words_that_fit_it() -> None:
     with pytest.raises(InvalidArgumentError, match=r"no data to measure on \(it runs without a dataloader"):
         trainer.run(None, max_epochs=1, epoch_length=4)
     assert trainer.state.iteration == 0
+
+
+def test_a_run_reloaded_after_one_that_raised_computes_at_its_own_steps(tmp_path: Path, float64_truth: Any) -> None:
+    """Probe 42: the evaluation at iteration 8 raised after the computation for it; the user reloaded the checkpoint
+    of iteration 4 (the handler's state not in it) into new engines with the same handler. The reloaded run started
+    at iteration 4, not 0, so it kept the failed run's last step, and its evaluation at iteration 8 ran with the
+    moving averages (~0.1 σ off the truth)."""
+    x, y = make_data()
+    model = make_model()
+    precise = PreciseBN(model, num_samples="all")
+    failures = [1]
+
+    def build() -> tuple[Engine, list[Any]]:
+        trainer, evaluator, _, seen = engines(model)
+        precise.attach(evaluator, Events.STARTED, step_engine=trainer)
+
+        def evaluate(engine: Engine) -> None:
+            evaluator.run(loader(x[:32], y[:32]))
+            if engine.state.iteration == 8 and failures:
+                failures.pop()
+                raise RuntimeError("a bug in the evaluation")
+
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, evaluate)
+        saver = Checkpoint({"model": model, "trainer": trainer}, DiskSaver(str(tmp_path), require_empty=False))
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, saver)
+        return trainer, seen
+
+    trainer, _ = build()
+    with pytest.raises(RuntimeError, match="a bug in the evaluation"):
+        trainer.run(loader(x, y), max_epochs=3)  # 4 iterations per epoch
+    assert precise.last_step == 8
+    trainer, seen = build()
+    Checkpoint.load_objects({"model": model, "trainer": trainer}, torch.load(tmp_path / "checkpoint_4.pt"))
+    trainer.run(loader(x, y), max_epochs=3)
+    assert [it for it, _ in seen] == [8, 12]
+    for _, state in seen:
+        assert_precise(float64_truth, state, x)

@@ -474,3 +474,53 @@ def test_with_ema_averaging_buffers_not_yet_begun_validation_gets_the_statistics
     )
     assert [it for it, _ in probe.seen] == [4, 8]
     assert_precise(float64_truth, probe.seen[0][1], x)  # (epoch 1: before averaging; from epoch 2 it averages them)
+
+
+class FailingOnce(MSE):
+    """A metric with a bug in the first validation it computes."""
+
+    failures: ClassVar[list[int]] = [1]
+
+    def compute_metrics(self, results: list[float]) -> dict[str, float]:
+        if self.failures:
+            self.failures.pop()
+            raise RuntimeError("a bug in the metric")
+        return super().compute_metrics(results)
+
+
+def test_a_run_after_one_that_raised_computes_at_its_own_steps(tmp_path: Path, float64_truth: Any) -> None:
+    """Probe 42: the run that raised (in its first validation, after the computation at iteration 4) never reached
+    after_train, and the same hook in the next run — a new Runner, a new model — took that run's iteration 4 as
+    computed: its validation and epoch_1.pth held the moving averages (~1.1 σ off the truth)."""
+    x, y = make_data()
+    hook = ExactPreciseBNHook(num_samples="all", interval=None)  # before validations and checkpoints only
+    probe = AtValidation()
+
+    def attempt(name: str) -> None:
+        Runner(
+            model=TinyNet(),
+            work_dir=str(tmp_path / name),
+            train_dataloader=loader(x, y),
+            train_cfg={"by_epoch": True, "max_epochs": 2, "val_interval": 1},
+            optim_wrapper={"optimizer": {"type": "SGD", "lr": 0.02, "momentum": 0.9}},
+            val_dataloader=loader(x[:32], y[:32]),
+            val_cfg={},
+            val_evaluator=Evaluator(FailingOnce()),
+            default_hooks={"checkpoint": {"type": "CheckpointHook", "interval": 1}},
+            custom_hooks=[hook, probe],
+            randomness={"seed": 0},
+            log_level="ERROR",
+        ).train()
+
+    with pytest.raises(RuntimeError, match="a bug in the metric"):
+        attempt("first")
+    assert hook.last_step == 4 and hook.computations == 1
+    probe.seen.clear()
+    attempt("again")
+    assert hook.computations == 3 and [it for it, _ in probe.seen] == [4, 8]
+    for _, state in probe.seen:
+        assert_precise(float64_truth, state, x)
+    for epoch in (1, 2):
+        assert_precise(
+            float64_truth, torch.load(tmp_path / "again" / f"epoch_{epoch}.pth", weights_only=False)["state_dict"], x
+        )

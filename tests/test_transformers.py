@@ -374,3 +374,40 @@ def test_the_evaluation_on_start_leaves_frozen_layers_too(tmp_path: Path) -> Non
     model, reference = with_callback.model, without.model
     assert torch.equal(model.net.body[1].running_mean, reference.net.body[1].running_mean)
     assert torch.equal(model.net.body[1].running_var, reference.net.body[1].running_var)
+
+
+def test_a_run_after_one_that_raised_computes_at_its_own_steps(tmp_path: Path, float64_truth: Any) -> None:
+    """Probe 42: a run that raised (in its first evaluation, after the computation at step 4) never reached
+    on_train_end, and the next trainer.train() took its own step 4 as computed: checkpoint-4 and that evaluation
+    held the moving averages (~0.6 σ off the truth)."""
+    failures = [1]
+
+    def metrics(prediction: Any) -> dict[str, float]:
+        if failures:
+            failures.pop()
+            raise RuntimeError("a bug in compute_metrics")
+        return {"seen": 1.0}
+
+    data = make_dataset()
+    precise, snapshots = PreciseBNCallback(num_samples="all"), Snapshots()
+    args = arguments(tmp_path, eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4)
+    trainer = SequentialTrainer(
+        ResNetForImageClassification(CONFIG),
+        args,
+        train_dataset=data,
+        eval_dataset=data[:32],
+        data_collator=collate,
+        callbacks=[precise, snapshots],
+        compute_metrics=metrics,
+    )
+    with pytest.raises(RuntimeError, match="a bug in compute_metrics"):
+        trainer.train()
+    assert precise.last_step == 4 and precise.computations == 1
+    snapshots.evaluated.clear()
+    trainer.train()  # the bug fixed: from step 0 again, on the weights the failed run left
+    assert precise.computations == 3 and [step for step, _ in snapshots.evaluated] == [4, 8]
+    batches = [collate(data[i : i + BATCH]) for i in range(0, N, BATCH)]
+    for _, state in snapshots.evaluated:
+        assert_precise(float64_truth, state, batches)
+    for step in (4, 8):
+        assert_precise(float64_truth, load_file(tmp_path / f"checkpoint-{step}" / "model.safetensors"), batches)

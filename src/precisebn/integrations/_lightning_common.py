@@ -261,7 +261,8 @@ class _Recalibrator:
         return self._trigger.state_dict()
 
     def _load_scheduler_state(self, state: Any) -> None:
-        self._trigger.load_state_dict(state)  # refused now, not at setup
+        # refused now, not at setup; Lightning restores a checkpoint after setup (bound): for this run only
+        self._trigger.load_state_dict(state, for_next_run=False)
 
     def _refresh_own_state(self, checkpoint: dict[str, Any]) -> None:
         # The callbacks' states were collected before on_save_checkpoint runs.
@@ -335,6 +336,9 @@ class PreciseBNMixin(_Recalibrator):
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
         if stage == "fit":
             self._make_scheduler(trainer, pl_module)
+            # (an earlier run's: a callback used again skipped the new run's computation at that step, probe 42;
+            # a checkpoint's state, restored after setup, sets it again: see load_state_dict)
+            self._last_scheduled_step = self._trigger.last_step
             if self.on_checkpoint:
                 self._warn_uncovered_saves(trainer)
 
@@ -395,6 +399,9 @@ class PreciseBNMixin(_Recalibrator):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._load_scheduler_state(state_dict)
+        # A computation at the checkpoint's last step came first at that step, in on_train_batch_end (validations and
+        # ModelCheckpoint's saves follow it): a scheduled step there was computed already, as in the run not resumed.
+        self._last_scheduled_step = self._trigger.last_step
 
 
 # the options that say when a PreciseBN computes and what (its state key; the same in every run of a script)
@@ -537,6 +544,10 @@ class AveragingMixin(_Recalibrator):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
         if stage == "fit":
+            # WeightAveraging keeps when it last averaged from one fit to the next: a callback used again never
+            # averaged in its second run (probe 42: n_averaged 0, the trained weights kept, "ended before any
+            # average"). Each run starts as a new callback's; a checkpoint's state, restored after setup, goes on.
+            self._latest_update_step, self._latest_update_epoch = 0, -1
             self._make_scheduler(trainer, self._average_model.module)  # type: ignore[attr-defined]
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:

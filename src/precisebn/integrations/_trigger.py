@@ -139,7 +139,11 @@ class Trigger:
         self._pending_state: dict[str, Any] | None = None
         self._last_report: Report | None = None
         self._warned_no_layers = False
-        self._finished = False  # a run ended (unbind) and no state was loaded since
+        # whether a state was loaded (a checkpoint's, for the run about to start) since the last run started: only
+        # then does that run start from its last step. A run that raised never reached its end (unbind), and its last
+        # step, kept, made the next run skip its computation at that step (probe 42: a failed evaluation rerun, a
+        # resume from an earlier checkpoint, a new model — evaluated and saved with moving-average statistics)
+        self._loaded = False
 
     # -- binding ----------------------------------------------------------------------
 
@@ -156,12 +160,14 @@ class Trigger:
 
         ``forward`` replaces the user's only when the user gave none (the framework's
         call convention); ``progress`` can turn the bar off on ranks other than 0. The
-        state of an earlier run (or a loaded checkpoint) carries over.
+        number of computations carries over; the last step only from a state loaded for this
+        run (a checkpoint's, :meth:`load_state_dict`) — not from an earlier run, whether it
+        ended (:meth:`unbind`) or raised (never unbound).
         """
         state = self.state_dict()
-        if self._finished:  # a new run after a finished one, no checkpoint's state loaded for it
-            state = {**state, "last_step": None, "stale": False}
-        self._finished = False
+        if not self._loaded:  # a new run, no checkpoint's state loaded for it: the steps of an earlier one (that
+            state = {**state, "last_step": None, "stale": False}  # ended or raised) mean nothing in it
+        self._loaded = False
         self._scheduler = PreciseBNScheduler(
             model,
             data,
@@ -187,14 +193,17 @@ class Trigger:
         """Ends a training run: keeps the number of computations, drops the references to the model and
         data; the next run forgets the last step — it counts its steps from 0 again, so a step number of
         this run means nothing there (unless a checkpoint's state is loaded for it: a resumed run)."""
-        if self._scheduler is not None:
+        if self._scheduler is not None:  # (its last step stays readable until the next run starts)
             self._pending_state, self._scheduler = self._scheduler.state_dict(), None
-            self._finished = True  # (its last step stays readable until the next run starts)
 
     def new_run(self) -> None:
-        """A bound run starts again from step 0 (an Ignite engine run again): forgets the last step."""
-        if self._scheduler is not None:
+        """A bound run starts again (an Ignite engine run again, from step 0 or resumed): forgets the last step,
+        unless a state was loaded for this run since the last one started (see :meth:`bind`). Forgetting it costs
+        at most one computation that was current already; keeping it after a run that raised, or before one
+        resumed from an earlier checkpoint, skipped a computation the model needed (probe 42)."""
+        if self._scheduler is not None and not self._loaded:
             self._scheduler.load_state_dict({**self._scheduler.state_dict(), "last_step": None, "stale": False})
+        self._loaded = False
 
     def observe(self, model: nn.Module | None = None, *, modes: Mapping[str, bool] | None = None) -> None:
         """After a training step: notes the layers frozen for training (in eval mode while
@@ -281,10 +290,15 @@ class Trigger:
             return self._scheduler.state_dict()
         return dict(self._pending_state or {"last_step": None, "stale": False, "computations": 0})
 
-    def load_state_dict(self, state: Any) -> None:
-        """Restores :meth:`state_dict`'s output; refuses anything else at once."""
+    def load_state_dict(self, state: Any, *, for_next_run: bool = True) -> None:
+        """Restores :meth:`state_dict`'s output; refuses anything else at once.
+
+        ``for_next_run``: the state is for the run that starts next (:meth:`bind`, :meth:`new_run`), which goes
+        on from its last step — loaded before that run, as Ignite's and the user's loads are. ``False``: for the
+        run bound now (Lightning restores a checkpoint after its ``setup``, where the run is bound); a later run
+        starts afresh. Either way it is what :meth:`state_dict` gives at once."""
         checked = check_state(state, f"{self.owner}.load_state_dict")
-        self._finished = False  # (a resumed run: its steps go on from the checkpoint's)
+        self._loaded = for_next_run or self._scheduler is None  # (a resumed run: its steps go on from the checkpoint's)
         if self._scheduler is not None:
             self._scheduler.load_state_dict(checked)
         else:
