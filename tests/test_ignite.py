@@ -377,10 +377,17 @@ def test_a_resumed_run_keeps_its_last_step() -> None:
     assert trigger.last_step == 7
     trigger.new_run()  # ...only in that one
     assert trigger.last_step is None
+    trigger.load_state_dict({"last_step": 7, "stale": False, "computations": 1})
+    trigger.new_run(resumed=False)  # and not in a run from step 0 (a finished run's state, the engine restarted)
+    assert trigger.last_step is None
     # Lightning restores a checkpoint after binding the run: for that run only
     trigger.bind(model, [torch.randn(8, 4)])
     trigger.load_state_dict({"last_step": 7, "stale": False, "computations": 1}, for_next_run=False)
     assert trigger.last_step == 7
+    trigger.bind(model, [torch.randn(8, 4)])
+    assert trigger.last_step is None
+    trigger.unbind()  # (Lightning's validate/test restore a state with no fit bound: not for the next fit either)
+    trigger.load_state_dict({"last_step": 7, "stale": False, "computations": 1}, for_next_run=False)
     trigger.bind(model, [torch.randn(8, 4)])
     assert trigger.last_step is None
 
@@ -448,3 +455,25 @@ def test_a_run_reloaded_after_one_that_raised_computes_at_its_own_steps(tmp_path
     assert [it for it, _ in seen] == [8, 12]
     for _, state in seen:
         assert_precise(float64_truth, state, x)
+
+
+def test_a_finished_runs_state_loaded_does_not_reach_a_run_from_iteration_0(float64_truth: Any) -> None:
+    """The review of probe 42: the handler's state loaded with a finished run's last checkpoint, the trainer run again
+    (Ignite restarts a finished engine from iteration 0), kept the loaded last step in that new run: its evaluation at
+    that iteration ran with the moving averages (0.47 σ off)."""
+    x, y = make_data()
+    model = make_model()
+    precise = PreciseBN(model, num_samples="all")
+    trainer, evaluator, _, seen = engines(model)
+    precise.attach(evaluator, Events.STARTED, step_engine=trainer)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: evaluator.run(loader(x[:32], y[:32])))
+    trainer.run(loader(x, y), max_epochs=1)
+    state = {"trainer": trainer.state_dict(), "precise": precise.state_dict()}  # (what Checkpoint would save)
+    assert state["precise"]["last_step"] == 4
+    trainer, evaluator, _, seen = engines(model)
+    precise.attach(evaluator, Events.STARTED, step_engine=trainer)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: evaluator.run(loader(x[:32], y[:32])))
+    Checkpoint.load_objects({"trainer": trainer, "precise": precise}, state)
+    trainer.run(loader(x, y), max_epochs=1)  # done: from iteration 0 again, on the trained weights
+    assert precise.computations == 2 and [it for it, _ in seen] == [4]
+    assert_precise(float64_truth, seen[0][1], x)

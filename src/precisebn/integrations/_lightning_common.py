@@ -261,7 +261,8 @@ class _Recalibrator:
         return self._trigger.state_dict()
 
     def _load_scheduler_state(self, state: Any) -> None:
-        # refused now, not at setup; Lightning restores a checkpoint after setup (bound): for this run only
+        # refused now, not at setup; Lightning restores a checkpoint after a fit's setup (bound), or for validate/test
+        # (no fit): for that stage only, never for a later fit without a checkpoint
         self._trigger.load_state_dict(state, for_next_run=False)
 
     def _refresh_own_state(self, checkpoint: dict[str, Any]) -> None:

@@ -196,12 +196,14 @@ class Trigger:
         if self._scheduler is not None:  # (its last step stays readable until the next run starts)
             self._pending_state, self._scheduler = self._scheduler.state_dict(), None
 
-    def new_run(self) -> None:
-        """A bound run starts again (an Ignite engine run again, from step 0 or resumed): forgets the last step,
-        unless a state was loaded for this run since the last one started (see :meth:`bind`). Forgetting it costs
-        at most one computation that was current already; keeping it after a run that raised, or before one
-        resumed from an earlier checkpoint, skipped a computation the model needed (probe 42)."""
-        if self._scheduler is not None and not self._loaded:
+    def new_run(self, *, resumed: bool = True) -> None:
+        """A bound run starts again (an Ignite engine run again): forgets the last step, unless the run is
+        ``resumed`` (goes on from a step other than 0) and a state was loaded for it since the last run started
+        (see :meth:`bind`). Forgetting it costs at most one computation that was current already; keeping it after
+        a run that raised, before one resumed from an earlier checkpoint, or before one that starts from step 0
+        again (a finished run's checkpoint loaded, the engine restarted) skipped a computation the model needed
+        (probe 42 and its review)."""
+        if self._scheduler is not None and not (resumed and self._loaded):
             self._scheduler.load_state_dict({**self._scheduler.state_dict(), "last_step": None, "stale": False})
         self._loaded = False
 
@@ -295,10 +297,12 @@ class Trigger:
 
         ``for_next_run``: the state is for the run that starts next (:meth:`bind`, :meth:`new_run`), which goes
         on from its last step — loaded before that run, as Ignite's and the user's loads are. ``False``: for the
-        run bound now (Lightning restores a checkpoint after its ``setup``, where the run is bound); a later run
-        starts afresh. Either way it is what :meth:`state_dict` gives at once."""
+        run bound now, if any — Lightning restores a checkpoint after its ``setup``, where a fit is bound, and in
+        ``validate``/``test`` too, where none is (the review of probe 42: the next ``fit()`` took that
+        checkpoint's step as computed) — and a later run starts afresh. Either way it is what
+        :meth:`state_dict` gives at once."""
         checked = check_state(state, f"{self.owner}.load_state_dict")
-        self._loaded = for_next_run or self._scheduler is None  # (a resumed run: its steps go on from the checkpoint's)
+        self._loaded = for_next_run  # (a resumed run: its steps go on from the checkpoint's)
         if self._scheduler is not None:
             self._scheduler.load_state_dict(checked)
         else:

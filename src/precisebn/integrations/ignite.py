@@ -189,8 +189,8 @@ class PreciseBN(TriggerState):
         return engine.add_event_handler(event, self, steps)
 
     def _started(self, engine: Any) -> None:
-        """A run of the step engine starts: the last step means nothing in it unless this handler's state was loaded
-        for it (see :meth:`~precisebn.integrations._trigger.Trigger.new_run`). Without
+        """A run of the step engine starts: the last step means nothing in it unless the run is resumed and this
+        handler's state was loaded for it (see :meth:`~precisebn.integrations._trigger.Trigger.new_run`). Without
         ``data``, an engine on a one-shot iterator is refused now, not at the first computation (a probe: after
         the whole first epoch had trained)."""
         if self._trigger.data is None:
@@ -200,9 +200,9 @@ class PreciseBN(TriggerState):
             finally:
                 self._data_engine = None
         # a new run, or one resumed (from an earlier checkpoint, after a run that raised): the last step is of another
-        # run, unless this handler's state was loaded for this one (probe 42: kept after a failed evaluation, the
-        # reloaded run's evaluation at that step ran with moving-average statistics)
-        self._trigger.new_run()
+        # run, unless this handler's state was loaded for this one and it goes on from there (probe 42: kept after a
+        # failed evaluation, the reloaded run's evaluation at that step ran with moving-average statistics)
+        self._trigger.new_run(resumed=int(engine.state.iteration) > 0)
 
     def _observe(self, engine: Any) -> None:
         """After each training iteration: notes the layers kept in eval mode (frozen)."""
