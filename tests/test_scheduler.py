@@ -72,6 +72,38 @@ def test_force_and_invalidate_recompute_at_the_same_step() -> None:
     assert scheduler.computations == 3
 
 
+def test_weights_changed_since_are_not_current_at_the_same_step(float64_truth: Any) -> None:
+    """The step a caller gives may not move with the weights — a loop run again after one that raised counts from 0
+    again, a step counter that moves per epoch, a checkpoint loaded — and update(step) took such statistics as
+    current (probe 42 found the integrations doing it). The parameters, by identity and version counter, say so."""
+    model, data = make_model(), make_batches()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all")
+
+    def train_one_step() -> None:
+        x, y = data[0]
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    train_one_step()
+    assert scheduler.update(1) is not None
+    assert scheduler.update(1) is None  # nothing changed since: shared
+    train_one_step()  # the same step number given again (the loop started over)
+    assert not scheduler.is_current(1)
+    assert scheduler.update(1) is not None
+    assert_precise(model, float64_truth(model, data))
+    other = make_model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.5)
+    model.load_state_dict(other.state_dict())  # (copies in place: the versions move)
+    assert scheduler.update(1) is not None
+    assert_precise(model, float64_truth(model, data))
+    assert scheduler.computations == 3 and scheduler.update(1) is None
+
+
 def test_state_dict_round_trip() -> None:
     model, data = make_model(), make_batches(2)
     first = precisebn.PreciseBNScheduler(model, data)

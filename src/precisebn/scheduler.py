@@ -40,6 +40,7 @@ from .layers import LayerSelection, find_norm_layers, unwrap
 from .loaders import attribute, independent
 from .recalibrate import check_options, recalibrate
 from .report import Report
+from .state import version_of
 
 __all__ = ["PreciseBNScheduler", "check_frozen"]
 
@@ -54,7 +55,8 @@ class PreciseBNScheduler:
     """Recomputes a model's precise statistics at most once per training step.
 
     :meth:`update` recalibrates (:func:`precisebn.recalibrate`) when the step it is
-    given differs from the step of the last computation, and otherwise does nothing:
+    given differs from the step of the last computation, or the model's parameters
+    changed since (see :meth:`is_current`), and otherwise does nothing:
     the two lines before ``evaluate()`` and before ``torch.save`` cost one
     computation when they fall on the same step::
 
@@ -169,6 +171,7 @@ class PreciseBNScheduler:
         }
         self._last_step: int | None = None
         self._stale = False
+        self._weights: tuple[tuple[int, int | None], ...] | None = None  # the parameters computed with (see is_current)
         self._computations = 0
         self._last_report: Report | None = None
 
@@ -226,8 +229,14 @@ class PreciseBNScheduler:
         self._trained = model
 
     def is_current(self, step: int) -> bool:
-        """Whether the statistics were computed at ``step`` and nothing invalidated them since."""
-        return self._last_step == check_step(step, "step") and not self._stale
+        """Whether the statistics were computed at ``step``, nothing invalidated them since, and the model's
+        parameters are still the ones they were computed with — the same tensors, none changed in place since (an
+        optimizer step, ``load_state_dict``, another model: a caller's step number may not move with them, as a
+        run started again after one that raised does not). A write through ``.data`` is not seen."""
+        if self._last_step != check_step(step, "step") or self._stale:
+            return False
+        weights = self.__dict__.get("_weights")  # (None: loaded from a checkpoint, or a scheduler pickled before)
+        return weights is None or weights == _weights_of(self.model)
 
     def update(self, step: int, *, force: bool = False) -> Report | None:
         """Recalibrates unless the statistics were already computed at ``step``.
@@ -267,6 +276,7 @@ class PreciseBNScheduler:
         else:
             report = recalibrate(self.model, _batches_or_failure(self.data), **options)
         self._last_step, self._stale, self._last_report = step, False, report
+        self._weights = _weights_of(self.model)
         self._computations += 1
         return report
 
@@ -394,6 +404,7 @@ class PreciseBNScheduler:
             checked["stale"],
             checked["computations"],
         )
+        self._weights = None  # (the step alone says whether they are current: the weights were saved with them)
 
     def __repr__(self) -> str:
         return (
@@ -405,6 +416,11 @@ class PreciseBNScheduler:
 # -- helpers shared with the training-loop integrations -------------------------------------
 
 _STATE_KEYS = ("last_step", "stale", "computations")
+
+
+def _weights_of(model: nn.Module) -> tuple[tuple[int, int | None], ...]:
+    """Which tensors a model's parameters are, and their version counters (which in-place changes move)."""
+    return tuple((id(p), version_of(p)) for p in model.parameters())
 
 
 def check_frozen(frozen: Any) -> None:
