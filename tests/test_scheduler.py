@@ -532,3 +532,29 @@ def test_the_schedulers_warnings_name_the_users_line() -> None:
         scheduler.update(1)
     ours = [w for w in caught if issubclass(w.category, PreciseBNWarning)]
     assert ours and all(w.filename == __file__ for w in ours), [(w.filename, str(w.message)[:60]) for w in caught]
+
+
+def test_a_forward_that_renormalises_an_embedding_in_place_leaves_the_statistics_current() -> None:
+    """The review of the weights check: an Embedding with max_norm renormalises its weight in place in every forward
+    (torch.embedding_renorm_), moving its version counter whether or not a row changed, so an evaluation between two
+    update(step) at one step made the second compute again (6 computations instead of 3 in a Lightning run)."""
+
+    class Tagged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(4, 5, max_norm=100.0)
+            self.net = make_model()
+
+        def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            x, _ = batch
+            return self.net(x + self.embedding(torch.zeros(len(x), dtype=torch.long)))
+
+    model, data = Tagged(), make_batches(2)
+    scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all", forward=lambda m, b: m(b))
+    assert scheduler.update(3) is not None
+    version = model.embedding.weight._version
+    model.eval()
+    with torch.no_grad():
+        model(data[0])  # an evaluation: the weight's counter moves, its values do not
+    assert model.embedding.weight._version > version
+    assert scheduler.update(3) is None and scheduler.computations == 1

@@ -40,7 +40,7 @@ from .layers import LayerSelection, find_norm_layers, unwrap
 from .loaders import attribute, independent
 from .recalibrate import check_options, recalibrate
 from .report import Report
-from .state import version_of
+from .state import RENORMALISED, version_of
 
 __all__ = ["PreciseBNScheduler", "check_frozen"]
 
@@ -419,8 +419,18 @@ _STATE_KEYS = ("last_step", "stale", "computations")
 
 
 def _weights_of(model: nn.Module) -> tuple[tuple[int, int | None], ...]:
-    """Which tensors a model's parameters are, and their version counters (which in-place changes move)."""
-    return tuple((id(p), version_of(p)) for p in model.parameters())
+    """Which tensors a model's parameters are, and their version counters (which in-place changes move) — but for the
+    weights of an ``Embedding``/``EmbeddingBag`` with ``max_norm``, whose every forward renormalises them in place,
+    moving the counter whether or not a row changed (the review of this check: a validation made every checkpoint at
+    its step compute again)."""
+    out, seen = [], set()
+    for module in model.modules():
+        renormalised = isinstance(module, RENORMALISED) and module.max_norm is not None
+        for p in module._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append((id(p), None if renormalised else version_of(p)))
+    return tuple(out)
 
 
 def check_frozen(frozen: Any) -> None:

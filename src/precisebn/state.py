@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from .errors import ConcurrentUseError, UninitializedLayerError
 
 __all__ = [
+    "RENORMALISED",
     "StateSnapshot",
     "ValueCopies",
     "copy_all",
@@ -55,7 +56,7 @@ __all__ = [
 # lazy modules' tensors (UninitializedParameter, UninitializedBuffer) by their plain mixin class: Parameter's
 # metaclass makes isinstance against those slow, and every tensor of the model is tested
 _UNINITIALIZED = nn.parameter.UninitializedTensorMixin
-_RENORMALISED = (nn.Embedding, nn.EmbeddingBag)  # modules whose forward writes their weight (max_norm)
+RENORMALISED = (nn.Embedding, nn.EmbeddingBag)  # modules whose forward writes their weight (max_norm)
 
 
 def version_of(t: Tensor) -> int | None:
@@ -374,7 +375,7 @@ class StateSnapshot:
             for prefix, module in modules:
                 self._modules.append(module)
                 buffers, params = module._buffers, module._parameters
-                copy_params = isinstance(module, _RENORMALISED) and module.max_norm is not None
+                copy_params = isinstance(module, RENORMALISED) and module.max_norm is not None
                 for tensors, copy in ((buffers, True), (params, copy_params)):
                     for key, t in tensors.items():
                         if not isinstance(t, Tensor) or id(t) in skip:
