@@ -495,6 +495,7 @@ def test_a_run_after_one_that_raised_computes_at_its_own_steps(tmp_path: Path, f
     x, y = make_data()
     hook = ExactPreciseBNHook(num_samples="all", interval=None)  # before validations and checkpoints only
     probe = AtValidation()
+    FailingOnce.failures[:] = [1]
 
     def attempt(name: str) -> None:
         Runner(
@@ -524,3 +525,38 @@ def test_a_run_after_one_that_raised_computes_at_its_own_steps(tmp_path: Path, f
         assert_precise(
             float64_truth, torch.load(tmp_path / "again" / f"epoch_{epoch}.pth", weights_only=False)["state_dict"], x
         )
+
+
+def test_a_validation_after_a_training_run_that_raised_computes_nothing(tmp_path: Path) -> None:
+    """Probe 42: a training run that raised never reached after_train, and the same hook in another Runner's val()
+    computed on the failed run's model (its statistics rewritten from a validation of another model)."""
+    x, y = make_data()
+    hook = ExactPreciseBNHook(num_samples="all", interval=None)
+    failed = TinyNet()
+
+    def runner(model: TinyNet, metric: BaseMetric) -> Runner:
+        return Runner(
+            model=model,
+            work_dir=str(tmp_path),
+            experiment_name=uuid.uuid4().hex,
+            train_dataloader=loader(x, y),
+            train_cfg={"by_epoch": True, "max_epochs": 1, "val_interval": 1},
+            optim_wrapper={"optimizer": {"type": "SGD", "lr": 0.02}},
+            val_dataloader=loader(x[:32], y[:32]),
+            val_cfg={},
+            val_evaluator=Evaluator(metric),
+            default_hooks={"checkpoint": None},
+            custom_hooks=[hook],
+            log_level="ERROR",
+        )
+
+    FailingOnce.failures[:] = [1]
+    with pytest.raises(RuntimeError, match="a bug in the metric"):
+        runner(failed, FailingOnce()).train()
+    assert hook.computations == 1
+    with torch.no_grad():
+        failed.net[0].weight.mul_(2.0)  # (its statistics are stale now: a computation would rewrite them)
+    before = {k: v.clone() for k, v in failed.state_dict().items()}
+    runner(TinyNet(), MSE()).val()
+    assert hook.computations == 1
+    assert all(torch.equal(v, before[k]) for k, v in failed.state_dict().items())

@@ -190,6 +190,12 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
 
     # -- binding ----------------------------------------------------------------------
 
+    def before_run(self, runner: Any) -> None:
+        # Every run of a Runner (train, val, test) starts here. A training run that raised never reached after_train:
+        # its flags stayed up, and the same hook in another Runner's val() or test() computed on that run's model
+        # (probe 42). Training binds again in before_train.
+        self._training = self._iter_ending = False
+
     def before_train(self, runner: Any) -> None:
         model = runner.model.module if _wrappers.is_model_wrapper(runner.model) else runner.model
         source = self._trigger.data if self._trigger.data is not None else runner.train_dataloader
