@@ -477,3 +477,58 @@ def test_a_finished_runs_state_loaded_does_not_reach_a_run_from_iteration_0(floa
     trainer.run(loader(x, y), max_epochs=1)  # done: from iteration 0 again, on the trained weights
     assert precise.computations == 2 and [it for it, _ in seen] == [4]
     assert_precise(float64_truth, seen[0][1], x)
+
+
+class Backbone(torch.nn.Module):
+    """Two BatchNorm1d; ``freeze_backbone`` keeps the first in eval mode while the model trains (a train()
+    override, as fine-tuning code does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.bn1 = torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)
+        self.l2, self.bn2 = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)
+        self.out = torch.nn.Linear(8, 1)
+        self.freeze_backbone = False
+
+    def train(self, mode: bool = True) -> Backbone:
+        super().train(mode)
+        if mode and self.freeze_backbone:
+            self.bn1.eval()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.bn2(self.l2(torch.relu(self.bn1(self.l1(x)))))))
+
+
+def test_a_run_from_iteration_0_reads_the_frozen_layers_afresh() -> None:
+    """Probe 42: the handler, bound once, kept the first run's notes of which layers training keeps frozen. A
+    second run (fine-tuning on new data) that froze bn1 had it rewritten by a computation before its first step
+    (1.2 off), which a new handler — and the README — leave alone (the frozen layers are unknown before a training
+    step: nothing computed, with a warning); its training then differed from one without precisebn."""
+    x, y = make_data()
+    model = Backbone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def step(engine: Engine, batch: Any) -> None:
+        model.train()
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(batch[0]).squeeze(1), batch[1]).backward()
+        optimizer.step()
+
+    trainer = Engine(step)
+    precise = PreciseBN(model, num_samples="all")
+    precise.attach(trainer, Events.STARTED)
+    precise.attach(trainer, Events.EPOCH_COMPLETED)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: model.eval())  # (an evaluation leaves it so)
+    trainer.run(loader(x, y), max_epochs=1)
+    assert precise.computations == 2  # (at STARTED, the model in training mode then, and at the epoch's end)
+    model.freeze_backbone = True
+    kept = model.bn1.running_mean.clone(), model.bn1.running_var.clone()
+    trainer = Engine(step)  # (the same handler: it is bound to the model)
+    precise.attach(trainer, Events.STARTED)
+    seen = []
+    trainer.add_event_handler(Events.STARTED, lambda e: seen.append(model.bn1.running_mean.clone()))
+    with pytest.warns(PreciseBNWarning, match="no training step has been seen yet"):
+        trainer.run(loader(x * 2 + 1, y), max_epochs=1)
+    assert torch.equal(seen[0], kept[0])
+    assert torch.equal(model.bn1.running_mean, kept[0]) and torch.equal(model.bn1.running_var, kept[1])
