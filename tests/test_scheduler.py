@@ -581,3 +581,44 @@ def test_statistics_another_computation_wrote_since_are_not_current(float64_trut
     assert first.is_current(4)
     model.double()
     assert not first.is_current(4)  # other tensors now
+
+
+def test_another_computation_on_other_layers_leaves_the_statistics_current() -> None:
+    """The review: the bitwise check covered every layer, so a scheduler on some layers computed again whenever
+    another wrote other layers at its step (two callbacks on disjoint layers, as the README suggests: 6 computations
+    for 3 steps). Only the layers a computation wrote are compared."""
+    model, data = make_model(), make_batches()
+    first = precisebn.PreciseBNScheduler(model, data, num_samples="all", layers=["1"])
+    second = precisebn.PreciseBNScheduler(model, data, num_samples=16, layers=["5"])
+    for step in (1, 2, 3):
+        for scheduler in (first, second, first, second):  # (an evaluation, then a checkpoint, at each step)
+            scheduler.update(step)
+    assert (first.computations, second.computations) == (3, 3)
+
+
+def test_a_tied_renormalised_embedding_weight_leaves_the_statistics_current() -> None:
+    """The review: an Embedding with max_norm whose weight a Linear registered before it holds too had that weight's
+    version counter read (the first module seen decided), and an evaluation between two triggers made every second
+    one compute again."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(5, 4, bias=False)
+            self.embedding = nn.Embedding(4, 5, max_norm=1.0)
+            self.embedding.weight = self.head.weight
+            self.net = make_model()
+
+        def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            x, _ = batch
+            return self.net(x + self.embedding(torch.zeros(len(x), dtype=torch.long)))
+
+    model, data = Tied(), make_batches(2)
+    scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all", forward=lambda m, b: m(b))
+    for step in (1, 2):
+        assert scheduler.update(step) is not None
+        model.eval()
+        with torch.no_grad():
+            model(data[0])  # an evaluation renormalises the weight in place
+        assert scheduler.update(step) is None
+    assert scheduler.computations == 2

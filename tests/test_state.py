@@ -1351,3 +1351,37 @@ print("ok" if done else "not reached")
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("head_first", [True, False])
+def test_an_embedding_weight_renormalised_in_place_is_put_back_whichever_module_holds_it_first(
+    head_first: bool,
+) -> None:
+    """The review of probe 42: the weight of an Embedding with max_norm, which its forward renormalises in place, is
+    copied so that it can be put back — but only when the Embedding held it first: tied to a Linear registered
+    before it, it was only watched, and a computation left it renormalised (5.6 off, a ModelChangedWarning)."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            if head_first:
+                self.head = nn.Linear(4, 20, bias=False)
+            self.embedding = nn.Embedding(20, 4, max_norm=1.0)
+            self.bn = nn.BatchNorm1d(4)
+            if not head_first:
+                self.head = nn.Linear(4, 20, bias=False)
+            self.head.weight = self.embedding.weight  # (tied, as language models tie their input and output)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.head(self.bn(self.embedding(tokens)))
+
+    torch.manual_seed(0)
+    model = Tied()
+    with torch.no_grad():
+        model.embedding.weight.mul_(3.0)  # rows beyond max_norm: the forward renormalises them
+    before = model.embedding.weight.detach().clone()
+    data = [torch.randint(0, 20, (16,)) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        precisebn.recalibrate(model, data, num_samples="all")
+    assert torch.equal(model.embedding.weight, before)

@@ -40,7 +40,7 @@ from .layers import LayerSelection, find_norm_layers, unwrap
 from .loaders import attribute, independent
 from .recalibrate import check_options, recalibrate
 from .report import Report
-from .state import RENORMALISED, version_of
+from .state import renormalised_weights, version_of
 
 __all__ = ["PreciseBNScheduler", "check_frozen"]
 
@@ -246,7 +246,10 @@ class PreciseBNScheduler:
         weights = self.__dict__.get("_weights")  # (None: loaded from a checkpoint, or a scheduler pickled before)
         if weights is None:
             return True
-        return weights == _weights_of(self.model) and _statistics_of(self.model) == self._statistics
+        written = self._statistics
+        return weights == _weights_of(self.model) and (
+            written is None or _Statistics(self.model, written.names) == written
+        )
 
     def update(self, step: int, *, force: bool = False) -> Report | None:
         """Recalibrates unless the statistics were already computed at ``step``.
@@ -287,7 +290,7 @@ class PreciseBNScheduler:
             report = recalibrate(self.model, _batches_or_failure(self.data), **options)
         self._last_step, self._stale, self._last_report = step, False, report
         self._weights = _weights_of(self.model)
-        self._statistics = _statistics_of(self.model)
+        self._statistics = _Statistics(self.model, tuple(report.updated))
         self._computations += 1
         return report
 
@@ -434,37 +437,38 @@ def _weights_of(model: nn.Module) -> tuple[tuple[int, int | None], ...]:
     weights of an ``Embedding``/``EmbeddingBag`` with ``max_norm``, whose every forward renormalises them in place,
     moving the counter whether or not a row changed (the review of this check: a validation made every checkpoint at
     its step compute again)."""
-    out, seen = [], set()
-    for module in model.modules():
-        renormalised = isinstance(module, RENORMALISED) and module.max_norm is not None
-        for p in module._parameters.values():
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                out.append((id(p), None if renormalised else version_of(p)))
-    return tuple(out)
+    renormalised = renormalised_weights(list(model.named_modules()))  # (whichever module holds them first)
+    return tuple((id(p), None if id(p) in renormalised else version_of(p)) for p in model.parameters())
 
 
 class _Statistics:
-    """The running statistics a model holds (every layer's ``running_mean``/``running_var``): which tensors, and a
-    copy of their values, compared bitwise (``==``). Not version counters: DDP's buffer broadcast rewrites them
-    with the same values, moving the counters; another computation — a second scheduler on the model, an averaged
-    copy sharing its buffers — writes other values at the same step (probe 42: a checkpoint at that step kept
-    them, 0.035 σ and 5.4 σ off). One concatenation per device and one comparison, at a trigger."""
+    """The running statistics of the layers ``names`` (a computation's updated layers, named in the model without its
+    wrappers): which tensors, and a copy of their values, compared bitwise (``==``). Not version counters: DDP's
+    buffer broadcast rewrites them with the same values, moving the counters; another computation — a second
+    scheduler on the model, an averaged copy sharing its buffers — writes other values at the same step (probe 42:
+    a checkpoint at that step kept them, 0.035 σ and 5.4 σ off). Only the layers written: another computation on
+    other layers leaves these current (the review: two callbacks on disjoint layers computed twice a step). One
+    concatenation per device and one comparison, at a trigger; a layer no longer found compares unequal."""
 
-    def __init__(self, model: nn.Module) -> None:
-        tensors = [
-            t
-            for m in model.modules()
-            for key in ("running_mean", "running_var")
-            if isinstance(t := m._buffers.get(key), torch.Tensor)
-        ]
+    def __init__(self, model: nn.Module, names: tuple[str, ...]) -> None:
+        self.names = names
+        core = unwrap(model)
+        tensors: list[torch.Tensor] = []
+        self.found = True
+        for name in names:
+            try:
+                buffers = core.get_submodule(name)._buffers
+            except AttributeError:
+                self.found = False
+                continue
+            tensors += [t for key in ("running_mean", "running_var") if isinstance(t := buffers.get(key), torch.Tensor)]
         self.ids = [id(t) for t in tensors]  # (no reference kept: a copy of the values is)
         self.values = _joined(tensors)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, _Statistics):
             return NotImplemented
-        if self.ids != other.ids or self.values.keys() != other.values.keys():
+        if not (self.found and other.found) or self.ids != other.ids or self.values.keys() != other.values.keys():
             return False
         return all(torch.equal(v, other.values[k]) for k, v in self.values.items())
 
@@ -479,10 +483,6 @@ def _joined(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype
             kinds.setdefault((t.device, t.dtype), []).append(t.detach().reshape(-1))
     with torch.no_grad():
         return {kind: torch.cat(parts) for kind, parts in kinds.items()}
-
-
-def _statistics_of(model: nn.Module) -> _Statistics:
-    return _Statistics(model)
 
 
 def check_frozen(frozen: Any) -> None:

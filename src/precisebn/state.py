@@ -30,7 +30,7 @@ import itertools
 import math
 import operator
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,6 @@ from torch import Tensor, nn
 from .errors import ConcurrentUseError, UninitializedLayerError
 
 __all__ = [
-    "RENORMALISED",
     "StateSnapshot",
     "ValueCopies",
     "copy_all",
@@ -48,6 +47,7 @@ __all__ = [
     "geometry",
     "overlapping",
     "refuse_uninitialized",
+    "renormalised_weights",
     "restore_on_error",
     "to_the_end",
     "version_of",
@@ -369,19 +369,22 @@ class StateSnapshot:
         self._watched: list[Tensor] = []
         self._watched_versions: list[int | None] = []
         skip = set(uncopied or ())
+        # the weights a forward renormalises in place, whichever module holds them first (the review of probe 42: a
+        # Linear tied to an Embedding with max_norm, registered before it, had the shared weight only watched — the
+        # passes renormalised it, 5.6 off, and it could not be put back)
+        renormalised = renormalised_weights(modules)
         pieces: dict[torch.device, list[Tensor]] = {}
         sizes: dict[torch.device, int] = {}
         with torch.no_grad():
             for prefix, module in modules:
                 self._modules.append(module)
                 buffers, params = module._buffers, module._parameters
-                copy_params = isinstance(module, RENORMALISED) and module.max_norm is not None
-                for tensors, copy in ((buffers, True), (params, copy_params)):
+                for tensors, is_buffer in ((buffers, True), (params, False)):
                     for key, t in tensors.items():
                         if not isinstance(t, Tensor) or id(t) in skip:
                             continue
                         skip.add(id(t))
-                        if not copy:
+                        if not (is_buffer or id(t) in renormalised):
                             self._watched_names.append(f"{prefix}.{key}" if prefix else key)
                             self._watched.append(t)
                             self._watched_versions.append(version_of(t))
@@ -514,6 +517,16 @@ class StateSnapshot:
     def _write(s: _Saved, span: Tensor, values: Tensor) -> None:
         with torch.inference_mode() if s.version is None else contextlib.nullcontext():
             span.copy_(values)
+
+
+def renormalised_weights(modules: Iterable[tuple[str, nn.Module]]) -> set[int]:
+    """``id()`` of the weights of a model's ``Embedding``/``EmbeddingBag`` layers with ``max_norm``, which their
+    forward renormalises in place (``torch.embedding_renorm_``), whichever other module holds them too."""
+    return {
+        id(m.weight)
+        for _, m in modules
+        if isinstance(m, RENORMALISED) and m.max_norm is not None and isinstance(m.weight, Tensor)
+    }
 
 
 def geometry(t: Tensor) -> tuple[Any, ...] | None:
