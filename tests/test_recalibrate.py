@@ -865,3 +865,43 @@ def test_a_logging_handler_that_raises_leaves_the_model_unchanged(call: str) -> 
     finally:
         root.removeHandler(handler)
     assert_unchanged(model, before)
+
+
+def test_running_statistics_whose_memory_was_freed_are_refused_not_read() -> None:
+    """The review of probe 42: a running buffer whose storage was freed (untyped_storage().resize_(0), as FSDP frees
+    what it shards) crashed the process (a segmentation fault) in recalibrate, estimate, apply and the drop-ins,
+    which read its values; and the scheduler, which read them to tell whether its statistics were current. Run in a
+    process of its own, so that a crash fails the test rather than the suite."""
+    import subprocess
+    import sys
+
+    script = """
+import warnings, torch, precisebn, precisebn.compat
+from torch import nn
+from precisebn.errors import UnsupportedLayerError
+warnings.simplefilter("ignore")
+data = [torch.randn(4, 3, 8, 8) for _ in range(3)]
+model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+stats = precisebn.estimate(model, data, num_samples="all")
+scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all")
+scheduler.update(1)
+model[1].running_var.untyped_storage().resize_(0)
+calls = {
+    "recalibrate": lambda: precisebn.recalibrate(model, data),
+    "estimate": lambda: precisebn.estimate(model, data),
+    "apply": lambda: precisebn.apply(model, stats),
+    "update_bn": lambda: precisebn.compat.update_bn(data, model),
+    "update_bn_stats": lambda: precisebn.compat.update_bn_stats(model, data),
+}
+for name, call in calls.items():
+    try:
+        call()
+        print(name, "no error")
+    except UnsupportedLayerError as exc:
+        print(name, "refused" if "the running_var of layer '1' (BatchNorm2d)" in str(exc) else str(exc))
+print("current", scheduler.is_current(1))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = [f"{name} refused" for name in ("recalibrate", "estimate", "apply", "update_bn", "update_bn_stats")]
+    assert done.stdout.split("\n")[:6] == [*expected, "current False"], done.stdout

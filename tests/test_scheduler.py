@@ -622,3 +622,33 @@ def test_a_tied_renormalised_embedding_weight_leaves_the_statistics_current() ->
             model(data[0])  # an evaluation renormalises the weight in place
         assert scheduler.update(step) is None
     assert scheduler.computations == 2
+
+
+def test_a_model_that_cannot_be_read_as_before_is_computed_again_not_raised_on() -> None:
+    """The review: a layer gone from a model whose __getattr__ raises KeyError on a miss (a dict fallback, which torch's
+    get_submodule lets through) made is_current, and update() at a current step, raise — where update() had done
+    nothing before the check existed. Such a model is judged not current, and computed again."""
+
+    class WithExtras(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.extras: dict[str, Any] = {}
+            self.linear, self.bn = nn.Linear(5, 6), nn.BatchNorm1d(6, affine=False)
+            self.head, self.bn2 = nn.Linear(6, 3), nn.BatchNorm1d(3)
+
+        def __getattr__(self, name: str) -> Any:
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return self.__dict__["extras"][name]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.linear(x)
+            return self.bn2(self.head(self.bn(x) if "bn" in self._modules else x))
+
+    model, data = WithExtras(), make_batches(2)
+    scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all")
+    assert scheduler.update(1) is not None
+    del model.bn  # (no parameters: the weights alone did not change)
+    assert not scheduler.is_current(1)
+    assert scheduler.update(1) is not None and scheduler.computations == 2

@@ -1385,3 +1385,35 @@ def test_an_embedding_weight_renormalised_in_place_is_put_back_whichever_module_
         warnings.simplefilter("error")
         precisebn.recalibrate(model, data, num_samples="all")
     assert torch.equal(model.embedding.weight, before)
+
+
+def test_a_parametrized_embedding_weight_renormalised_through_a_view_is_put_back() -> None:
+    """The review of probe 42: under a parametrization that returns a view of its original, an Embedding's
+    max_norm renormalises the original itself in place, which was only watched: a computation left it 13.7 off,
+    with a ModelChangedWarning. The original is copied and put back."""
+    from torch.nn.utils import parametrize
+
+    class View(nn.Module):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return weight.view(weight.shape)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(20, 4, max_norm=1.0)
+            self.bn = nn.BatchNorm1d(4)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.embedding(tokens))
+
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.embedding.weight.mul_(3.0)  # rows beyond max_norm
+    parametrize.register_parametrization(model.embedding, "weight", View())
+    original = model.embedding.parametrizations.weight.original
+    before = original.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        precisebn.recalibrate(model, [torch.randint(0, 20, (16,)) for _ in range(3)], num_samples="all")
+    assert torch.equal(original, before)

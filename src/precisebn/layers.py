@@ -34,7 +34,7 @@ from .errors import (
     UnsupportedLayerError,
     caller_stacklevel,
 )
-from .state import StateSnapshot, ValueCopies, copy_all, overlapping, refuse_uninitialized, to_the_end
+from .state import StateSnapshot, ValueCopies, copy_all, overlapping, refuse_uninitialized, span_of, to_the_end
 
 __all__ = [
     "LayerSelection",
@@ -44,6 +44,7 @@ __all__ = [
     "has_running_stats",
     "layer_matcher",
     "recalibration_state",
+    "refuse_freed",
     "refuse_shared_buffers",
     "unwrap",
 ]
@@ -446,6 +447,25 @@ def refuse_shared_buffers(buffers: list[tuple[str, str, Tensor]]) -> None:
     )
 
 
+def refuse_freed(buffers: list[tuple[str, str, Tensor]]) -> None:
+    """Raises :class:`UnsupportedLayerError` for a running buffer whose memory was freed (its storage smaller than its
+    shape: ``untyped_storage().resize_(0)``, as FSDP frees what it shards): reading or writing it would read freed
+    memory — the process crashed (the review of probe 42, in the copies of the buffers taken out for the passes)."""
+    freed = [
+        f"the {key} of {label}"
+        for label, key, t in buffers
+        if t.layout == torch.strided and not t.is_meta and t.numel() and span_of(t) is None
+    ]
+    if freed:
+        shown = ", ".join(freed[:3]) + (f" and {len(freed) - 3} more" if len(freed) > 3 else "")
+        raise UnsupportedLayerError(
+            f"running statistics without memory: {shown} — the storage under them was freed (untyped_storage()"
+            ".resize_(0), as FSDP frees what it shards), so they can be neither read nor written. Gather the "
+            "model's full state first (FSDP: summon_full_params), or recalibrate an unsharded copy. The model was "
+            "left unchanged."
+        )
+
+
 @dataclass
 class ScratchGroup:
     """Flat scratch buffers standing in for the running statistics of layers that
@@ -682,6 +702,7 @@ def recalibration_state(
             if isinstance(t := layer.module._buffers.get(k), Tensor):
                 owners.append((i, k))
                 originals.append(t)
+    refuse_freed([(layers[i].label, k, t) for (i, k), t in zip(owners, originals)])
     with contextlib.ExitStack() as stack:
         # parallel lists rather than (module, value) pairs: a pass makes few objects for the gc to track
         mods = [m for _, m in modules]

@@ -40,7 +40,7 @@ from .layers import LayerSelection, find_norm_layers, unwrap
 from .loaders import attribute, independent
 from .recalibrate import check_options, recalibrate
 from .report import Report
-from .state import renormalised_weights, version_of
+from .state import renormalised_weights, span_of, version_of
 
 __all__ = ["PreciseBNScheduler", "check_frozen"]
 
@@ -240,16 +240,20 @@ class PreciseBNScheduler:
         """Whether the statistics were computed at ``step``, nothing invalidated them since, and the model's
         parameters are still the ones they were computed with — the same tensors, none changed in place since (an
         optimizer step, ``load_state_dict``, another model: a caller's step number may not move with them, as a
-        run started again after one that raised does not). A write through ``.data`` is not seen."""
+        run started again after one that raised does not). A write through ``.data`` is not seen. And the layers
+        the computation updated still hold bitwise what it wrote (not another computation's: a second scheduler on
+        them, an averaged copy sharing their buffers)."""
         if self._last_step != check_step(step, "step") or self._stale:
             return False
         weights = self.__dict__.get("_weights")  # (None: loaded from a checkpoint, or a scheduler pickled before)
         if weights is None:
             return True
-        written = self._statistics
-        return weights == _weights_of(self.model) and (
-            written is None or _Statistics(self.model, written.names) == written
-        )
+        written = self.__dict__.get("_statistics")
+        try:
+            same = weights == _weights_of(self.model)
+        except Exception:  # (a model whose parameters cannot be listed now: computed again)
+            return False
+        return same and (written is None or _Statistics(self.model, written.names) == written)
 
     def update(self, step: int, *, force: bool = False) -> Report | None:
         """Recalibrates unless the statistics were already computed at ``step``.
@@ -289,8 +293,10 @@ class PreciseBNScheduler:
         else:
             report = recalibrate(self.model, _batches_or_failure(self.data), **options)
         self._last_step, self._stale, self._last_report = step, False, report
-        self._weights = _weights_of(self.model)
-        self._statistics = _Statistics(self.model, tuple(report.updated))
+        try:  # (after the writes nothing may raise: a model that cannot be read so is judged by the step alone)
+            self._weights, self._statistics = _weights_of(self.model), _Statistics(self.model, tuple(report.updated))
+        except Exception:
+            self._weights = self._statistics = None
         self._computations += 1
         return report
 
@@ -452,18 +458,21 @@ class _Statistics:
 
     def __init__(self, model: nn.Module, names: tuple[str, ...]) -> None:
         self.names = names
-        core = unwrap(model)
-        tensors: list[torch.Tensor] = []
-        self.found = True
-        for name in names:
-            try:
+        self.ids: list[int] = []
+        self.values: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        try:  # (never raises: a model that cannot be read so compares unequal, and is computed again)
+            core = unwrap(model)
+            tensors: list[torch.Tensor] = []
+            for name in names:
                 buffers = core.get_submodule(name)._buffers
-            except AttributeError:
-                self.found = False
-                continue
-            tensors += [t for key in ("running_mean", "running_var") if isinstance(t := buffers.get(key), torch.Tensor)]
-        self.ids = [id(t) for t in tensors]  # (no reference kept: a copy of the values is)
-        self.values = _joined(tensors)
+                tensors += [
+                    t for key in ("running_mean", "running_var") if isinstance(t := buffers.get(key), torch.Tensor)
+                ]
+            self.ids = [id(t) for t in tensors]  # (no reference kept: a copy of the values is)
+            self.values = _joined(tensors)
+            self.found = True
+        except Exception:  # a layer gone (get_submodule raises what the model's __getattr__ raises), memory freed
+            self.found = False
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, _Statistics):
@@ -479,7 +488,9 @@ def _joined(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype
     """The tensors' values side by side (detached copies), one flat tensor per device and dtype, in order."""
     kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
-        if t.layout == torch.strided and not t.is_meta:
+        if t.layout == torch.strided and not t.is_meta and t.numel():
+            if span_of(t) is None:  # (its storage freed, as FSDP frees what it shards: reading it would crash)
+                raise ValueError("a running statistic's memory was freed")
             kinds.setdefault((t.device, t.dtype), []).append(t.detach().reshape(-1))
     with torch.no_grad():
         return {kind: torch.cat(parts) for kind, parts in kinds.items()}

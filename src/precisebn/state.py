@@ -49,6 +49,7 @@ __all__ = [
     "refuse_uninitialized",
     "renormalised_weights",
     "restore_on_error",
+    "span_of",
     "to_the_end",
     "version_of",
 ]
@@ -90,6 +91,12 @@ def _span(t: Tensor) -> Tensor | None:
         return t.as_strided((_extent(t),), (1,), t.storage_offset())
     except RuntimeError:
         return None
+
+
+def span_of(t: Tensor) -> Tensor | None:
+    """A flat view of every storage element ``t`` can reach, ``None`` if it holds none or its storage is too small
+    for its shape (freed): whether its values can be read without reading freed memory."""
+    return _span(t)
 
 
 def overlapping(tensors: list[Tensor]) -> list[tuple[int, int]]:
@@ -522,11 +529,18 @@ class StateSnapshot:
 def renormalised_weights(modules: Iterable[tuple[str, nn.Module]]) -> set[int]:
     """``id()`` of the weights of a model's ``Embedding``/``EmbeddingBag`` layers with ``max_norm``, which their
     forward renormalises in place (``torch.embedding_renorm_``), whichever other module holds them too."""
-    return {
-        id(m.weight)
-        for _, m in modules
-        if isinstance(m, RENORMALISED) and m.max_norm is not None and isinstance(m.weight, Tensor)
-    }
+    out = set()
+    for _, m in modules:
+        if isinstance(m, RENORMALISED) and m.max_norm is not None:
+            weight = m._parameters.get("weight")
+            if weight is None:  # (parametrized: the forward renormalises what the parametrization gives, in place
+                # — the original itself when that is a view of it; its weight is never computed here, which would
+                # run the parametrization, the review of probe 42: twice per check, raising in it)
+                plist = getattr(m, "parametrizations", None)
+                weight = getattr(plist["weight"], "original", None) if plist is not None and "weight" in plist else None
+            if isinstance(weight, Tensor):
+                out.add(id(weight))
+    return out
 
 
 def geometry(t: Tensor) -> tuple[Any, ...] | None:

@@ -22,7 +22,7 @@ from ._table import times as _times
 from .adapt import WRITTEN, Adapt, with_prior
 from .calls import PerCallBatchNorm, call_indices
 from .errors import StatsMismatchError
-from .layers import has_running_stats, refuse_shared_buffers
+from .layers import has_running_stats, refuse_freed, refuse_shared_buffers
 from .population import PopulationStats
 from .report import LayerReport, Report
 from .state import copy_all, restore_on_error
@@ -160,6 +160,13 @@ def plan_writes(
         )
     write = tuple(name in WRITTEN[adapt] for name in _BUFFERS)  # running_mean, running_var
     buffers = [(m.running_mean, m.running_var) for _, m, _ in entries]  # read once: Module.__getattr__ is slow
+    refuse_freed(  # (their values are read next: freed memory crashed the process)
+        [
+            (f"layer {name!r} ({type(m).__name__})", k, t)
+            for (name, m, _), pair in zip(entries, buffers)
+            for k, t in zip(_BUFFERS, pair)
+        ]
+    )
     updated = [(pair, s) for pair, (_, _, s) in zip(buffers, entries) if s.reached]
     # every written mean, then every written variance (the variances' checks then read one stretch)
     written = [(s.mean, pair[0]) for pair, s in updated] if write[0] else []
