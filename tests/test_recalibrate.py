@@ -892,6 +892,8 @@ calls = {
     "apply": lambda: precisebn.apply(model, stats),
     "update_bn": lambda: precisebn.compat.update_bn(data, model),
     "update_bn_stats": lambda: precisebn.compat.update_bn_stats(model, data),
+    "apply with prior": lambda: precisebn.apply(model, stats, prior=16),
+    "untie_calls": lambda: precisebn.untie_calls(model, {"1": 2}),
 }
 for name, call in calls.items():
     try:
@@ -903,5 +905,5 @@ print("current", scheduler.is_current(1))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    expected = [f"{name} refused" for name in ("recalibrate", "estimate", "apply", "update_bn", "update_bn_stats")]
-    assert done.stdout.split("\n")[:6] == [*expected, "current False"], done.stdout
+    names = ("recalibrate", "estimate", "apply", "update_bn", "update_bn_stats", "apply with prior", "untie_calls")
+    assert done.stdout.split("\n")[:8] == [*(f"{name} refused" for name in names), "current False"], done.stdout

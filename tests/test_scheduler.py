@@ -652,3 +652,32 @@ def test_a_model_that_cannot_be_read_as_before_is_computed_again_not_raised_on()
     del model.bn  # (no parameters: the weights alone did not change)
     assert not scheduler.is_current(1)
     assert scheduler.update(1) is not None and scheduler.computations == 2
+
+
+def test_a_parametrized_embedding_weight_changed_in_place_is_seen() -> None:
+    """The review: the originals of a parametrized Embedding with max_norm were read by identity only, as a plain
+    weight is (its forward renormalises it in place in every call); a parametrization that is not a view leaves the
+    original alone in the forward, and a change made to it went unseen: the statistics taken as current."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return weight * 2.0
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(4, 5, max_norm=1.0)
+            self.net = make_model()
+
+        def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            x, _ = batch
+            return self.net(x + self.embedding(torch.zeros(len(x), dtype=torch.long)))
+
+    model, data = Net(), make_batches(2)
+    parametrize.register_parametrization(model.embedding, "weight", Doubled())
+    scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all", forward=lambda m, b: m(b))
+    assert scheduler.update(1) is not None and scheduler.is_current(1)
+    with torch.no_grad():
+        model.embedding.parametrizations.weight.original.mul_(0.01)
+    assert not scheduler.is_current(1)

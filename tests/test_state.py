@@ -1387,15 +1387,19 @@ def test_an_embedding_weight_renormalised_in_place_is_put_back_whichever_module_
     assert torch.equal(model.embedding.weight, before)
 
 
-def test_a_parametrized_embedding_weight_renormalised_through_a_view_is_put_back() -> None:
+@pytest.mark.parametrize("originals", [1, 2])
+def test_a_parametrized_embedding_weight_renormalised_through_a_view_is_put_back(originals: int) -> None:
     """The review of probe 42: under a parametrization that returns a view of its original, an Embedding's
     max_norm renormalises the original itself in place, which was only watched: a computation left it 13.7 off,
     with a ModelChangedWarning. The original is copied and put back."""
     from torch.nn.utils import parametrize
 
     class View(nn.Module):
-        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        def forward(self, weight: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
             return weight.view(weight.shape)
+
+        def right_inverse(self, weight: torch.Tensor) -> Any:  # (2: original0 and original1, the review's case)
+            return weight if originals == 1 else (weight, torch.zeros(1))
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -1411,7 +1415,8 @@ def test_a_parametrized_embedding_weight_renormalised_through_a_view_is_put_back
     with torch.no_grad():
         model.embedding.weight.mul_(3.0)  # rows beyond max_norm
     parametrize.register_parametrization(model.embedding, "weight", View())
-    original = model.embedding.parametrizations.weight.original
+    plist = model.embedding.parametrizations.weight
+    original = plist.original if originals == 1 else plist.original0
     before = original.detach().clone()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -48,7 +48,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .errors import InvalidArgumentError, LayerNotFoundError, UninitializedLayerError, UnsupportedLayerError
 from .interrupts import signals_held
-from .layers import unwrap
+from .layers import refuse_freed, unwrap
 from .population import PopulationStats
 from .state import exclusive
 
@@ -294,6 +294,9 @@ def untie_calls(model: nn.Module, calls: Mapping[str, int] | PopulationStats) ->
                     )
                 continue
             _check_layer(name, layer, model)
+            refuse_freed(  # (its statistics are copied into each call's: freed memory crashed the process)
+                [(f"layer {name!r} ({type(layer).__name__})", k, t) for k, t in layer._buffers.items() if t is not None]
+            )
             previous = plan.get(id(layer))
             if previous is not None and previous[1] != k:
                 raise InvalidArgumentError(

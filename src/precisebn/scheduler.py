@@ -443,7 +443,9 @@ def _weights_of(model: nn.Module) -> tuple[tuple[int, int | None], ...]:
     weights of an ``Embedding``/``EmbeddingBag`` with ``max_norm``, whose every forward renormalises them in place,
     moving the counter whether or not a row changed (the review of this check: a validation made every checkpoint at
     its step compute again)."""
-    renormalised = renormalised_weights(list(model.named_modules()))  # (whichever module holds them first)
+    # (whichever module holds them first; a parametrized one's originals keep their counters: its forward renormalises
+    # them only through a view, and a change made to them otherwise would go unseen — the review of probe 42)
+    renormalised = renormalised_weights(list(model.named_modules()), parametrized=False)
     return tuple((id(p), None if id(p) in renormalised else version_of(p)) for p in model.parameters())
 
 

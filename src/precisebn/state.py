@@ -526,20 +526,22 @@ class StateSnapshot:
             span.copy_(values)
 
 
-def renormalised_weights(modules: Iterable[tuple[str, nn.Module]]) -> set[int]:
+def renormalised_weights(modules: Iterable[tuple[str, nn.Module]], parametrized: bool = True) -> set[int]:
     """``id()`` of the weights of a model's ``Embedding``/``EmbeddingBag`` layers with ``max_norm``, which their
-    forward renormalises in place (``torch.embedding_renorm_``), whichever other module holds them too."""
+    forward renormalises in place (``torch.embedding_renorm_``), whichever other module holds them too; with
+    ``parametrized``, also every original of a parametrized one (``original``, ``original0``...), which the forward
+    renormalises when the parametrization gives a view of it — never evaluating the parametrization."""
     out = set()
     for _, m in modules:
-        if isinstance(m, RENORMALISED) and m.max_norm is not None:
-            weight = m._parameters.get("weight")
-            if weight is None:  # (parametrized: the forward renormalises what the parametrization gives, in place
-                # — the original itself when that is a view of it; its weight is never computed here, which would
-                # run the parametrization, the review of probe 42: twice per check, raising in it)
-                plist = getattr(m, "parametrizations", None)
-                weight = getattr(plist["weight"], "original", None) if plist is not None and "weight" in plist else None
-            if isinstance(weight, Tensor):
-                out.add(id(weight))
+        if not (isinstance(m, RENORMALISED) and m.max_norm is not None):
+            continue
+        weight = m._parameters.get("weight")
+        if isinstance(weight, Tensor):
+            out.add(id(weight))
+        elif parametrized:  # (the review of probe 42: a view's original was left renormalised, 13.7 off)
+            plist = getattr(m, "parametrizations", None)
+            if plist is not None and "weight" in plist:
+                out.update(id(t) for t in plist["weight"]._parameters.values() if isinstance(t, Tensor))
     return out
 
 

@@ -145,6 +145,14 @@ def plan_writes(
             else:
                 entries.append((name, m, s))
     _refuse("the statistics do not fit this model", problems)
+    refuse_freed(  # (their values are read next — by the prior first: freed memory crashed the process)
+        [
+            (f"layer {name!r} ({type(m).__name__})", k, t)
+            for name, m, _ in entries
+            for k in _BUFFERS
+            if isinstance(t := m._buffers.get(k), torch.Tensor)
+        ]
+    )
     if prior is not None:  # the current statistics as `prior` samples of pseudo-data, pooled exactly
         entries, problems = with_prior(entries, prior, stats.samples, adapt)
         unknown = (
@@ -160,13 +168,6 @@ def plan_writes(
         )
     write = tuple(name in WRITTEN[adapt] for name in _BUFFERS)  # running_mean, running_var
     buffers = [(m.running_mean, m.running_var) for _, m, _ in entries]  # read once: Module.__getattr__ is slow
-    refuse_freed(  # (their values are read next: freed memory crashed the process)
-        [
-            (f"layer {name!r} ({type(m).__name__})", k, t)
-            for (name, m, _), pair in zip(entries, buffers)
-            for k, t in zip(_BUFFERS, pair)
-        ]
-    )
     updated = [(pair, s) for pair, (_, _, s) in zip(buffers, entries) if s.reached]
     # every written mean, then every written variance (the variances' checks then read one stretch)
     written = [(s.mean, pair[0]) for pair, s in updated] if write[0] else []
