@@ -881,18 +881,30 @@ def test_figures_of_an_epoch_end_computation_share_the_epochs_metrics_step(tmp_p
         assert trainer.global_step == 8
 
 
+def every_4_steps() -> PreciseBN:
+    """A PreciseBN that computes every 4 steps only (one epoch of ``make_data`` in batches of 16)."""
+    return PreciseBN(num_samples="all", every_n_train_steps=4, on_validation=False, on_checkpoint=False)
+
+
+def assert_a_new_fit_computes_at_step_4(tmp_path: Path, float64_truth: Any, precise: PreciseBN, seed: int = 1) -> None:
+    """A new model fit for one epoch (steps 1-4) with ``precise``: its scheduled computation at step 4 runs, and the
+    model ends with the statistics of the float64 truth."""
+    x, y = make_data()
+    computations = precise.computations
+    torch.manual_seed(seed)
+    model = TinyNet()
+    make_trainer(tmp_path, max_epochs=1, callbacks=[precise]).fit(model, loader(x, y))
+    assert precise.computations == computations + 1 and precise.last_step == 4
+    assert_precise(float64_truth, model.state_dict(), x)
+
+
 def test_a_callback_used_again_computes_at_the_new_runs_scheduled_steps(tmp_path: Path, float64_truth: Any) -> None:
     """Probe 42: the step of the last scheduled computation was kept from one fit to the next, so a PreciseBN used
     for a second fit (a retry loop, a trial run before the real one) skipped its computation at that step: the
     second model ended with its moving averages (1.6 σ, 5.4 of the variance off the truth)."""
-    x, y = make_data()
-    precise = PreciseBN(num_samples="all", every_n_train_steps=4, on_validation=False, on_checkpoint=False)
+    precise = every_4_steps()
     for seed in (0, 1):
-        torch.manual_seed(seed)
-        model = TinyNet()
-        make_trainer(tmp_path, max_epochs=1, callbacks=[precise]).fit(model, loader(x, y))  # steps 1-4
-        assert precise.last_step == 4
-        assert_precise(float64_truth, model.state_dict(), x)
+        assert_a_new_fit_computes_at_step_4(tmp_path, float64_truth, precise, seed)
     assert precise.computations == 2
 
 
@@ -910,15 +922,11 @@ def test_a_fit_after_one_that_raised_computes_at_its_scheduled_steps(tmp_path: P
             return super().training_step(batch, batch_idx)
 
     x, y = make_data()
-    precise = PreciseBN(num_samples="all", every_n_train_steps=4, on_validation=False, on_checkpoint=False)
+    precise = every_4_steps()
     with pytest.raises(RuntimeError, match="a bug in the training step"):
         make_trainer(tmp_path, max_epochs=2, callbacks=[precise]).fit(FailingOnce(), loader(x, y))
-    assert precise.last_step == 4
-    torch.manual_seed(1)
-    model = TinyNet()
-    make_trainer(tmp_path, max_epochs=1, callbacks=[precise]).fit(model, loader(x, y))  # steps 1-4
-    assert precise.computations == 2
-    assert_precise(float64_truth, model.state_dict(), x)
+    assert (precise.last_step, precise.computations) == (4, 1)
+    assert_a_new_fit_computes_at_step_4(tmp_path, float64_truth, precise)
 
 
 @pytest.mark.parametrize("stage", ["validate", "test"])
@@ -933,18 +941,14 @@ def test_a_checkpoint_restored_for_validate_or_test_does_not_reach_the_next_fit(
             pass
 
     x, y = make_data()
-    precise = PreciseBN(num_samples="all", every_n_train_steps=4, on_validation=False, on_checkpoint=False)
+    precise = every_4_steps()
     saver = ModelCheckpoint(dirpath=tmp_path, filename="first")
     first = Tested()
     make_trainer(tmp_path, max_epochs=1, callbacks=[precise, saver], enable_checkpointing=True).fit(first, loader(x, y))
     run = getattr(make_trainer(tmp_path, callbacks=[precise]), stage)
     run(first, loader(x[:16], y[:16]), ckpt_path=tmp_path / "first.ckpt")
-    assert precise.last_step == 4
-    torch.manual_seed(1)
-    model = TinyNet()
-    make_trainer(tmp_path, max_epochs=1, callbacks=[precise]).fit(model, loader(x, y))
-    assert precise.computations == 2
-    assert_precise(float64_truth, model.state_dict(), x)
+    assert (precise.last_step, precise.computations) == (4, 1)
+    assert_a_new_fit_computes_at_step_4(tmp_path, float64_truth, precise)
 
 
 @pytest.mark.parametrize("averaging", ["swa", "ema"])

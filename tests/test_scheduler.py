@@ -534,23 +534,35 @@ def test_the_schedulers_warnings_name_the_users_line() -> None:
     assert ours and all(w.filename == __file__ for w in ours), [(w.filename, str(w.message)[:60]) for w in caught]
 
 
+class Embedded(nn.Module):
+    """``make_model()`` fed its input plus one row of an Embedding with ``max_norm`` (whose forward renormalises its
+    weight in place), the weight tied to a Linear registered before it if ``tied``; batches as ``make_batches``."""
+
+    def __init__(self, max_norm: float = 1.0, tied: bool = False) -> None:
+        super().__init__()
+        if tied:
+            self.head = nn.Linear(5, 4, bias=False)
+        self.embedding = nn.Embedding(4, 5, max_norm=max_norm)
+        if tied:
+            self.embedding.weight = self.head.weight
+        self.net = make_model()
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, _ = batch
+        return self.net(x + self.embedding(torch.zeros(len(x), dtype=torch.long)))
+
+
+def embedded_scheduler(model: Embedded, data: list[Any]) -> precisebn.PreciseBNScheduler:
+    return precisebn.PreciseBNScheduler(model, data, num_samples="all", forward=lambda m, b: m(b))
+
+
 def test_a_forward_that_renormalises_an_embedding_in_place_leaves_the_statistics_current() -> None:
     """The review of the weights check: an Embedding with max_norm renormalises its weight in place in every forward
     (torch.embedding_renorm_), moving its version counter whether or not a row changed, so an evaluation between two
     update(step) at one step made the second compute again (6 computations instead of 3 in a Lightning run)."""
 
-    class Tagged(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embedding = nn.Embedding(4, 5, max_norm=100.0)
-            self.net = make_model()
-
-        def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-            x, _ = batch
-            return self.net(x + self.embedding(torch.zeros(len(x), dtype=torch.long)))
-
-    model, data = Tagged(), make_batches(2)
-    scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all", forward=lambda m, b: m(b))
+    model, data = Embedded(max_norm=100.0), make_batches(2)
+    scheduler = embedded_scheduler(model, data)
     assert scheduler.update(3) is not None
     version = model.embedding.weight._version
     model.eval()
@@ -601,20 +613,9 @@ def test_a_tied_renormalised_embedding_weight_leaves_the_statistics_current() ->
     version counter read (the first module seen decided), and an evaluation between two triggers made every second
     one compute again."""
 
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.head = nn.Linear(5, 4, bias=False)
-            self.embedding = nn.Embedding(4, 5, max_norm=1.0)
-            self.embedding.weight = self.head.weight
-            self.net = make_model()
-
-        def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-            x, _ = batch
-            return self.net(x + self.embedding(torch.zeros(len(x), dtype=torch.long)))
-
-    model, data = Tied(), make_batches(2)
-    scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all", forward=lambda m, b: m(b))
+    model, data = Embedded(tied=True), make_batches(2)
+    assert model.head.weight is model.embedding.weight and next(iter(model._modules)) == "head"
+    scheduler = embedded_scheduler(model, data)
     for step in (1, 2):
         assert scheduler.update(step) is not None
         model.eval()
@@ -664,19 +665,9 @@ def test_a_parametrized_embedding_weight_changed_in_place_is_seen() -> None:
         def forward(self, weight: torch.Tensor) -> torch.Tensor:
             return weight * 2.0
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embedding = nn.Embedding(4, 5, max_norm=1.0)
-            self.net = make_model()
-
-        def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-            x, _ = batch
-            return self.net(x + self.embedding(torch.zeros(len(x), dtype=torch.long)))
-
-    model, data = Net(), make_batches(2)
+    model, data = Embedded(), make_batches(2)
     parametrize.register_parametrization(model.embedding, "weight", Doubled())
-    scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all", forward=lambda m, b: m(b))
+    scheduler = embedded_scheduler(model, data)
     assert scheduler.update(1) is not None and scheduler.is_current(1)
     with torch.no_grad():
         model.embedding.parametrizations.weight.original.mul_(0.01)

@@ -40,7 +40,7 @@ from .layers import LayerSelection, find_norm_layers, unwrap
 from .loaders import attribute, independent
 from .recalibrate import check_options, recalibrate
 from .report import Report
-from .state import renormalised_weights, span_of, version_of
+from .state import ValueCopies, renormalised_weights, version_of
 
 __all__ = ["PreciseBNScheduler", "check_frozen"]
 
@@ -172,7 +172,7 @@ class PreciseBNScheduler:
         self._last_step: int | None = None
         self._stale = False
         self._weights: tuple[tuple[int, int | None], ...] | None = None  # the parameters computed with (see is_current)
-        self._statistics: _Statistics | None = None  # and the statistics the model held after the computation
+        self._statistics: _Written | None = None  # and the statistics the computation wrote
         self._computations = 0
         self._last_report: Report | None = None
 
@@ -253,7 +253,7 @@ class PreciseBNScheduler:
             same = weights == _weights_of(self.model)
         except Exception:  # (a model whose parameters cannot be listed now: computed again)
             return False
-        return same and (written is None or _Statistics(self.model, written.names) == written)
+        return same and (written is None or written.held_by(self.model))
 
     def update(self, step: int, *, force: bool = False) -> Report | None:
         """Recalibrates unless the statistics were already computed at ``step``.
@@ -294,7 +294,7 @@ class PreciseBNScheduler:
             report = recalibrate(self.model, _batches_or_failure(self.data), **options)
         self._last_step, self._stale, self._last_report = step, False, report
         try:  # (after the writes nothing may raise: a model that cannot be read so is judged by the step alone)
-            self._weights, self._statistics = _weights_of(self.model), _Statistics(self.model, tuple(report.updated))
+            self._weights, self._statistics = _weights_of(self.model), _Written(self.model, report.updated)
         except Exception:
             self._weights = self._statistics = None
         self._computations += 1
@@ -449,53 +449,39 @@ def _weights_of(model: nn.Module) -> tuple[tuple[int, int | None], ...]:
     return tuple((id(p), None if id(p) in renormalised else version_of(p)) for p in model.parameters())
 
 
-class _Statistics:
-    """The running statistics of the layers ``names`` (a computation's updated layers, named in the model without its
-    wrappers): which tensors, and a copy of their values, compared bitwise (``==``). Not version counters: DDP's
-    buffer broadcast rewrites them with the same values, moving the counters; another computation — a second
-    scheduler on the model, an averaged copy sharing its buffers — writes other values at the same step (probe 42:
-    a checkpoint at that step kept them, 0.035 σ and 5.4 σ off). Only the layers written: another computation on
-    other layers leaves these current (the review: two callbacks on disjoint layers computed twice a step). One
-    concatenation per device and one comparison, at a trigger; a layer no longer found compares unequal."""
+class _Written:
+    """The running statistics a computation wrote — its updated layers' ``running_mean``/``running_var``, named in the
+    model without its wrappers — as tensors and, in a :class:`~precisebn.state.ValueCopies`, bitwise copies of their
+    values. Not version counters: DDP's buffer broadcast rewrites them with the same values, moving the counters;
+    another computation — a second scheduler on the model, an averaged copy sharing its buffers — writes other values
+    at the same step (probe 42: a checkpoint at that step kept them, 0.035 σ and 5.4 σ off). Only the layers written:
+    another computation on other layers leaves these current (the review: two callbacks on disjoint layers computed
+    twice a step)."""
 
-    def __init__(self, model: nn.Module, names: tuple[str, ...]) -> None:
+    def __init__(self, model: nn.Module, names: list[str]) -> None:
         self.names = names
-        self.ids: list[int] = []
-        self.values: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-        try:  # (never raises: a model that cannot be read so compares unequal, and is computed again)
-            core = unwrap(model)
-            tensors: list[torch.Tensor] = []
-            for name in names:
-                buffers = core.get_submodule(name)._buffers
-                tensors += [
-                    t for key in ("running_mean", "running_var") if isinstance(t := buffers.get(key), torch.Tensor)
-                ]
-            self.ids = [id(t) for t in tensors]  # (no reference kept: a copy of the values is)
-            self.values = _joined(tensors)
-            self.found = True
-        except Exception:  # a layer gone (get_submodule raises what the model's __getattr__ raises), memory freed
-            self.found = False
+        self.tensors = _statistics_of(model, names)
+        self.copies = ValueCopies(self.tensors)
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Statistics):
-            return NotImplemented
-        if not (self.found and other.found) or self.ids != other.ids or self.values.keys() != other.values.keys():
+    def held_by(self, model: nn.Module) -> bool:
+        """Whether the layers still hold them: the same tensors, values, shapes and memory. Never raises: a model that
+        cannot be read so (a layer gone — ``get_submodule`` raises what the model's ``__getattr__`` raises — its
+        memory freed) does not hold them, and is computed again."""
+        try:
+            now = _statistics_of(model, self.names)
+            return (
+                len(now) == len(self.tensors)
+                and all(map(operator.is_, now, self.tensors))
+                and not self.copies.changed()
+            )
+        except Exception:
             return False
-        return all(torch.equal(v, other.values[k]) for k, v in self.values.items())
-
-    __hash__ = None  # type: ignore[assignment]
 
 
-def _joined(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], torch.Tensor]:
-    """The tensors' values side by side (detached copies), one flat tensor per device and dtype, in order."""
-    kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.layout == torch.strided and not t.is_meta and t.numel():
-            if span_of(t) is None:  # (its storage freed, as FSDP frees what it shards: reading it would crash)
-                raise ValueError("a running statistic's memory was freed")
-            kinds.setdefault((t.device, t.dtype), []).append(t.detach().reshape(-1))
-    with torch.no_grad():
-        return {kind: torch.cat(parts) for kind, parts in kinds.items()}
+def _statistics_of(model: nn.Module, names: list[str]) -> list[torch.Tensor]:
+    core = unwrap(model)
+    buffers = [core.get_submodule(name)._buffers for name in names]
+    return [t for b in buffers for key in ("running_mean", "running_var") if isinstance(t := b.get(key), torch.Tensor)]
 
 
 def check_frozen(frozen: Any) -> None:

@@ -203,11 +203,13 @@ class Trigger:
         a run that raised, before one resumed from an earlier checkpoint, or before one that starts from step 0
         again (a finished run's checkpoint loaded, the engine restarted) skipped a computation the model needed
         (probe 42 and its review)."""
-        if self._scheduler is not None and not (resumed and self._loaded):
-            self._scheduler.load_state_dict({**self._scheduler.state_dict(), "last_step": None, "stale": False})
-        if self._scheduler is not None and not resumed:  # which layers the earlier run kept frozen says nothing of
-            self._scheduler._forget_frozen()  # this one's (probe 42: a layer frozen now was rewritten before its
-            # first step, one unfrozen now skipped); a resumed run goes on as it was until its first step is seen
+        scheduler = self._scheduler
+        if scheduler is not None:
+            if not (resumed and self._loaded):
+                scheduler.load_state_dict({**scheduler.state_dict(), "last_step": None, "stale": False})
+            if not resumed:  # which layers the earlier run kept frozen says nothing of this one's (probe 42: a layer
+                scheduler._forget_frozen()  # frozen now was rewritten before its first step, one unfrozen now
+                # skipped); a resumed run goes on as it was until its first step is seen
         self._loaded = False
 
     def observe(self, model: nn.Module | None = None, *, modes: Mapping[str, bool] | None = None) -> None:
