@@ -15,7 +15,7 @@ from torch.optim import swa_utils
 import precisebn
 from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
 from precisebn import compat
-from precisebn.errors import InvalidArgumentError, ShortDataWarning
+from precisebn.errors import BatchTypeError, InvalidArgumentError, ShortDataWarning
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -56,6 +56,59 @@ def test_update_bn_stats_touches_only_training_bn_and_keeps_flags() -> None:
     t = truth["1"]
     assert max_rel_error(model[1].running_mean, t.mean, t.var.sqrt()) <= 1e-5
     assert max_rel_error(model[1].running_var, t.var) <= 1e-5
+
+
+@pytest.mark.parametrize("progress", [False, True, "none", "", 0])
+def test_update_bn_stats_reads_progress_as_fvcore_does(progress: Any) -> None:
+    """Found by probe 43: every value but None and "tqdm" was refused before any pass; fvcore's reads only
+    ``progress == "tqdm"`` (a bar), anything else as none — a drop-in takes what it takes."""
+    model = net().train()
+    batches = data()
+    truth = compute_truth(model, batches, mode="keep", seed=7)
+    torch.manual_seed(7)  # (dropout is on: the truth's masks)
+    compat.update_bn_stats(model, batches, num_iters=len(batches), progress=progress)
+    for name in ("1", "5"):
+        t = truth[name]
+        assert max_rel_error(model.get_submodule(name).running_mean, t.mean, t.var.sqrt()) <= 1e-5
+        assert max_rel_error(model.get_submodule(name).running_var, t.var) <= 1e-5
+
+
+def test_update_bn_moves_dict_and_nested_batches_to_device_and_refuses_what_it_cannot_move() -> None:
+    """Found by probe 43: with ``device=``, a batch without ``.to()`` (a dict: torch's raises ``AttributeError``)
+    reached the model unmoved, silently — on a GPU, on another device than asked. A dict, tuple or list of tensors
+    is moved tensor by tensor now (reaching the model as a copy holding the moved tensors, on the CPU the same
+    ones); anything else is refused by name, the model unchanged."""
+
+    seen: list[Any] = []  # (outside the model: what a pass leaves in the model's own containers is put back)
+
+    class DictNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(4)
+
+        def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            seen.append(batch)
+            return self.bn(batch["x"])
+
+    xs = data()
+    batches = [{"x": x} for x in xs]
+    model = DictNet()
+    truth = compute_truth(model, batches, mode="train")["bn"]
+    seen.clear()
+    compat.update_bn(batches, model, device="cpu")
+    assert len(seen) == len(batches)
+    assert all(got is not given and got["x"] is given["x"] for got, given in zip(seen, batches))
+    assert max_rel_error(model.bn.running_var, truth.var) <= 1e-5
+    assert max_rel_error(model.bn.running_mean, truth.mean, truth.var.sqrt()) <= 1e-5
+
+    class Opaque:  # neither a tensor nor a container of them, no .to()
+        pass
+
+    model = DictNet()
+    before = state_snapshot(model)
+    with pytest.raises(BatchTypeError, match=r"device='cpu' cannot move a batch of type Opaque"):
+        compat.update_bn([Opaque()], model, device="cpu")
+    assert_unchanged(model, before)
 
 
 def test_update_bn_stats_passes_batches_raw() -> None:

@@ -21,6 +21,7 @@ EXPECTED = {
     "MissingDependencyError": ImportError,
     "MissingFileError": FileNotFoundError,
     "DistributedError": RuntimeError,
+    "NotWritableError": PermissionError,
 }
 
 

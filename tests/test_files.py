@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from precisebn.errors import InvalidArgumentError
+from precisebn.errors import InvalidArgumentError, NotWritableError
 from precisebn.files import OutputPlan, atomic_path, real_path
 
 
@@ -491,3 +491,23 @@ def test_atomic_path_names_the_output_only_for_a_failed_write(tmp_path) -> None:
         full(OSError(errno.ENOSPC, "No space left on device"))
     assert caught.value.filename == str(tmp_path / "out.json") and caught.value.errno == errno.ENOSPC
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unwritable_folder_is_a_permission_error_before_anything_is_written(tmp_path, monkeypatch) -> None:
+    """Code that writes files catches ``OSError``/``PermissionError``: a folder this process may not write is one
+    (and still an ``InvalidArgumentError``, the CLI's usage error) — found up front, nothing created. (As root every
+    folder is writable, so the check is made to answer no.)"""
+    import torch
+
+    import precisebn
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    target = folder / "stats.safetensors"
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == folder else real_access(p, mode))
+    stats = precisebn.estimate(torch.nn.BatchNorm1d(3), [torch.randn(4, 3)], num_batches=1)
+    with pytest.raises(PermissionError, match="is not writable") as caught:
+        stats.save(target)
+    assert isinstance(caught.value, NotWritableError) and isinstance(caught.value, InvalidArgumentError)
+    assert list(folder.iterdir()) == []

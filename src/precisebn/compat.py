@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -24,7 +24,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .adapt import WRITTEN
-from .errors import EmptyDataError, InvalidArgumentError, ShortDataWarning
+from .data import to_device
+from .errors import BatchTypeError, EmptyDataError, InvalidArgumentError, ShortDataWarning
 from .interrupts import signals_held
 from .layers import find_norm_layers, unwrap
 from .recalibrate import _estimate
@@ -54,7 +55,7 @@ def update_bn_stats(
         model: The model; BatchNorm layers in eval mode are left alone.
         data_loader: Iterable of batches, each passed to ``model`` as is.
         num_iters: Number of batches to use.
-        progress: ``None`` or ``"tqdm"``.
+        progress: ``"tqdm"`` for a progress bar; anything else, none (as fvcore's reads it).
 
     Raises:
         ShortLoaderError: The loader gave fewer than ``num_iters`` batches (also an
@@ -67,8 +68,6 @@ def update_bn_stats(
         >>> update_bn_stats(model, [torch.randn(8, 4) for _ in range(10)], num_iters=10)
     """
     _refuse_non_module(model, "update_bn_stats(model, data_loader, ...)", data_loader)
-    if progress not in (None, "tqdm"):
-        raise InvalidArgumentError(f"progress must be None or 'tqdm', got {progress!r}")
     num_iters = _positive(num_iters)
 
     def selected(name: str, module: nn.Module) -> bool:
@@ -133,7 +132,7 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
 
     def forward(m: nn.Module, batch: Any) -> Any:  # torch's: the first element of a tuple/list, else the batch
         x = batch[0] if isinstance(batch, (list, tuple)) else batch
-        return m(x.to(device) if device is not None and hasattr(x, "to") else x)
+        return m(x if device is None else _moved(x, device))
 
     if not find_norm_layers(model, selected, require=False):
         return
@@ -165,6 +164,21 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
             return
         plan_writes(unwrap(model), stats, modules=walk, shared_checked=True).commit()
         held.done = "update_bn() had completed before this signal: the model holds the new statistics"
+
+
+def _moved(x: Any, device: Any) -> Any:
+    """``x.to(device)``, as torch's ``update_bn`` moves its input; a dict, tuple or list of tensors (which torch's
+    cannot move: ``AttributeError``) is moved tensor by tensor. Anything else is refused rather than passed on
+    unmoved (the model would meet it on another device, or run where the caller did not ask)."""
+    if hasattr(x, "to"):
+        return x.to(device)
+    if not isinstance(x, (Mapping, list, tuple)):
+        raise BatchTypeError(
+            f"update_bn: device={device!r} cannot move a batch of type {type(x).__name__} (it has no .to() method, "
+            "and is not a dict, tuple or list of tensors); move the data yourself and pass device=None. The model "
+            "was left unchanged."
+        )
+    return to_device(x, torch.device(device))
 
 
 def _refuse_non_module(model: Any, signature: str, other: Any) -> None:

@@ -6,6 +6,7 @@ not know precisebn::
 
     PreciseBNError (Exception)
     ├── InvalidArgumentError (ValueError)      an option has a wrong value or type
+    │   └── NotWritableError (PermissionError) an output's folder cannot be written
     ├── BatchTypeError (TypeError)             a batch the default forward cannot feed
     ├── EmptyDataError (ValueError)            the data yielded no batch
     ├── LayerNotFoundError (LookupError)       no layer matches, or an unknown name
@@ -41,6 +42,7 @@ __all__ = [
     "MissingFileError",
     "ModelChangedWarning",
     "NonFiniteError",
+    "NotWritableError",
     "PreciseBNError",
     "PreciseBNWarning",
     "ShortDataWarning",
@@ -56,6 +58,11 @@ class PreciseBNError(Exception):
 
 class InvalidArgumentError(PreciseBNError, ValueError):
     """An argument has a value or type that precisebn cannot use."""
+
+
+class NotWritableError(InvalidArgumentError, PermissionError):
+    """An output path whose folder this process may not write (found before anything is written): an
+    ``InvalidArgumentError`` and a ``PermissionError``, which is what code that writes files catches."""
 
 
 class BatchTypeError(PreciseBNError, TypeError):

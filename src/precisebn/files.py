@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import FrameType
 
-from .errors import ConcurrentUseError, InvalidArgumentError
+from .errors import ConcurrentUseError, InvalidArgumentError, NotWritableError
 
 __all__ = ["OutputPlan", "Terminated", "atomic_path", "real_path"]
 
@@ -304,7 +304,7 @@ class OutputPlan:
         if not ancestor.is_dir():
             raise InvalidArgumentError(f"{label} {text!r}: {str(ancestor)!r} is a file, not a folder.")
         if not os.access(ancestor, os.W_OK | os.X_OK):
-            raise InvalidArgumentError(
+            raise NotWritableError(
                 f"{label} {text!r}: the folder {str(ancestor)!r} is not writable; choose another path."
             )
         self.outputs[label] = (text, real)

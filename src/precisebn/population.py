@@ -19,7 +19,7 @@ from ._equality import equal_fields, hash_fields
 from ._optional import require
 from ._table import times
 from ._version import __version__
-from .errors import InvalidArgumentError, MissingFileError, PreciseBNWarning, StatsMismatchError
+from .errors import InvalidArgumentError, MissingFileError, PreciseBNError, PreciseBNWarning, StatsMismatchError
 from .files import atomic_path
 from .stats import RunningMoments
 
@@ -382,6 +382,8 @@ class PopulationStats(Mapping[str, LayerStats]):
         try:
             with atomic_path(path) as tmp:  # save() to bytes: save_file() would recreate tmp as 0600
                 tmp.write_bytes(st.save(tensors, metadata=metadata))
+        except PreciseBNError:  # (refused before anything was written: a NotWritableError is an OSError too)
+            raise
         except OSError as exc:  # named by the file asked for (a full disk names no file, the temporary one is gone)
             raise OSError(exc.errno, exc.strerror or str(exc), os.fspath(path)) from exc
 
