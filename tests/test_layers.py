@@ -597,3 +597,42 @@ def test_tracing_the_model_during_the_passes_is_refused(capture: str) -> None:
     with pytest.raises(UnsupportedLayerError, match=r"layer '1' \(BatchNorm2d\) was called by torch.jit.trace"):
         precisebn.estimate(model, batches, forward=forward, capture=capture)
     assert_unchanged(model, before)
+
+
+class _HandWrittenNorm(nn.Module):
+    """A normalization of another class that keeps a running variance as a buffer (as timm's EvoNorm2dB0 does)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.register_buffer("running_var", torch.ones(1, channels, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            var = x.var(dim=(0, 2, 3), keepdim=True)
+            self.running_var.mul_(0.9).add_(var, alpha=0.1)
+        else:
+            var = self.running_var
+        return x / (var + 1e-5).sqrt()
+
+
+def test_a_module_of_another_class_keeping_running_statistics_is_named_and_kept() -> None:
+    """Found by probe 43b: a module that keeps running statistics but is not a subclass of torch's _NormBase (timm's
+    EvoNorm2dB0, a hand-written BatchNorm) was left out without a word — beside BatchNorm layers, its statistics
+    stayed stale unwarned; alone, the refusal named TorchScript and FrozenBatchNorm, not it. It is named now, in a
+    warning (its statistics kept, bitwise) and in the refusal; the BatchNorm beside it is recalibrated exactly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), _HandWrittenNorm(4))
+    batches = [torch.randn(4, 3, 8, 8) * 2 + 1 for _ in range(3)]
+    truth = compute_truth(model, batches)["1"]
+    kept = model[2].running_var.clone()
+    with pytest.warns(PreciseBNWarning, match=r"'2' \(_HandWrittenNorm\) keeps running statistics but is not a Bat"):
+        report = precisebn.recalibrate(model, batches)
+    assert report.updated == ["1"]
+    assert torch.equal(model[2].running_var, kept)
+    assert max_rel_error(model[1].running_var, truth.var) <= 1e-5
+    assert max_rel_error(model[1].running_mean, truth.mean, truth.var.sqrt()) <= 1e-5
+    with pytest.raises(LayerNotFoundError, match=r"The model's '0' \(_HandWrittenNorm\) keeps running statistics"):
+        precisebn.estimate(nn.Sequential(_HandWrittenNorm(3)), [torch.randn(2, 3, 8, 8)])
+    with warnings.catch_warnings():  # layers= chosen by the caller: nothing to warn of
+        warnings.simplefilter("error", PreciseBNWarning)
+        precisebn.recalibrate(model, batches, layers=["1"])

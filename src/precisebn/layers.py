@@ -57,6 +57,7 @@ LayerSelection = str | type | tuple[type, ...] | Callable[[str, nn.Module], bool
 _OWN_FIGURE_DTYPES = (torch.float32, torch.float64)
 _ALIGN = 16  # elements; keeps every scratch slice 64-byte aligned for cuDNN (on the CPU: no gaps, see below)
 _NO_FORWARD = object()  # marks a module without an instance-level forward
+_STATISTICS = ("running_mean", "running_var")
 
 
 def has_running_stats(module: nn.Module) -> bool:
@@ -285,9 +286,14 @@ def find_norm_layers(
     match = layer_matcher(layers, all_modules, model if root is None else root)
     found: list[NormLayer] = []
     scripted: list[str] = []  # TorchScript norm layers: compiled code, out of reach
+    # modules of other classes that keep running statistics as buffers (timm's EvoNorm2dB0, a hand-written BatchNorm
+    # not derived from torch's): not recalibrated, and said so (probe 43: kept without a word)
+    foreign: list[tuple[str, nn.Module]] = []
     for name, module in all_modules.items():
         if isinstance(module, torch.jit.ScriptModule) and hasattr(module, "running_var"):
             scripted.append(name)
+        elif not isinstance(module, _NormBase) and _keeps_statistics(module):
+            foreign.append((name, module))
         if not isinstance(module, _NormBase) or not module.track_running_stats:
             continue
         if not match(name, module):
@@ -339,6 +345,18 @@ def find_norm_layers(
                 PreciseBNWarning,
                 stacklevel=caller_stacklevel(),
             )
+    if foreign and layers is None:
+        held = {id(t) for layer in found for t in (layer.module._buffers.get(k) for k in _STATISTICS) if t is not None}
+        foreign = [(n, m) for n, m in foreign if not any(id(t) in held for t in _statistics_of(m))]
+    kept = ""
+    if foreign and layers is None:
+        names = ", ".join(f"{n!r} ({type(m).__name__})" for n, m in foreign[:5])
+        kept = (
+            f"{names}{f' and {len(foreign) - 5} more' if len(foreign) > 5 else ''} "
+            f"{'keeps' if len(foreign) == 1 else 'keep'} running statistics but {'is' if len(foreign) == 1 else 'are'} "
+            "not a BatchNorm/InstanceNorm layer (a subclass of torch's _NormBase), whose calls precisebn knows how "
+            "to measure"
+        )
     if require and not found:
         chosen = repr(layers)  # (the command line's selection shows itself as its option: "--layers ...")
         # running statistics held by no normalization layer: a graph (torch.export, torch.fx) with the layers
@@ -369,11 +387,34 @@ def find_norm_layers(
             + (f" The {script}" if scripted else "")
             + graph
             + frozen_note
+            + (f" The model's {kept}." if kept else "")
+        )
+    if kept and found:
+        warnings.warn(
+            f"precisebn: {kept}: {'its' if len(foreign) == 1 else 'their'} statistics are kept as they are.",
+            PreciseBNWarning,
+            stacklevel=caller_stacklevel(),
         )
     if scripted and layers is None:
         kept = "Its statistics are" if len(scripted) == 1 else "Their statistics are"
         warnings.warn(f"The {script} {kept} kept.", PreciseBNWarning, stacklevel=caller_stacklevel())
     return found
+
+
+def _keeps_statistics(module: nn.Module) -> bool:
+    """Whether ``module`` (not a ``_NormBase``) holds a ``running_mean`` or ``running_var`` buffer of its own — a plain
+    container's (a traced graph's, see :func:`_orphan_statistics`) and FrozenBatchNorm's (constants by design) apart."""
+    buffers = module._buffers
+    return (
+        bool(buffers)
+        and any(isinstance(buffers.get(k), Tensor) for k in _STATISTICS)
+        and type(module) is not nn.Module
+        and "FrozenBatchNorm" not in type(module).__name__
+    )
+
+
+def _statistics_of(module: nn.Module) -> list[Tensor]:
+    return [t for k in _STATISTICS if isinstance(t := module._buffers.get(k), Tensor)]
 
 
 def _orphan_statistics(model: nn.Module, graph_module: bool) -> list[str]:
