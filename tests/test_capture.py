@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 
 import hypothesis.strategies as st
 import pytest
@@ -346,10 +347,12 @@ def test_a_model_put_in_training_mode_during_the_passes_is_refused_by_name(at: i
     flags = [m.training for m in model.modules()]
     with pytest.raises(
         InvalidArgumentError, match=r"module '(\(the model\)|0)' \((Sequential|BatchNorm1d)\) was put in training"
-    ):
+    ) as caught:
         precisebn.recalibrate(model, batches, layers=["3"], mode=mode, forward=forward)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert [m.training for m in model.modules()] == flags
+    # (probe 43c: it also suggested mode='keep', which recalibrate refuses) every mode it names is one to pass
+    assert set(re.findall(r"mode='(\w+)'", str(caught.value))) == {"train"}
 
 
 class TakesADict(nn.BatchNorm1d):

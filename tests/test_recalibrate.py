@@ -22,6 +22,7 @@ from precisebn.errors import (
     InvalidArgumentError,
     LayerNotFoundError,
     NonFiniteError,
+    PreciseBNWarning,
     ShortDataWarning,
     StatsMismatchError,
     UninitializedLayerError,
@@ -235,9 +236,11 @@ def test_unknown_batch_type_points_at_forward() -> None:
         precisebn.estimate(nn.BatchNorm1d(3), [object()], num_batches=1)
 
 
-@pytest.mark.parametrize("bad", [torch.randn(4, 3), 3, "data"])
+@pytest.mark.parametrize("bad", [torch.randn(4, 3), 3, "data", {"x": torch.randn(4, 3)}])
 def test_data_must_be_an_iterable_of_batches(bad) -> None:
-    with pytest.raises(InvalidArgumentError, match="iterable of batches"):
+    """A dict (probe 43c) was iterated over its keys: the error spoke of batches of type str."""
+    hint = {dict: r"\[batch\]", torch.Tensor: r"\[batch\]"}.get(type(bad), "")
+    with pytest.raises(InvalidArgumentError, match=f"iterable of batches.*{hint}"):
         precisebn.estimate(nn.BatchNorm1d(3), bad)
 
 
@@ -336,7 +339,8 @@ def test_empty_batches_count_for_nothing(empty_at: int, capture: str) -> None:
 def test_only_empty_batches_keep_the_statistics_and_say_why(caplog: pytest.LogCaptureFixture) -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
     before = state_snapshot(model)
-    report = precisebn.recalibrate(model, [torch.randn(0, 3, 4, 4)] * 2, num_samples="all")
+    with pytest.warns(PreciseBNWarning, match=r"none of the 1 selected .* were called, but with empty inputs only"):
+        report = precisebn.recalibrate(model, [torch.randn(0, 3, 4, 4)] * 2, num_samples="all")
     assert report.updated == [] and report["1"].count == 0
     assert_unchanged(model, before)
     assert "'1' was called twice but never normalised with its running buffers (or only empty inputs)" in caplog.text
@@ -907,3 +911,22 @@ print("current", scheduler.is_current(1))
     assert done.returncode == 0, done.stderr[-2000:]
     names = ("recalibrate", "estimate", "apply", "update_bn", "update_bn_stats", "apply with prior", "untie_calls")
     assert done.stdout.split("\n")[:8] == [*(f"{name} refused" for name in names), "current False"], done.stdout
+
+
+@pytest.mark.parametrize("call", ["recalibrate", "estimate"])
+def test_passes_that_reach_no_selected_layer_say_so(call: str) -> None:
+    """Found by probe 43c: a ``forward=`` that never called the model gave a report of every layer "not reached
+    (kept)" and no warning (``estimate``: not even a log line). A ``PreciseBNWarning`` says so, the model unchanged;
+    one layer reached is enough for none."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2), nn.BatchNorm1d(2))
+    before = state_snapshot(model)
+    batches = [torch.randn(4, 3) for _ in range(2)]
+    with pytest.warns(
+        PreciseBNWarning, match=r"none of the 2 selected normalization layers was reached in 2 batches.*no forw"
+    ):
+        getattr(precisebn, call)(model, batches, forward=lambda m, b: None)
+    assert_unchanged(model, before)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PreciseBNWarning)
+        getattr(precisebn, call)(model, batches, forward=lambda m, b: m[1](m[0](b)))

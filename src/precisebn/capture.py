@@ -318,8 +318,7 @@ class Collector:
             "called by the model or forward=), so that it ran as in training — dropout active, normalization layers "
             "left out normalising with batch statistics — and the selected layers measured other inputs than the "
             "mode precisebn ran them in gives. Do not call model.train()/model.eval() inside forward; to measure with "
-            "the model in training mode pass mode='train', or mode='keep' (the flags as they are). The model was "
-            "left unchanged."
+            "the model in training mode pass mode='train'. The model was left unchanged."
         )
 
     def _traced(self, i: int) -> UnsupportedLayerError:

@@ -24,7 +24,8 @@ import math
 import numbers
 import operator
 import sys
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -33,7 +34,7 @@ from torch import nn
 from . import distributed as _dist
 from .adapt import WRITTEN, Adapt, check_adapt
 from .data import Forward, default_forward, model_device
-from .errors import InvalidArgumentError, UninitializedLayerError
+from .errors import InvalidArgumentError, PreciseBNWarning, UninitializedLayerError, caller_stacklevel
 from .interrupts import signals_held, signals_let_through
 from .layers import (
     Capture,
@@ -349,10 +350,15 @@ def _estimate(
         num_batches = None if num_batches is None else operator.index(num_batches)
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(data, (torch.Tensor, str, bytes)) or not isinstance(data, Iterable):
+        if isinstance(data, (torch.Tensor, str, bytes, Mapping)) or not isinstance(data, Iterable):
             raise InvalidArgumentError(
                 f"data must be an iterable of batches (a DataLoader, a list, a generator), got {type(data).__name__}"
                 + ("; wrap a single tensor batch in a list: [batch]" if isinstance(data, torch.Tensor) else "")
+                + (  # (probe 43c: iterated, a dict gave its keys, and the error spoke of batches of type str)
+                    ", whose iteration gives its keys; wrap a single dict batch in a list: [batch]"
+                    if isinstance(data, Mapping)
+                    else ""
+                )
             )
         explicit = num_samples is not None or num_batches is not None
         if not explicit and not use_all:
@@ -420,6 +426,7 @@ def _estimate(
             local.check()  # the same verdict on every rank: they all hold the same values
         try:
             stats = local.to_population()  # (its warning may be an error on one rank: warnings filters are per rank)
+            _warn_none_reached(stats)
         except BaseException as exc:
             if ctx is not None and plan is not None:  # the others wait in agree(): they learn of it there
                 ctx.fail(exc)
@@ -442,6 +449,26 @@ def _estimate(
     finally:
         if ctx is not None:
             ctx.release()  # no reference to the group outlives the call (see RankContext.release)
+
+
+def _warn_none_reached(stats: PopulationStats) -> None:
+    """Warns when the passes reached none of the selected layers (probe 43c: a ``forward=`` that never called the model
+    returned a report of every layer "not reached (kept)", and a log line at INFO)."""
+    if not stats.layers or any(s.count > 0 for s in stats.layers.values()):
+        return
+    why = (
+        "they were called, but with empty inputs only, or never normalised with their running buffers"
+        if any(s.calls for s in stats.layers.values())
+        else "no forward pass called them: check that forward= calls the model on each batch, and that they run in "
+        "the mode of the passes (mode='norm' runs the rest of the model in eval mode: a branch that runs only in "
+        "training, an auxiliary head, needs mode='train')"
+    )
+    warnings.warn(
+        f"precisebn: none of the {len(stats.layers)} selected normalization layers was reached in {stats.batches} "
+        f"batches, so their statistics are kept as they were; {why}.",
+        PreciseBNWarning,
+        stacklevel=caller_stacklevel(),
+    )
 
 
 def apply(model: nn.Module, stats: PopulationStats, *, prior: float | None = None, adapt: Adapt = "both") -> Report:

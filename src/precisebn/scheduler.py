@@ -242,7 +242,9 @@ class PreciseBNScheduler:
         optimizer step, ``load_state_dict``, another model: a caller's step number may not move with them, as a
         run started again after one that raised does not). A write through ``.data`` is not seen. And the layers
         the computation updated still hold bitwise what it wrote (not another computation's: a second scheduler on
-        them, an averaged copy sharing their buffers)."""
+        them, an averaged copy sharing their buffers), and every other module's running statistics are bitwise what
+        they were then (those before the updated layers fed them: a frozen layer adapted since, another scheduler's
+        layers rewritten)."""
         if self._last_step != check_step(step, "step") or self._stale:
             return False
         weights = self.__dict__.get("_weights")  # (None: loaded from a checkpoint, or a scheduler pickled before)
@@ -451,12 +453,16 @@ def _weights_of(model: nn.Module) -> tuple[tuple[int, int | None], ...]:
 
 class _Written:
     """The running statistics a computation wrote — its updated layers' ``running_mean``/``running_var``, named in the
-    model without its wrappers — as tensors and, in a :class:`~precisebn.state.ValueCopies`, bitwise copies of their
-    values. Not version counters: DDP's buffer broadcast rewrites them with the same values, moving the counters;
-    another computation — a second scheduler on the model, an averaged copy sharing its buffers — writes other values
-    at the same step (probe 42: a checkpoint at that step kept them, 0.035 σ and 5.4 σ off). Only the layers written:
-    another computation on other layers leaves these current (the review: two callbacks on disjoint layers computed
-    twice a step)."""
+    model without its wrappers — and those it read: every other module's ``running_mean``/``running_var`` buffers
+    (the layers not selected, frozen or not reached, which normalised with them during the passes, and whatever ran
+    before the updated layers fed them on those: probe 43c, a scheduler on a layer after one that another scheduler
+    or ``apply`` then rewrote took its statistics as current, 0.96 σ and 263 % off). As tensors and, in a
+    :class:`~precisebn.state.ValueCopies`, bitwise copies of their values. Not version counters: DDP's buffer
+    broadcast rewrites them with the same values, moving the counters; another computation — a second scheduler on
+    the model, an averaged copy sharing its buffers — writes other values at the same step (probe 42: a checkpoint
+    at that step kept them, 0.035 σ and 5.4 σ off). Which of the others feed the updated layers is not known, so a
+    change to any of them counts: two schedulers on disjoint layers compute again after each other's writes, unless
+    those left the values bitwise as they were (a computation repeated on the same data and weights does)."""
 
     def __init__(self, model: nn.Module, names: list[str]) -> None:
         self.names = names
@@ -479,9 +485,13 @@ class _Written:
 
 
 def _statistics_of(model: nn.Module, names: list[str]) -> list[torch.Tensor]:
+    """The ``running_mean``/``running_var`` buffers of the layers ``names``, then those of every other module."""
     core = unwrap(model)
+    keys = ("running_mean", "running_var")
     buffers = [core.get_submodule(name)._buffers for name in names]
-    return [t for b in buffers for key in ("running_mean", "running_var") if isinstance(t := b.get(key), torch.Tensor)]
+    written = {id(b) for b in buffers}
+    buffers += [m._buffers for m in core.modules() if id(m._buffers) not in written]
+    return [t for b in buffers for key in keys if isinstance(t := b.get(key), torch.Tensor)]
 
 
 def check_frozen(frozen: Any) -> None:
