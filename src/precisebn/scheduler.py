@@ -40,7 +40,7 @@ from .layers import LayerSelection, find_norm_layers, unwrap
 from .loaders import attribute, independent
 from .recalibrate import check_options, recalibrate
 from .report import Report
-from .state import ValueCopies, renormalised_weights, version_of
+from .state import ValueCopies, renormalised_weights, span_of, version_of
 
 __all__ = ["PreciseBNScheduler", "check_frozen"]
 
@@ -287,18 +287,28 @@ class PreciseBNScheduler:
         options = self._without_frozen(before_training)
         if options is None:
             return None
-        if self.preserve_rng:
-            with preserved_rng(self.model):
-                batches = _batches_or_failure(self.data)
-                with preserved_generators(data_generators(self.data, batches)), preserved_epochs(self.data, batches):
-                    report = recalibrate(self.model, batches, **options)
-        else:
-            report = recalibrate(self.model, _batches_or_failure(self.data), **options)
+        with _calls_seen(self.model) as calls:  # (which modules keeping running statistics the passes ran)
+            if self.preserve_rng:
+                with preserved_rng(self.model):
+                    batches = _batches_or_failure(self.data)
+                    with (
+                        preserved_generators(data_generators(self.data, batches)),
+                        preserved_epochs(self.data, batches),
+                    ):
+                        report = recalibrate(self.model, batches, **options)
+            else:
+                report = recalibrate(self.model, _batches_or_failure(self.data), **options)
         self._last_step, self._stale, self._last_report = step, False, report
-        try:  # (after the writes nothing may raise: a model that cannot be read so is judged by the step alone)
-            self._weights, self._statistics = _weights_of(self.model), _Written(self.model, report.updated)
+        # (after the writes nothing may raise: a model that cannot be read so is judged by the step alone — or by its
+        # weights alone, where its statistics cannot be read: the review of probe 43, a TorchScript submodule)
+        try:
+            self._weights = _weights_of(self.model)
         except Exception:
-            self._weights = self._statistics = None
+            self._weights = None
+        try:
+            self._statistics = _Written(self.model, report.updated, calls) if self._weights is not None else None
+        except Exception:
+            self._statistics = None
         self._computations += 1
         return report
 
@@ -453,28 +463,34 @@ def _weights_of(model: nn.Module) -> tuple[tuple[int, int | None], ...]:
 
 class _Written:
     """The running statistics a computation wrote — its updated layers' ``running_mean``/``running_var``, named in the
-    model without its wrappers — and those it read: every other module's ``running_mean``/``running_var`` buffers
-    (the layers not selected, frozen or not reached, which normalised with them during the passes, and whatever ran
-    before the updated layers fed them on those: probe 43c, a scheduler on a layer after one that another scheduler
-    or ``apply`` then rewrote took its statistics as current, 0.96 σ and 263 % off). As tensors and, in a
+    model without its wrappers — and those it read: the ``running_mean``/``running_var`` buffers of every other module
+    its passes ran (``ran``: the layers not selected, frozen or left out, which normalised with them then, feeding
+    the updated layers after them: probe 43c, a scheduler on a layer after one that another scheduler or ``apply``
+    then rewrote took its statistics as current, 0.96 σ and 263 % off) before the updated layers (see
+    :meth:`_Calls.feeding`). As tensors and, in a
     :class:`~precisebn.state.ValueCopies`, bitwise copies of their values. Not version counters: DDP's buffer
     broadcast rewrites them with the same values, moving the counters; another computation — a second scheduler on
     the model, an averaged copy sharing its buffers — writes other values at the same step (probe 42: a checkpoint
-    at that step kept them, 0.035 σ and 5.4 σ off). Which of the others feed the updated layers is not known, so a
-    change to any of them counts: two schedulers on disjoint layers compute again after each other's writes, unless
-    those left the values bitwise as they were (a computation repeated on the same data and weights does)."""
+    at that step kept them, 0.035 σ and 5.4 σ off). Modules the passes did not run — an auxiliary head that runs in
+    training only, whose buffers DDP broadcasts from rank 0 at the next forward; an averaged copy held beside the
+    network — cannot have fed them, and are left out (the review: every step computed twice), and so are those
+    called after the updated layers in the model's first forward: of two schedulers on disjoint layers, the one on the
+    later layers computes again after the other wrote the earlier ones, not the reverse. A buffer whose memory is
+    freed is compared by identity only."""
 
-    def __init__(self, model: nn.Module, names: list[str]) -> None:
+    def __init__(self, model: nn.Module, names: list[str], calls: _Calls) -> None:
         self.names = names
-        self.tensors = _statistics_of(model, names)
-        self.copies = ValueCopies(self.tensors)
+        core = unwrap(model)
+        self.ran = calls.feeding({id(core.get_submodule(name)) for name in names})
+        self.tensors = _statistics_of(model, names, self.ran)
+        self.copies = ValueCopies([t for t in self.tensors if _readable(t)])
 
     def held_by(self, model: nn.Module) -> bool:
         """Whether the layers still hold them: the same tensors, values, shapes and memory. Never raises: a model that
         cannot be read so (a layer gone — ``get_submodule`` raises what the model's ``__getattr__`` raises — its
         memory freed) does not hold them, and is computed again."""
         try:
-            now = _statistics_of(model, self.names)
+            now = _statistics_of(model, self.names, self.ran)
             return (
                 len(now) == len(self.tensors)
                 and all(map(operator.is_, now, self.tensors))
@@ -484,14 +500,95 @@ class _Written:
             return False
 
 
-def _statistics_of(model: nn.Module, names: list[str]) -> list[torch.Tensor]:
-    """The ``running_mean``/``running_var`` buffers of the layers ``names``, then those of every other module."""
+_STATISTICS = ("running_mean", "running_var")
+
+
+def _own_statistics(module: nn.Module) -> list[torch.Tensor]:
+    """``module``'s own ``running_mean``/``running_var`` buffers (a TorchScript module's too: its buffer dict is a
+    wrapper without ``get``, the review found — every record then failed)."""
+    buffers = module._buffers
+    return [t for key in _STATISTICS if key in buffers and isinstance(t := buffers[key], torch.Tensor)]
+
+
+def _statistics_of(model: nn.Module, names: list[str], ran: set[int]) -> list[torch.Tensor]:
+    """The running statistics of the layers ``names``, then those of the other modules whose ``id`` is in ``ran``."""
     core = unwrap(model)
-    keys = ("running_mean", "running_var")
-    buffers = [core.get_submodule(name)._buffers for name in names]
-    written = {id(b) for b in buffers}
-    buffers += [m._buffers for m in core.modules() if id(m._buffers) not in written]
-    return [t for b in buffers for key in keys if isinstance(t := b.get(key), torch.Tensor)]
+    layers = [core.get_submodule(name) for name in names]
+    written = {id(m) for m in layers}
+    others = [m for m in core.modules() if id(m) in ran and id(m) not in written]
+    return [t for m in layers + others for t in _own_statistics(m)]
+
+
+def _readable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values can be copied: not on the meta device, its memory not freed (reading it crashed the
+    process, the review found)."""
+    return t.layout == torch.strided and not t.is_meta and (t.numel() == 0 or span_of(t) is not None)
+
+
+class _Calls:
+    """Which modules keeping running statistics a computation's passes called (``ran``: their ``id``), and, in the
+    model's first forward, when each was called first and last (a count of such calls) — from which those that can
+    have fed the layers it updated: :meth:`feeding`."""
+
+    def __init__(self) -> None:
+        self.ran: set[int] = set()
+        self.first: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.forward = 0  # the model's first forward: 0 not begun, 1 running, 2 over
+        self.count = 0
+
+    def called(self, module: nn.Module, args: Any) -> None:
+        key = id(module)
+        self.ran.add(key)
+        if self.forward == 1:
+            self.count += 1
+            self.first.setdefault(key, self.count)
+            self.last[key] = self.count
+
+    def began(self, module: nn.Module, args: Any) -> None:
+        if self.forward == 0:
+            self.forward = 1
+
+    def ended(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.forward == 1:
+            self.forward = 2
+
+    def feeding(self, updated: set[int]) -> set[int]:
+        """The modules called that can have fed the ``updated`` ones: each called, in the model's first forward, before
+        the last call of an updated one there — or not called there at all (its order unknown), or every one called
+        where that forward was not seen (a ``forward=`` that calls submodules only) or no updated layer was called in
+        it. A module called only after them normalised nothing they measured (the review: two schedulers on disjoint
+        layers, each computed again after the other's writes)."""
+        horizon = max((self.last[key] for key in updated if key in self.last), default=None)
+        if self.forward != 2 or horizon is None:
+            return set(self.ran)
+        return {key for key in self.ran if self.first.get(key, 0) < horizon}
+
+
+@contextlib.contextmanager
+def _calls_seen(model: nn.Module) -> Iterator[_Calls]:
+    """The :class:`_Calls` of the modules keeping running statistics while the block runs (forward pre-hooks on them,
+    and hooks on the model marking its first forward, removed at the block's end, whatever happens); a TorchScript
+    module, which takes no hook, counts as called, in no known order. The modules stay referenced by the model, so
+    their ``id`` are not reused meanwhile."""
+    calls = _Calls()
+    handles: list[Any] = []
+    try:
+        core = unwrap(model)
+        if not isinstance(core, torch.jit.ScriptModule):
+            handles.append(core.register_forward_pre_hook(calls.began))
+            handles.append(core.register_forward_hook(calls.ended))
+        for m in core.modules():
+            if not _own_statistics(m):
+                continue
+            if isinstance(m, torch.jit.ScriptModule):
+                calls.ran.add(id(m))
+            else:
+                handles.append(m.register_forward_pre_hook(calls.called))
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def check_frozen(frozen: Any) -> None:
