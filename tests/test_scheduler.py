@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import warnings
 from typing import Any
@@ -801,3 +802,37 @@ def test_modules_the_passes_did_not_run_leave_the_statistics_current() -> None:
     assert scheduler.computations == 2
     truth = compute_truth(model, data, select=lambda name, m: name == "head.1")
     assert_precise(model, truth)
+
+
+def test_the_calls_are_watched_without_a_hook_left_anywhere() -> None:
+    """The passes' calls are watched through torch's global module hooks, held for the passes only: a copy of the model
+    made in its forward (a teacher) carries no hook of precisebn's, and none stays behind after a computation, nor
+    after one that raised."""
+    from torch.nn.modules import module as torch_module
+
+    copies: list[nn.Module] = []
+
+    class Copies(nn.Sequential):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not copies:
+                copies.append(copy.deepcopy(self))
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = Copies(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3), nn.BatchNorm1d(3))
+    hooks = (len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks))
+    data = [x for x, _ in make_batches()]
+    scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all", layers=["3"])
+    assert scheduler.update(1) is not None
+    assert (len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks)) == hooks
+    assert copies and all(not m._forward_pre_hooks and not m._forward_hooks for m in copies[0].modules())
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+    def failing() -> Any:
+        yield data[0]
+        raise RuntimeError("the data broke")
+
+    broken = precisebn.PreciseBNScheduler(model, failing, num_samples="all", layers=["3"])
+    with pytest.raises(RuntimeError, match="the data broke"):
+        broken.update(2)
+    assert (len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks)) == hooks

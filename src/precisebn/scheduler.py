@@ -526,31 +526,32 @@ def _readable(t: torch.Tensor) -> bool:
 
 
 class _Calls:
-    """Which modules keeping running statistics a computation's passes called (``ran``: their ``id``), and, in the
-    model's first forward, when each was called first and last (a count of such calls) — from which those that can
-    have fed the layers it updated: :meth:`feeding`."""
+    """Which modules keeping running statistics (``watched``: their ``id``) a computation's passes called (``ran``),
+    and, in the first forward of the model (``root``), when each was called first and last (a count of such calls) —
+    from which those that can have fed the layers it updated: :meth:`feeding`."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: nn.Module, watched: set[int]) -> None:
+        self.root = id(root)
+        self.watched = watched
         self.ran: set[int] = set()
         self.first: dict[int, int] = {}
         self.last: dict[int, int] = {}
         self.forward = 0  # the model's first forward: 0 not begun, 1 running, 2 over
         self.count = 0
 
-    def called(self, module: nn.Module, args: Any) -> None:
+    def before(self, module: nn.Module, args: Any) -> None:
         key = id(module)
-        self.ran.add(key)
-        if self.forward == 1:
-            self.count += 1
-            self.first.setdefault(key, self.count)
-            self.last[key] = self.count
-
-    def began(self, module: nn.Module, args: Any) -> None:
-        if self.forward == 0:
+        if key == self.root and self.forward == 0:
             self.forward = 1
+        if key in self.watched:
+            self.ran.add(key)
+            if self.forward == 1:
+                self.count += 1
+                self.first.setdefault(key, self.count)
+                self.last[key] = self.count
 
-    def ended(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.forward == 1:
+    def after(self, module: nn.Module, args: Any, output: Any) -> None:
+        if id(module) == self.root and self.forward == 1:
             self.forward = 2
 
     def feeding(self, updated: set[int]) -> set[int]:
@@ -567,24 +568,23 @@ class _Calls:
 
 @contextlib.contextmanager
 def _calls_seen(model: nn.Module) -> Iterator[_Calls]:
-    """The :class:`_Calls` of the modules keeping running statistics while the block runs (forward pre-hooks on them,
-    and hooks on the model marking its first forward, removed at the block's end, whatever happens); a TorchScript
-    module, which takes no hook, counts as called, in no known order. The modules stay referenced by the model, so
-    their ``id`` are not reused meanwhile."""
-    calls = _Calls()
+    """The :class:`_Calls` of the modules keeping running statistics while the block runs: seen through torch's global
+    module hooks, removed at the block's end whatever happens — hooks on the modules themselves would go with a copy
+    made meanwhile (a teacher deep-copied in ``forward``, ``torch.save`` of the model) and stay there. A TorchScript
+    module counts as called, in no known order. The modules stay referenced by the model, so their ``id`` are not
+    reused meanwhile; modules of other models, called meanwhile in other threads, are not watched."""
+    core = unwrap(model)
+    watched: set[int] = set()
+    scripted: set[int] = set()
+    for m in core.modules():
+        if _own_statistics(m):
+            (scripted if isinstance(m, torch.jit.ScriptModule) else watched).add(id(m))
+    calls = _Calls(core, watched)
+    calls.ran |= scripted
     handles: list[Any] = []
     try:
-        core = unwrap(model)
-        if not isinstance(core, torch.jit.ScriptModule):
-            handles.append(core.register_forward_pre_hook(calls.began))
-            handles.append(core.register_forward_hook(calls.ended))
-        for m in core.modules():
-            if not _own_statistics(m):
-                continue
-            if isinstance(m, torch.jit.ScriptModule):
-                calls.ran.add(id(m))
-            else:
-                handles.append(m.register_forward_pre_hook(calls.called))
+        handles.append(nn.modules.module.register_module_forward_pre_hook(calls.before))
+        handles.append(nn.modules.module.register_module_forward_hook(calls.after))
         yield calls
     finally:
         for handle in handles:
