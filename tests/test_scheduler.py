@@ -836,3 +836,12 @@ def test_the_calls_are_watched_without_a_hook_left_anywhere() -> None:
     with pytest.raises(RuntimeError, match="the data broke"):
         broken.update(2)
     assert (len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks)) == hooks
+
+    def interrupted() -> Any:
+        yield data[0]
+        raise KeyboardInterrupt
+
+    stopped = precisebn.PreciseBNScheduler(model, interrupted, num_samples="all", layers=["3"])
+    with pytest.raises(KeyboardInterrupt):
+        stopped.update(2)
+    assert (len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks)) == hooks

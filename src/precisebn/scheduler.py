@@ -36,6 +36,7 @@ from torch import nn
 from .data import Forward
 from .errors import InvalidArgumentError, PreciseBNError, PreciseBNWarning, caller_stacklevel
 from .frozen import FrozenLayers, agreed_names, any_rank, train_override
+from .interrupts import signals_held
 from .layers import LayerSelection, find_norm_layers, unwrap
 from .loaders import attribute, independent
 from .recalibrate import check_options, recalibrate
@@ -583,12 +584,14 @@ def _calls_seen(model: nn.Module) -> Iterator[_Calls]:
     calls.ran |= scripted
     handles: list[Any] = []
     try:
-        handles.append(nn.modules.module.register_module_forward_pre_hook(calls.before))
-        handles.append(nn.modules.module.register_module_forward_hook(calls.after))
-        yield calls
+        with signals_held():  # (a Ctrl-C between a hook's registration and its handle's keeping would leave it)
+            handles.append(nn.modules.module.register_module_forward_pre_hook(calls.before))
+            handles.append(nn.modules.module.register_module_forward_hook(calls.after))
+        yield calls  # (not held: the passes let signals through, which they do only under their own hold)
     finally:
-        for handle in handles:
-            handle.remove()
+        with signals_held():
+            for handle in handles:
+                handle.remove()
 
 
 def check_frozen(frozen: Any) -> None:
