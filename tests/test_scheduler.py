@@ -845,3 +845,31 @@ def test_the_calls_are_watched_without_a_hook_left_anywhere() -> None:
     with pytest.raises(KeyboardInterrupt):
         stopped.update(2)
     assert (len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks)) == hooks
+
+
+def test_a_forward_that_calls_layers_in_another_order_from_batch_to_batch_is_judged_by_every_order() -> None:
+    """The review of probe 43: the order of the model's first forward was taken for all of them; a forward that called
+    a layer after the updated one in its first batch and before it in the others left the updated one "current"
+    after that layer changed (1.49 σ and 187 % off). Every forward's order counts."""
+
+    class Swaps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin, self.earlier, self.updated = nn.Linear(4, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            if len(x) == 8:  # (the first batch)
+                return self.earlier(self.updated(h))
+            return self.updated(self.earlier(h))
+
+    model = Swaps()
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randn(8 if k == 0 else 6, 4, generator=g) * 2 + 1 for k in range(5)]
+    scheduler = precisebn.PreciseBNScheduler(model, data, num_samples="all", layers=["updated"])
+    assert scheduler.update(1) is not None and scheduler.update(1) is None
+    model.earlier.running_mean.add_(1.5)  # (it feeds the updated layer in batches 2 to 5)
+    assert scheduler.update(1) is not None
+    truth = compute_truth(model, data, select=lambda name, m: name == "updated")
+    assert_precise(model, truth)

@@ -245,7 +245,7 @@ class PreciseBNScheduler:
         the computation updated still hold bitwise what it wrote (not another computation's: a second scheduler on
         them, an averaged copy sharing their buffers), and every other module's running statistics are bitwise what
         they were then (those before the updated layers fed them: a frozen layer adapted since, another scheduler's
-        layers rewritten)."""
+        layers rewritten; see :meth:`_Calls.feeding` — a call that bypasses ``Module.__call__`` is not seen)."""
         if self._last_step != check_step(step, "step") or self._stale:
             return False
         weights = self.__dict__.get("_weights")  # (None: loaded from a checkpoint, or a scheduler pickled before)
@@ -528,43 +528,58 @@ def _readable(t: torch.Tensor) -> bool:
 
 class _Calls:
     """Which modules keeping running statistics (``watched``: their ``id``) a computation's passes called (``ran``),
-    and, in the first forward of the model (``root``), when each was called first and last (a count of such calls) —
-    from which those that can have fed the layers it updated: :meth:`feeding`."""
+    and in each forward of the model (``root``) when each was called first and last (a count of such calls) — kept
+    once per distinct order — from which those that can have fed the layers it updated: :meth:`feeding`."""
 
     def __init__(self, root: nn.Module, watched: set[int]) -> None:
         self.root = id(root)
         self.watched = watched
         self.ran: set[int] = set()
-        self.first: dict[int, int] = {}
-        self.last: dict[int, int] = {}
-        self.forward = 0  # the model's first forward: 0 not begun, 1 running, 2 over
-        self.count = 0
+        self.orders: list[tuple[dict[int, int], dict[int, int]]] = []  # (first, last) per distinct forward order
+        self._first: dict[int, int] = {}
+        self._last: dict[int, int] = {}
+        self._count = 0
+        self._depth = 0  # forwards of the model running (one calling itself: more)
+        self.unordered = False  # a watched module called outside the model's forward (a forward= calling submodules)
 
     def before(self, module: nn.Module, args: Any) -> None:
         key = id(module)
-        if key == self.root and self.forward == 0:
-            self.forward = 1
+        if key == self.root:
+            if not self._depth:
+                self._first, self._last, self._count = {}, {}, 0
+            self._depth += 1
         if key in self.watched:
             self.ran.add(key)
-            if self.forward == 1:
-                self.count += 1
-                self.first.setdefault(key, self.count)
-                self.last[key] = self.count
+            if not self._depth:
+                self.unordered = True
+                return
+            self._count += 1
+            self._first.setdefault(key, self._count)
+            self._last[key] = self._count
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
-        if id(module) == self.root and self.forward == 1:
-            self.forward = 2
+        if id(module) == self.root and self._depth:
+            self._depth -= 1
+            if not self._depth and (self._first, self._last) not in self.orders:
+                self.orders.append((self._first, self._last))
 
     def feeding(self, updated: set[int]) -> set[int]:
-        """The modules called that can have fed the ``updated`` ones: each called, in the model's first forward, before
-        the last call of an updated one there — or not called there at all (its order unknown), or every one called
-        where that forward was not seen (a ``forward=`` that calls submodules only) or no updated layer was called in
-        it. A module called only after them normalised nothing they measured (the review: two schedulers on disjoint
-        layers, each computed again after the other's writes)."""
-        horizon = max((self.last[key] for key in updated if key in self.last), default=None)
-        if self.forward != 2 or horizon is None:
+        """The modules called that can have fed the ``updated`` ones: each called, in some forward of the model, before
+        the last call of an updated one in that forward — every module called where a call was seen outside the
+        model's forward (a ``forward=`` that calls submodules) or no forward called an updated one. A module called
+        only after them normalised nothing they measured (the review: two schedulers on disjoint layers, each computed
+        again after the other's writes); every forward's order counts (the review: a forward that called two layers in
+        another order from its second batch on was judged by its first, 1.49 σ and 187 % off)."""
+        feeding: set[int] = set()
+        seen = False
+        for first, last in self.orders:
+            horizon = max((last[key] for key in updated if key in last), default=None)
+            if horizon is not None:
+                seen = True
+                feeding.update(key for key, at in first.items() if at < horizon)
+        if self.unordered or not seen:
             return set(self.ran)
-        return {key for key in self.ran if self.first.get(key, 0) < horizon}
+        return feeding & self.ran
 
 
 @contextlib.contextmanager
