@@ -288,7 +288,7 @@ class PreciseBNScheduler:
         options = self._without_frozen(before_training)
         if options is None:
             return None
-        with _calls_seen(self.model) as calls:  # (which modules keeping running statistics the passes ran)
+        with _calls_seen(self.model) as calls:  # (which modules holding buffers the passes ran, in what order)
             if self.preserve_rng:
                 with preserved_rng(self.model):
                     batches = _batches_or_failure(self.data)
@@ -464,26 +464,28 @@ def _weights_of(model: nn.Module) -> tuple[tuple[int, int | None], ...]:
 
 class _Written:
     """The running statistics a computation wrote — its updated layers' ``running_mean``/``running_var``, named in the
-    model without its wrappers — and those it read: the ``running_mean``/``running_var`` buffers of every other module
-    its passes ran (``ran``: the layers not selected, frozen or left out, which normalised with them then, feeding
-    the updated layers after them: probe 43c, a scheduler on a layer after one that another scheduler or ``apply``
-    then rewrote took its statistics as current, 0.96 σ and 263 % off) before the updated layers (see
-    :meth:`_Calls.feeding`). As tensors and, in a
-    :class:`~precisebn.state.ValueCopies`, bitwise copies of their values. Not version counters: DDP's buffer
-    broadcast rewrites them with the same values, moving the counters; another computation — a second scheduler on
-    the model, an averaged copy sharing its buffers — writes other values at the same step (probe 42: a checkpoint
-    at that step kept them, 0.035 σ and 5.4 σ off). Modules the passes did not run — an auxiliary head that runs in
-    training only, whose buffers DDP broadcasts from rank 0 at the next forward; an averaged copy held beside the
-    network — cannot have fed them, and are left out (the review: every step computed twice), and so are those
-    called after the updated layers in the model's first forward: of two schedulers on disjoint layers, the one on the
-    later layers computes again after the other wrote the earlier ones, not the reverse. A buffer whose memory is
-    freed is compared by identity only."""
+    model without its wrappers — and what it read: every buffer of every other module its passes ran (``ran``) before
+    the updated layers (see :meth:`_Calls.feeding`) — the running statistics of the layers not selected, frozen or
+    left out, which normalised with them then (probe 43c: a scheduler on a layer after one that another scheduler or
+    ``apply`` then rewrote took its statistics as current, 0.96 σ and 263 % off), and any other buffer their outputs
+    depend on (the review of probe 43: a layer pruned again, with a new ``weight_mask`` and its ``weight_orig``
+    untouched, 0.97 σ and 82 % off). As tensors and, in a :class:`~precisebn.state.ValueCopies`, bitwise copies of
+    their values. Not version counters: DDP's buffer broadcast rewrites them with the same values, moving the
+    counters; another computation — a second scheduler on the model, an averaged copy sharing its buffers — writes
+    other values at the same step (probe 42: a checkpoint at that step kept them, 0.035 σ and 5.4 σ off). Modules
+    the passes did not run — an auxiliary head that runs in training only, whose buffers DDP broadcasts from rank 0
+    at the next forward; an averaged copy held beside the network — cannot have fed them, and are left out (the
+    review: every step computed twice), and so are those called after the updated layers in every forward: of two
+    schedulers on disjoint layers, the one on the later layers computes again after the other wrote the earlier
+    ones, not the reverse. A buffer whose memory is freed is compared by identity only. (A buffer a module changes
+    in every call, in eval mode too — a quantization observer's range — makes every check after an evaluation
+    compute again: the statistics measured depend on it.)"""
 
     def __init__(self, model: nn.Module, names: list[str], calls: _Calls) -> None:
         self.names = names
         core = unwrap(model)
         self.ran = calls.feeding({id(core.get_submodule(name)) for name in names})
-        self.tensors = _statistics_of(model, names, self.ran)
+        self.tensors = _read_by(model, names, self.ran)
         self.copies = ValueCopies([t for t in self.tensors if _readable(t)])
 
     def held_by(self, model: nn.Module) -> bool:
@@ -491,7 +493,7 @@ class _Written:
         cannot be read so (a layer gone — ``get_submodule`` raises what the model's ``__getattr__`` raises — its
         memory freed) does not hold them, and is computed again."""
         try:
-            now = _statistics_of(model, self.names, self.ran)
+            now = _read_by(model, self.names, self.ran)
             return (
                 len(now) == len(self.tensors)
                 and all(map(operator.is_, now, self.tensors))
@@ -511,13 +513,19 @@ def _own_statistics(module: nn.Module) -> list[torch.Tensor]:
     return [t for key in _STATISTICS if key in buffers and isinstance(t := buffers[key], torch.Tensor)]
 
 
-def _statistics_of(model: nn.Module, names: list[str], ran: set[int]) -> list[torch.Tensor]:
-    """The running statistics of the layers ``names``, then those of the other modules whose ``id`` is in ``ran``."""
+def _own_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """Every buffer ``module`` holds itself (not its children's), a TorchScript module's too."""
+    return [t for _, t in module._buffers.items() if isinstance(t, torch.Tensor)]
+
+
+def _read_by(model: nn.Module, names: list[str], ran: set[int]) -> list[torch.Tensor]:
+    """The running statistics of the layers ``names``, then every buffer of the other modules whose ``id`` is in
+    ``ran``."""
     core = unwrap(model)
     layers = [core.get_submodule(name) for name in names]
     written = {id(m) for m in layers}
     others = [m for m in core.modules() if id(m) in ran and id(m) not in written]
-    return [t for m in layers + others for t in _own_statistics(m)]
+    return [t for m in layers for t in _own_statistics(m)] + [t for m in others for t in _own_buffers(m)]
 
 
 def _readable(t: torch.Tensor) -> bool:
@@ -527,7 +535,7 @@ def _readable(t: torch.Tensor) -> bool:
 
 
 class _Calls:
-    """Which modules keeping running statistics (``watched``: their ``id``) a computation's passes called (``ran``),
+    """Which modules holding buffers (``watched``: their ``id``) a computation's passes called (``ran``),
     and in each forward of the model (``root``) when each was called first and last (a count of such calls) — kept
     once per distinct order — from which those that can have fed the layers it updated: :meth:`feeding`."""
 
@@ -584,7 +592,7 @@ class _Calls:
 
 @contextlib.contextmanager
 def _calls_seen(model: nn.Module) -> Iterator[_Calls]:
-    """The :class:`_Calls` of the modules keeping running statistics while the block runs: seen through torch's global
+    """The :class:`_Calls` of the modules holding buffers while the block runs: seen through torch's global
     module hooks, removed at the block's end whatever happens — hooks on the modules themselves would go with a copy
     made meanwhile (a teacher deep-copied in ``forward``, ``torch.save`` of the model) and stay there. A TorchScript
     module counts as called, in no known order. The modules stay referenced by the model, so their ``id`` are not
@@ -593,7 +601,7 @@ def _calls_seen(model: nn.Module) -> Iterator[_Calls]:
     watched: set[int] = set()
     scripted: set[int] = set()
     for m in core.modules():
-        if _own_statistics(m):
+        if _own_buffers(m):
             (scripted if isinstance(m, torch.jit.ScriptModule) else watched).add(id(m))
     calls = _Calls(core, watched)
     calls.ran |= scripted
