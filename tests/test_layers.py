@@ -383,6 +383,21 @@ def test_a_layer_registered_twice_is_selected_by_either_name() -> None:
         find_norm_layers(model, ["sub.alia"])
 
 
+def test_a_glob_given_as_a_layer_name_is_told_how_to_select_by_pattern() -> None:
+    """The command line's ``--layers`` takes globs; the API takes names, and its error said only "not found"."""
+    import fnmatch
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with pytest.raises(LayerNotFoundError, match=r"'\[13\]'.* in Python pass a predicate") as raised:
+        find_norm_layers(model, ["[13]"])
+    assert isinstance(raised.value, LookupError)
+    with pytest.raises(LayerNotFoundError) as plain:
+        find_norm_layers(model, ["2x"])
+    assert "predicate" not in str(plain.value)
+    chosen = find_norm_layers(model, lambda name, module: fnmatch.fnmatch(name, "[13]"))  # (as the message says)
+    assert [layer.name for layer in chosen] == ["1", "3"]
+
+
 def test_running_statistics_held_as_parameters_are_refused_clearly() -> None:
     import precisebn
     from precisebn.compat import update_bn, update_bn_stats

@@ -198,6 +198,12 @@ def layer_matcher(
         raise LayerNotFoundError(
             f"layers= names {len(unknown)} module(s) not found in the model: {'; '.join(hints)}. "
             "Use the qualified names from model.named_modules()."
+            + (  # (the CLI's --layers takes globs; here a name is a name)
+                " Patterns such as 'layer4.*' are the command line's; in Python pass a predicate: "
+                "layers=lambda name, module: fnmatch.fnmatch(name, 'layer4.*')."
+                if any(c in n for n in unknown for c in "*?[")
+                else ""
+            )
         )
     wanted = set(names)
     for n in names:
