@@ -455,6 +455,20 @@ def layer_mismatch(rank: int, world_size: int) -> Result:
     return expect_failure(shard(rank, world_size), layers=None if rank == 0 else ["1"])
 
 
+def type_mismatch(rank: int, world_size: int) -> Result:
+    """A layer of another class under the same name and channels on one rank (probe 44c: BatchNorm2d beside
+    InstanceNorm2d was merged into one mixed population, silently; ``PopulationStats.merge`` refuses it)."""
+    model = make_model()
+    if rank == 1:
+        model[1] = nn.InstanceNorm2d(4, track_running_stats=True)
+    before = buffers(model)
+    try:
+        precisebn.recalibrate(model, shard(rank, world_size))
+    except DistributedError as exc:
+        return {**_error(exc), "unchanged": same_state(before, buffers(model))}
+    return {"error": None}
+
+
 def mode_mismatch(rank: int, world_size: int) -> Result:
     """mode= differing across ranks: statistics of different activations (was merged silently)."""
     return expect_failure(shard(rank, world_size), mode="norm" if rank == 0 else "train")
@@ -742,6 +756,7 @@ SCENARIOS: dict[str, Callable[[int, int], Result]] = {
         auto_failure,
         argument_error,
         layer_mismatch,
+        type_mismatch,
         mode_mismatch,
         recalibrate_argument_error,
         auto_on_one_rank,

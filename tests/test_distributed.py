@@ -93,6 +93,7 @@ def test_two_ranks(tmp_path: Path) -> None:
         "float64_union",
         "argument_error",
         "layer_mismatch",
+        "type_mismatch",
         "mode_mismatch",
         "empty_rank",
         "non_finite",
@@ -158,6 +159,8 @@ def test_two_ranks(tmp_path: Path) -> None:
 
     for res in results:
         m = res["layer_mismatch"]
+        assert m["error"] == "DistributedError" and "different normalization layers" in m["message"] and m["unchanged"]
+        m = res["type_mismatch"]
         assert m["error"] == "DistributedError" and "different normalization layers" in m["message"] and m["unchanged"]
         m = res["mode_mismatch"]
         assert (

@@ -389,9 +389,9 @@ class RankContext:
             raise DistributedError(
                 f"ranks selected different normalization layers or passed different options (digests {per_rank}; "
                 f"this rank: mode={local.mode!r}, {options or 'no other options'}): every rank must pass the same "
-                "model architecture, the same layers= selection and the same mode= and per_call=, and call the "
-                "same function (estimate on every rank, or recalibrate, or the same integration). No model was "
-                "changed."
+                "model architecture (the same layer classes), the same layers= selection and the same mode= and "
+                "per_call=, and call the same function (estimate on every rank, or recalibrate, or the same "
+                "integration). No model was changed."
             )
         if len({int(row[7]) for row in table}) > 1:
             split = call_indices(layer.name for layer in local.layers)
@@ -494,15 +494,16 @@ def _merged_path(local: str, fast: int, exact: int) -> str:
 
 
 def _layout(local: Measurement) -> str:
-    """The selected layers, one line each (name and channels), a layer with per-call statistics
-    (consecutive entries of one module, ``call_name(layer, i)``) once, under its own name."""
+    """The selected layers, one line each (name, channels and class: a BatchNorm2d on one rank and an InstanceNorm2d
+    on another were merged into one mixed population, probe 44c), a layer with per-call statistics (consecutive
+    entries of one module, ``call_name(layer, i)``) once, under its own name."""
     lines = []
     for _, run in itertools.groupby(local.layers, key=lambda layer: id(layer.module)):
         entries = list(run)
         name = entries[0].name
         if len(entries) > 1:
             name = name.removesuffix(call_name("", 0)).removesuffix(".")
-        lines.append(f"{name}:{entries[0].channels}")
+        lines.append(f"{name}:{entries[0].channels}:{type(entries[0].module).__qualname__}")
     return "\n".join(lines)
 
 
