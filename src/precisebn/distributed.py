@@ -503,7 +503,7 @@ def _layout(local: Measurement) -> str:
         name = entries[0].name
         if len(entries) > 1:
             name = name.removesuffix(call_name("", 0)).removesuffix(".")
-        lines.append(f"{name}:{entries[0].channels}:{type(entries[0].module).__qualname__}")
+        lines.append(f"{name}:{entries[0].channels}:{entries[0].type_name}")  # (as PopulationStats.merge compares)
     return "\n".join(lines)
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "recalibration_state",
     "refuse_freed",
     "refuse_shared_buffers",
+    "running_statistics",
     "unwrap",
 ]
 
@@ -353,7 +354,7 @@ def find_norm_layers(
             )
     if foreign and layers is None:
         held = {id(t) for layer in found for t in (layer.module._buffers.get(k) for k in _STATISTICS) if t is not None}
-        foreign = [(n, m) for n, m in foreign if not any(id(t) in held for t in _statistics_of(m))]
+        foreign = [(n, m) for n, m in foreign if not any(id(t) in held for t in running_statistics(m))]
     kept = ""
     if foreign and layers is None:
         names = ", ".join(f"{n!r} ({type(m).__name__})" for n, m in foreign[:5])
@@ -419,8 +420,11 @@ def _keeps_statistics(module: nn.Module) -> bool:
     )
 
 
-def _statistics_of(module: nn.Module) -> list[Tensor]:
-    return [t for k in _STATISTICS if isinstance(t := module._buffers.get(k), Tensor)]
+def running_statistics(module: nn.Module) -> list[Tensor]:
+    """``module``'s own ``running_mean``/``running_var`` buffers (a TorchScript module's too: its buffer dict is a
+    wrapper without ``get``)."""
+    buffers = module._buffers
+    return [t for k in _STATISTICS if k in buffers and isinstance(t := buffers[k], Tensor)]
 
 
 def _orphan_statistics(model: nn.Module, graph_module: bool) -> list[str]:

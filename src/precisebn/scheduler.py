@@ -37,7 +37,7 @@ from .data import Forward
 from .errors import InvalidArgumentError, PreciseBNError, PreciseBNWarning, caller_stacklevel
 from .frozen import FrozenLayers, agreed_names, any_rank, train_override
 from .interrupts import signals_held
-from .layers import LayerSelection, find_norm_layers, unwrap
+from .layers import LayerSelection, find_norm_layers, running_statistics, unwrap
 from .loaders import attribute, independent
 from .recalibrate import check_options, recalibrate
 from .report import Report
@@ -503,16 +503,6 @@ class _Written:
             return False
 
 
-_STATISTICS = ("running_mean", "running_var")
-
-
-def _own_statistics(module: nn.Module) -> list[torch.Tensor]:
-    """``module``'s own ``running_mean``/``running_var`` buffers (a TorchScript module's too: its buffer dict is a
-    wrapper without ``get``, the review found — every record then failed)."""
-    buffers = module._buffers
-    return [t for key in _STATISTICS if key in buffers and isinstance(t := buffers[key], torch.Tensor)]
-
-
 def _own_buffers(module: nn.Module) -> list[torch.Tensor]:
     """Every buffer ``module`` holds itself (not its children's), a TorchScript module's too."""
     return [t for _, t in module._buffers.items() if isinstance(t, torch.Tensor)]
@@ -525,7 +515,7 @@ def _read_by(model: nn.Module, names: list[str], ran: set[int]) -> list[torch.Te
     layers = [core.get_submodule(name) for name in names]
     written = {id(m) for m in layers}
     others = [m for m in core.modules() if id(m) in ran and id(m) not in written]
-    return [t for m in layers for t in _own_statistics(m)] + [t for m in others for t in _own_buffers(m)]
+    return [t for m in layers for t in running_statistics(m)] + [t for m in others for t in _own_buffers(m)]
 
 
 def _readable(t: torch.Tensor) -> bool:
