@@ -32,7 +32,7 @@ from precisebn.errors import (
     UnsupportedLayerError,
 )
 from precisebn.population import LayerStats, PopulationStats
-from precisebn.state import overlapping
+from precisebn.state import in_memory, overlapping
 
 
 def mlp() -> nn.Sequential:
@@ -1422,3 +1422,31 @@ def test_a_parametrized_embedding_weight_renormalised_through_a_view_is_put_back
         warnings.simplefilter("error")
         precisebn.recalibrate(model, [torch.randint(0, 20, (16,)) for _ in range(3)], num_samples="all")
     assert torch.equal(original, before)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    cols=st.integers(1, 6),
+    start=st.integers(0, 3),
+    step=st.integers(1, 3),
+    transpose=st.booleans(),
+    kept=st.integers(0, 40),
+)
+def test_in_memory_says_whether_the_storage_still_holds_every_element_a_view_reaches(
+    rows: int, cols: int, start: int, step: int, transpose: bool, kept: int
+) -> None:
+    """The cheap storage-size check that refuses freed running buffers (FSDP's ``resize_(0)``) agrees with
+    torch's own bound check of a view over everything the tensor reaches, whatever the view and the size left."""
+    base = torch.arange(40.0)
+    t = base[start:].view(-1)[: rows * cols * step : step] if rows * cols * step <= 40 - start else base[start:]
+    t = t.view(rows, -1) if t.numel() % rows == 0 else t
+    t = t.t() if transpose and t.dim() == 2 else t
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    t.untyped_storage().resize_(kept * 4)
+    try:
+        t.as_strided((extent,), (1,), t.storage_offset())
+        reachable = True
+    except RuntimeError:
+        reachable = False
+    assert in_memory(t) is reachable

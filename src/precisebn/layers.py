@@ -34,7 +34,7 @@ from .errors import (
     UnsupportedLayerError,
     caller_stacklevel,
 )
-from .state import StateSnapshot, ValueCopies, copy_all, overlapping, refuse_uninitialized, span_of, to_the_end
+from .state import StateSnapshot, ValueCopies, copy_all, in_memory, overlapping, refuse_uninitialized, to_the_end
 
 __all__ = [
     "LayerSelection",
@@ -505,7 +505,7 @@ def refuse_freed(buffers: list[tuple[str, str, Tensor]]) -> None:
     freed = [
         f"the {key} of {label}"
         for label, key, t in buffers
-        if t.layout == torch.strided and not t.is_meta and t.numel() and span_of(t) is None
+        if t.layout == torch.strided and not t.is_meta and t.numel() and not in_memory(t)
     ]
     if freed:
         shown = ", ".join(freed[:3]) + (f" and {len(freed) - 3} more" if len(freed) > 3 else "")

@@ -41,7 +41,7 @@ from .layers import LayerSelection, find_norm_layers, running_statistics, unwrap
 from .loaders import attribute, independent
 from .recalibrate import check_options, recalibrate
 from .report import Report
-from .state import ValueCopies, renormalised_weights, span_of, version_of
+from .state import ValueCopies, in_memory, renormalised_weights, version_of
 
 __all__ = ["PreciseBNScheduler", "check_frozen"]
 
@@ -521,7 +521,7 @@ def _read_by(model: nn.Module, names: list[str], ran: set[int]) -> list[torch.Te
 def _readable(t: torch.Tensor) -> bool:
     """Whether ``t``'s values can be copied: not on the meta device, its memory not freed (reading it crashed the
     process, the review found)."""
-    return t.layout == torch.strided and not t.is_meta and (t.numel() == 0 or span_of(t) is not None)
+    return t.layout == torch.strided and not t.is_meta and (t.numel() == 0 or in_memory(t))
 
 
 class _Calls:

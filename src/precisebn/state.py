@@ -45,11 +45,11 @@ __all__ = [
     "copy_all",
     "exclusive",
     "geometry",
+    "in_memory",
     "overlapping",
     "refuse_uninitialized",
     "renormalised_weights",
     "restore_on_error",
-    "span_of",
     "to_the_end",
     "version_of",
 ]
@@ -93,10 +93,24 @@ def _span(t: Tensor) -> Tensor | None:
         return None
 
 
-def span_of(t: Tensor) -> Tensor | None:
-    """A flat view of every storage element ``t`` can reach, ``None`` if it holds none or its storage is too small
-    for its shape (freed): whether its values can be read without reading freed memory."""
-    return _span(t)
+def in_memory(t: Tensor) -> bool:
+    """Whether the storage under a non-empty strided ``t`` holds every element ``t`` can reach (``False`` if it was
+    freed by ``untyped_storage().resize_(0)`` and not put back): whether its values can be read, without making a
+    view of them (three times the cost, for every running buffer of a model, twice per recalibration).
+
+    >>> import torch
+    >>> t = torch.zeros(8)
+    >>> tail, every_other = t[2:], t.view(2, 4)[:, ::2]
+    >>> in_memory(tail), in_memory(every_other)
+    (True, True)
+    >>> _ = t.untyped_storage().resize_(0)
+    >>> in_memory(tail), in_memory(every_other)
+    (False, False)
+    """
+    try:
+        return t.untyped_storage().nbytes() >= (t.storage_offset() + _extent(t)) * t.element_size()
+    except (RuntimeError, NotImplementedError):  # (a tensor subclass without a storage of its own: as the view says)
+        return _span(t) is not None
 
 
 def overlapping(tensors: list[Tensor]) -> list[tuple[int, int]]:
