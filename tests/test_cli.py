@@ -517,6 +517,16 @@ def with_unsaved():
     return nn.Sequential(nn.Conv2d(3, 4, 3), Unsaved(4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
 
 
+class Pooled(nn.Module):
+    # a BatchNorm1d after global pooling: one value per channel and sample
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x).mean((2, 3)))
+
+
 class UnsavedAlias(nn.Module):
     # the layer of unsaved statistics under a second name
     def __init__(self):
@@ -1705,3 +1715,127 @@ def test_no_output_goes_where_a_symlinked_image_of_the_data_leads(tiny, work, ca
         assert sorted(p.name for p in shared.iterdir()) == ["kept.png"]
     assert main(args("--report", str(work["dir"] / "rep.json"))) == 0
     assert "6 samples" in capsys.readouterr().out  # (the linked image is read; the dangling one skipped)
+
+
+def _dead_pid() -> int:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    return dead.pid
+
+
+def test_the_temporaries_of_a_run_on_another_machine_survive_a_run(tiny, work, capsys):
+    """Found by a probe: a run in another container (or on another host of an NFS folder) writing the same output
+    had its live temporary removed by this one, its process id being "gone" here; it then failed, its work lost.
+    Another machine's mark is left alone, and so is a fresh temporary without a mark (an older precisebn's)."""
+    from precisebn.files import _machine_mark
+
+    dead, mark = _dead_pid(), _machine_mark()
+    foreign = "0" * 8 if mark != "0" * 8 else "1" * 8
+    theirs = [
+        work["dir"] / f".out.pt.precisebn-{foreign}-{dead}-0123abcd.tmp",
+        work["dir"] / f".out.pt.precisebn-{dead}-4567abcd.tmp",
+    ]
+    for path in theirs:
+        path.write_bytes(b"another run's checkpoint, being written")
+    assert main(_tiny_args(tiny, work["ckpt"], "out.pt", "--crop", "none")) == 0, capsys.readouterr().err
+    assert (work["dir"] / "out.pt").is_file()
+    assert _stray(work["dir"]) == sorted(p.name for p in theirs)
+    assert all(p.read_bytes() == b"another run's checkpoint, being written" for p in theirs)
+
+
+def test_a_temporary_that_another_process_removed_is_said_to_have_disappeared(tiny, work, capsys, monkeypatch):
+    """Found by a probe: the run whose temporary another process removed failed with "checkpoint
+    '.../.out.pt.precisebn-...tmp' does not exist; check the path" (a file the user never named)."""
+    import precisebn.checkpoint
+
+    real_write = precisebn.checkpoint.write_checkpoint
+
+    def write_then_lose(ckpt, replace, path):
+        real_write(ckpt, replace, path)
+        os.unlink(path)  # (as another process does)
+
+    monkeypatch.setattr(precisebn.checkpoint, "write_checkpoint", write_then_lose)
+    assert main(_tiny_args(tiny, work["ckpt"], "out.pt", "--crop", "none", "--report", "r.json")) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "precisebn recalibrate: error: --out 'out.pt': the temporary file '.out.pt.precisebn-" in err
+    assert "disappeared before it could be renamed into place; another process removed it" in err
+    assert "make sure one run at a time writes 'out.pt', then run again" in err and "does not exist" not in err
+    assert sorted(p.name for p in work["dir"].iterdir()) == ["existing_dir", "link.pt", "model.pt"]
+
+
+@pytest.mark.parametrize("case", ["--batch-size 1", "a folder of one image"])
+def test_a_batch_of_one_image_is_told_what_to_change_on_the_command_line(tiny, work, capsys, case):
+    """Found by a probe: a BatchNorm1d given a batch of one image said to use DataLoader(drop_last=True), which a
+    command-line user cannot pass."""
+    import cli_tiny
+
+    torch.save(cli_tiny.Pooled().state_dict(), "pooled.pt")
+    args = _tiny_args(tiny, work["dir"] / "pooled.pt", "out.pt", "--crop", "none")
+    args[args.index("--model") + 1] = "cli_tiny:Pooled"
+    if case == "--batch-size 1":
+        args[args.index("--batch-size") + 1] = "1"
+        hint = "--batch-size 1 makes batches of a single image: pass --batch-size 2 or more"
+    else:
+        (work["dir"] / "one" / "cls").mkdir(parents=True)
+        shutil.copy(sorted(tiny["images"].glob("*.png"))[0], work["dir"] / "one" / "cls")
+        args[args.index("--data") + 1] = str(work["dir"] / "one")
+        hint = "--data '" + str(work["dir"] / "one") + "' holds a single image, a batch of one whatever --batch-size is"
+    assert main(args) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "layer 'bn' (BatchNorm1d) received one value per channel (input of shape (1, 4))" in err
+    assert hint in err and "Nothing was written" in err
+    assert "drop_last" not in err and "DataLoader" not in err
+    assert not (work["dir"] / "out.pt").exists() and _stray(work["dir"]) == []
+
+
+SHADOWED = {  # the --model module's files, its name, --out, and the module and folder the message names
+    "an extension module beside it": (["shadow_m.py"], "shadow_m", "shadow_m.so", "shadow_m", "the working folder"),
+    "a module found further down the path": (
+        ["lib/shadow_m.py"],
+        "shadow_m",
+        "shadow_m.py",
+        "shadow_m",
+        "the working folder",
+    ),
+    "a module of a namespace package": (
+        ["ns_pkg/shadow_m.py"],
+        "ns_pkg.shadow_m",
+        "ns_pkg.py",
+        "ns_pkg",
+        "the working folder",
+    ),
+    "a module in its package": (
+        ["pkg/__init__.py", "pkg/shadow_m.py"],
+        "pkg.shadow_m",
+        "pkg/shadow_m.so",
+        "pkg.shadow_m",
+        "its package's folder",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SHADOWED))
+def test_an_output_that_would_be_imported_as_the_model_module_is_refused(tiny, work, capsys, monkeypatch, case):
+    """Found by a probe: ``--model shadow_m:net --out shadow_m.so`` (or ``--out shadow_m.py`` where the module is
+    found further down the import path) was written, and the next run imported the checkpoint instead of the
+    model's code. The checks compared files; the output is not the module's file until it is written."""
+    sources, name, out, module, where = SHADOWED[case]
+    for source in sources:
+        (work["dir"] / source).parent.mkdir(exist_ok=True)
+        (work["dir"] / source).write_text("from cli_tiny import Tiny as net\n")
+    monkeypatch.syspath_prepend(str(work["dir"] / "lib"))
+    args = _tiny_args(tiny, work["ckpt"], out, "--crop", "none")
+    args[args.index("--model") + 1] = f"{name}:net"
+    before = sorted(p.name for p in work["dir"].rglob("*"))
+    assert main(args) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "usage: precisebn recalibrate" in err
+    assert f"--out {out!r} would be imported as the module {module!r} of --model '{name}:net'" in err
+    assert f"Python looks for {module!r} in {where} " in err and "Give the output another name or folder." in err
+    assert sorted(p.name for p in work["dir"].rglob("*")) == before
+    args[args.index("--out") + 1] = "net.pt"  # (the same module, an output of another name: written)
+    try:
+        assert main(args) == 0, capsys.readouterr().err
+    finally:
+        for loaded in ("shadow_m", "ns_pkg", "ns_pkg.shadow_m", "pkg", "pkg.shadow_m"):
+            sys.modules.pop(loaded, None)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from precisebn.errors import InvalidArgumentError, NotWritableError
+from precisebn import files
+from precisebn.errors import ConcurrentUseError, InvalidArgumentError, NotWritableError
 from precisebn.files import OutputPlan, atomic_path, real_path
 
 
@@ -314,19 +315,84 @@ def test_a_sigterm_as_the_outputs_are_committed_says_they_are_complete(tmp_path)
     assert _names(tmp_path) == ["a.txt", "b.txt"]
 
 
-def test_stale_temporaries_of_killed_runs_are_removed(tmp_path) -> None:
+def _dead_pid() -> int:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = tmp_path / f".out.pt.precisebn-{dead.pid}-0123abcd.tmp"
-    backup = tmp_path / f".out.pt.precisebn-{dead.pid}-0123abcd.old.tmp"  # a killed commit's copy of the old file
-    alive = tmp_path / f".out.pt.precisebn-{os.getppid()}-0123abcd.tmp"  # a running process: kept
-    other = tmp_path / ".other.pt.precisebn-1-0123abcd.tmp"
-    impossible = tmp_path / ".out.pt.precisebn-99999999999999999999-ab.tmp"  # no process has it (OverflowError before)
+    return dead.pid
+
+
+def test_stale_temporaries_of_killed_runs_are_removed(tmp_path) -> None:
+    dead, mark = _dead_pid(), files._machine_mark()
+    stale = tmp_path / f".out.pt.precisebn-{mark}-{dead}-0123abcd.tmp"
+    backup = tmp_path / f".out.pt.precisebn-{mark}-{dead}-0123abcd.old.tmp"  # a killed commit's copy of the old file
+    alive = tmp_path / f".out.pt.precisebn-{mark}-{os.getppid()}-0123abcd.tmp"  # a running process: kept
+    other = tmp_path / f".other.pt.precisebn-{mark}-{dead}-0123abcd.tmp"
+    impossible = tmp_path / f".out.pt.precisebn-{mark}-99999999999999999999-ab.tmp"  # (OverflowError before)
     for p in (stale, backup, alive, other, impossible):
         p.write_text("left by a SIGKILL")
     with atomic_path(tmp_path / "out.pt") as tmp:
+        assert tmp.name.startswith(f".out.pt.precisebn-{mark}-{os.getpid()}-")
         tmp.write_text("new")
     assert _names(tmp_path) == sorted([alive.name, other.name, "out.pt"])
+
+
+def test_temporaries_of_another_machine_or_of_an_older_version_are_not_taken_for_stale(tmp_path) -> None:
+    """Found by a probe: a run in another container (or on another host of an NFS folder) writing the same output
+    had its live temporary removed, its process id being "gone" here — and failed, its work lost. A temporary of
+    another machine's mark is never removed; one without a mark (written before marks, by any machine) only once
+    it has been left untouched for a day."""
+    dead, mark = _dead_pid(), files._machine_mark()
+    assert len(mark) == 8 and mark == files._machine_mark()
+    foreign = "0" * 8 if mark != "0" * 8 else "1" * 8
+    elsewhere = tmp_path / f".out.pt.precisebn-{foreign}-{dead}-0123abcd.tmp"  # another host's, being written
+    elsewhere_backup = tmp_path / f".out.pt.precisebn-{foreign}-{dead}-0123abcd.old.tmp"
+    unmarked = tmp_path / f".out.pt.precisebn-{dead}-0123abcd.tmp"  # an older precisebn's, being written
+    abandoned = tmp_path / f".out.pt.precisebn-{dead}-4567abcd.tmp"  # an older precisebn's, killed two days ago
+    for p in (elsewhere, elsewhere_backup, unmarked, abandoned):
+        p.write_text("work in progress")
+    two_days_ago = os.stat(abandoned).st_mtime - 2 * 24 * 3600
+    os.utime(abandoned, (two_days_ago, two_days_ago))
+    with atomic_path(tmp_path / "out.pt") as tmp:
+        tmp.write_text("new")
+    assert _names(tmp_path) == sorted([elsewhere.name, elsewhere_backup.name, unmarked.name, "out.pt"])
+    assert all(p.read_text() == "work in progress" for p in (elsewhere, elsewhere_backup, unmarked))
+
+
+@pytest.mark.parametrize("when", ["before the block ends", "as the writer reads it back", "as it is renamed"])
+def test_a_temporary_that_another_process_removes_is_said_to_have_disappeared(tmp_path, monkeypatch, when) -> None:
+    """Found by a probe: a run whose temporary another process removed (an older precisebn elsewhere) failed with
+    "checkpoint '.../.out.pt.precisebn-...tmp' does not exist; check the path", a file the user never named."""
+    (tmp_path / "b.txt").write_text("old b")
+    plan = OutputPlan()
+    plan.add("--out", tmp_path / "out.pt")
+    plan.add("--report", tmp_path / "b.txt")
+    if when == "as it is renamed":  # (gone after the check that follows the block: at the commit)
+        real_chmod = os.chmod
+
+        def chmod(path, mode, **kwargs):
+            if Path(path).name.startswith(".out.pt."):
+                os.unlink(path)
+            return real_chmod(path, mode, **kwargs)
+
+        monkeypatch.setattr(files.os, "chmod", chmod)
+
+    def write() -> None:
+        with plan.staged() as tmp:
+            tmp["--report"].write_text("new b")
+            tmp["--out"].write_text("checkpoint")
+            if when != "as it is renamed":
+                os.unlink(tmp["--out"])  # (as another process does)
+            if when == "as the writer reads it back":
+                tmp["--out"].read_text()
+
+    with pytest.raises(ConcurrentUseError) as caught:
+        write()
+    message = str(caught.value)
+    assert message.startswith(f"--out {str(tmp_path / 'out.pt')!r}: the temporary file '.out.pt.precisebn-")
+    assert "disappeared before it could be renamed into place; another process removed it" in message
+    assert "Nothing was written" in message and "then run again" in message
+    assert isinstance(caught.value, RuntimeError)
+    assert _names(tmp_path) == ["b.txt"] and (tmp_path / "b.txt").read_text() == "old b"
 
 
 def test_population_save_and_report_to_json_keep_permissions(tmp_path) -> None:

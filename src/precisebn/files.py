@@ -5,8 +5,10 @@
   one that is an input, another output, a folder, or under a folder that cannot be
   written, before anything is computed.
 * **Staged.** :meth:`OutputPlan.staged` gives a temporary file next to each target
-  (``.NAME.precisebn-PID-RANDOM.tmp``, in the target's own folder); the work writes
-  there.
+  (``.NAME.precisebn-MARK-PID-RANDOM.tmp``, in the target's own folder; ``MARK`` names
+  the machine and PID namespace of process ``PID``); the work writes there. One that
+  disappears before it is renamed (another process removed it) is a
+  :class:`~precisebn.errors.ConcurrentUseError` that says so.
 * **Committed together.** When the block ends without error, every temporary file is
   renamed onto its target (``os.replace``); if one rename fails, the targets already
   replaced get their old content back. On any error, ``SIGINT`` (Ctrl-C), ``SIGTERM``
@@ -16,22 +18,30 @@
   ``0666 & ~umask``). A symlink is written *through*: its target gets the new content
   and the link stays a link.
 
-``SIGKILL`` cannot be caught: a killed run may leave ``.NAME.precisebn-PID-*.tmp``
-files; the next write to the same target removes those whose process is gone.
+``SIGKILL`` cannot be caught: a killed run may leave ``.NAME.precisebn-MARK-PID-*.tmp``
+files; the next write to the same target from the same machine and PID namespace (the
+same ``MARK``) removes those whose process is gone. Those of another ``MARK`` (another
+host sharing the folder, another container) are left alone: their process cannot be
+seen from here. Those without a mark (``.NAME.precisebn-PID-*.tmp``, written by versions
+before it) are removed when their process is gone here *and* they were last modified a
+day ago or more.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import secrets
 import shutil
 import signal
+import socket
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import FrameType
@@ -44,7 +54,24 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 _MARK = ".precisebn-"
 _NAME_MAX = 255  # bytes in a file name: the limit of ext4, xfs, btrfs, tmpfs, APFS and NTFS (UTF-16 units there)
-_OWN = 7 + 1 + 8 + len(".old.tmp")  # what a temporary adds after its prefix: a process id, a token, the suffix
+# what a temporary adds after its prefix: the machine's mark, a process id, a token, the suffix
+_OWN = 8 + 1 + 7 + 1 + 8 + len(".old.tmp")
+_UNMARKED_AGE = 24 * 3600  # seconds untouched after which a temporary without a mark is taken as left by a kill
+
+
+def _machine_mark() -> str:
+    """Eight hex digits naming this machine and PID namespace: a hash of the host name, ``/etc/machine-id`` and
+    ``/proc/self/ns/pid`` (those that can be read). A temporary's process id means something only where its mark
+    is this one: another host writing to the same NFS folder, or another container, has process ids that
+    ``os.kill`` cannot see from here (probe 45: such a run's live temporary was removed as "stale", and its
+    work lost)."""
+    parts = [socket.gethostname()]
+    for read in (lambda: Path("/etc/machine-id").read_text().strip(), lambda: os.readlink("/proc/self/ns/pid")):
+        try:
+            parts.append(read())
+        except (OSError, ValueError):  # (no such file: macOS, Windows, a container without it)
+            parts.append("")
+    return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogateescape")).hexdigest()[:8]
 
 
 def _prefix(target: Path) -> str:
@@ -192,14 +219,31 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _remove_stale_temporaries(target: Path) -> None:
-    """Removes ``.NAME.precisebn-PID-*.tmp`` (and ``*.old.tmp`` backups) left by a killed run whose process is gone."""
-    pattern = re.compile(re.escape(_prefix(target)) + r"(\d+)-[0-9a-f]+(?:\.old)?\.tmp")  # (and backups)
+    """Removes ``.NAME.precisebn-MARK-PID-*.tmp`` (and ``*.old.tmp`` backups) left by a killed run of this machine
+    and PID namespace (``MARK``, :func:`_machine_mark`) whose process is gone. Another mark's are another host's
+    or container's, whose processes cannot be seen: left alone. Unmarked ones (``.NAME.precisebn-PID-*.tmp``,
+    written before marks, by any machine) are removed only when their process is gone here and they were left
+    untouched for a day (a live run writes its temporary within minutes of creating it)."""
+    prefix = re.escape(_prefix(target))
+    marked = re.compile(prefix + re.escape(_machine_mark()) + r"-(\d+)-[0-9a-f]+(?:\.old)?\.tmp")
+    unmarked = re.compile(prefix + r"(\d+)-[0-9a-f]+(?:\.old)?\.tmp")
     with contextlib.suppress(OSError), os.scandir(target.parent) as entries:
         for entry in entries:
-            found = pattern.fullmatch(entry.name)
-            if found and int(found.group(1)) != os.getpid() and not _pid_alive(int(found.group(1))):
+            found = marked.fullmatch(entry.name)
+            if found is None:
+                found = unmarked.fullmatch(entry.name)
+                if found is None or not _untouched_for(entry, _UNMARKED_AGE):
+                    continue
+            if int(found.group(1)) != os.getpid() and not _pid_alive(int(found.group(1))):
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
+
+
+def _untouched_for(entry: os.DirEntry[str], seconds: float) -> bool:
+    try:
+        return time.time() - entry.stat(follow_symlinks=False).st_mtime >= seconds
+    except OSError:
+        return False
 
 
 class OutputPlan:
@@ -332,11 +376,19 @@ class OutputPlan:
                     temps[label] = Path(name)  # (its mode is the target's at commit: a writer may need to write it)
                 try:
                     yield temps
-                except OSError as exc:  # name the output, not its hidden temporary file
-                    renamed = self._renamed(exc, temps)
+                except Exception as exc:
+                    vanished = self._vanished(temps)
+                    if vanished is not None:  # (what the writer made of it: "checkpoint '.x.tmp' does not exist")
+                        raise vanished from exc
+                    if not isinstance(exc, OSError):
+                        raise
+                    renamed = self._renamed(exc, temps)  # name the output, not its hidden temporary file
                     if renamed is exc:
                         raise
                     raise renamed from exc
+                vanished = self._vanished(temps)
+                if vanished is not None:
+                    raise vanished
                 self._commit(temps)  # (sets self.committed once the last output is in place)
             finally:
                 for tmp in temps.values():  # (each: an append-only folder refuses every unlink, and the error that
@@ -370,6 +422,24 @@ class OutputPlan:
                 return OSError(exc.errno, exc.strerror, self.outputs[label][0])
         return exc
 
+    def _vanished(self, temps: dict[str, Path], only: str | None = None) -> ConcurrentUseError | None:
+        """The error for the first temporary file (of ``only``'s output, if given) that is no longer there, if any:
+        another process removed it while the work wrote it (an older precisebn on another host or in another
+        container took it as left by a killed run, probe 45; a clean-up job), which its writer reported as a
+        missing file of a hidden name ("checkpoint '.out.pt.precisebn-....tmp' does not exist")."""
+        for label, tmp in temps.items():
+            if (only is None or label == only) and not os.path.lexists(tmp):
+                text = self.outputs[label][0]
+                return ConcurrentUseError(
+                    f"{label} {text!r}: the temporary file {tmp.name!r} it was being written to (in "
+                    f"{str(tmp.parent)!r}) disappeared before it could be renamed into place; another process "
+                    "removed it: most likely another run writing the same output (an older precisebn on another "
+                    "machine or in another container removes the temporary files whose process it cannot see) or "
+                    f"a clean-up job. Nothing was written: make sure one run at a time writes {text!r}, then run "
+                    "again."
+                )
+        return None
+
     def _commit(self, temps: dict[str, Path]) -> None:
         with _signals_deferred():  # (all of the renames, or the rollback of all of them)
             self._commit_all(temps)
@@ -388,7 +458,10 @@ class OutputPlan:
                         "job saved a new version?); replacing it would lose that version. Nothing was written: run "
                         "again on the new file, or write elsewhere with --out."
                     )
-                os.chmod(tmp, _mode_for(target))  # the writer may have recreated the file
+                try:
+                    os.chmod(tmp, _mode_for(target))  # the writer may have recreated the file
+                except FileNotFoundError:
+                    raise self._vanished(temps, label) or OSError(errno.ENOENT, "No such file", str(tmp)) from None
                 _same_owner(tmp, target)
                 existed, backup = target.exists(), None
                 if existed:
@@ -407,7 +480,8 @@ class OutputPlan:
                 try:
                     os.replace(tmp, target)
                 except OSError as exc:  # named by the output, not by the hidden temporary file
-                    raise OSError(exc.errno, exc.strerror, str(target)) from exc
+                    vanished = self._vanished(temps, label) if isinstance(exc, FileNotFoundError) else None
+                    raise vanished or OSError(exc.errno, exc.strerror, str(target)) from exc
                 done.append((target, backup, existed))
             # every output in place: committed — a Ctrl-C from here on (removing the backups below frees a whole
             # old checkpoint under --in-place, which takes time) changes nothing (probe 34b: exit 130 and "no
@@ -455,8 +529,9 @@ def _make_parents(folder: Path) -> list[Path]:
 
 
 def _mkstemp(target: Path) -> tuple[int, str]:
+    mark = _machine_mark()
     for _ in range(100):
-        name = target.with_name(f"{_prefix(target)}{os.getpid()}-{secrets.token_hex(4)}.tmp")
+        name = target.with_name(f"{_prefix(target)}{mark}-{os.getpid()}-{secrets.token_hex(4)}.tmp")
         try:
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:

@@ -189,6 +189,7 @@ def check_recalibrate(args: argparse.Namespace) -> Any:
         plan.add("--report", args.report)
         plan.add("--report's PNG", args.report.with_suffix(".png"))
         require("matplotlib.figure", "plot", "--report's PNG")
+    _refuse_import_shadows(args, plan)
     if folders:  # (and the images its symlinked files lead to, dangling ones too, probe 41: one was overwritten)
         from ..images import link_leading_to, linked_images
 
@@ -461,6 +462,10 @@ def run_recalibrate(args: argparse.Namespace) -> int:
             f"--data {args.data!r}: every image was unreadable and skipped ({_plural(len(skipped), 'image')}, "
             f"e.g. {skipped[0]}), so there is nothing to measure. Check the files. Nothing was written."
         ) from None
+    except InvalidArgumentError as exc:  # a batch of one: the library's advice is for a DataLoader (drop_last)
+        if preprocessing is None or _ONE_VALUE not in str(exc):  # (a --data function makes its own batches)
+            raise
+        raise InvalidArgumentError(_one_sample(args, str(exc), available, skipped)) from None
     except Exception as exc:  # raised in the code of --data or --model, as the passes ran it: say whose (probe 37)
         if isinstance(exc, (PreciseBNError, OSError)):
             raise
@@ -495,6 +500,32 @@ def run_recalibrate(args: argparse.Namespace) -> int:
     replace = {ckpt_name: state[name].detach().cpu() for ckpt_name, name in names.items()}
     _write_outputs(args, ckpt, replace, report=report, extra=extra)
     return EXIT_OK
+
+
+_ONE_VALUE = "received one value per channel"  # (capture's message for a BatchNorm layer given one sample)
+
+
+def _one_sample(args: argparse.Namespace, message: str, available: int | None, skipped: list[str] | None) -> str:
+    """The library's message for a BatchNorm layer given a batch of one, with what to do about it on the command
+    line: the library suggests ``DataLoader(drop_last=True)``, which an image folder's user cannot pass (probe
+    45). Only --batch-size 1 or a folder of one readable image make a batch of one (a last image alone joins the
+    batch before); otherwise the model gave the layer one sample of its batch."""
+    what = message.partition(" Use batches of two or more samples")[0]  # (the layer, its input's shape, why)
+    readable = (available or 0) - len(skipped or ())
+    if args.batch_size == 1:
+        hint = "--batch-size 1 makes batches of a single image: pass --batch-size 2 or more (the training one is best)."
+    elif readable <= 1:
+        hint = (
+            f"--data {args.data!r} holds a single {'readable ' if skipped else ''}image, a batch of one whatever "
+            "--batch-size is: give it two or more images."
+        )
+    else:
+        hint = (
+            f"The batches of --data {args.data!r} hold two or more images (--batch-size {args.batch_size or 64}; "
+            "a last image alone joins the batch before), so the model itself gave this layer one sample at a time, "
+            "which cannot be measured in training mode: select the other layers with --layers."
+        )
+    return f"{what} {hint} Nothing was written."
 
 
 def _say_adapted(args: argparse.Namespace) -> None:
@@ -562,6 +593,67 @@ def _sources(args: argparse.Namespace) -> dict[str, Path]:
                         inputs[f"--{option[2:]}'s package {'.'.join(parts[:k])}"] = package
                 break
     return inputs
+
+
+def _import_shadows(args: argparse.Namespace) -> dict[Path, tuple[str, str, str]]:
+    """The files that Python would import as a module the --model, --data or --transform spec names (its
+    packages too), instead of that module's code: the module's name with each import suffix (``.py``, ``.pyc``,
+    an extension module's ``.so``...) in each folder of the import path (the working folder first, as the import
+    of a spec has it) up to the one that holds it (every one, where none does, or where it is a namespace
+    package), and within its package's folder for the names under it. By path: (option and spec, module, the
+    folder as the message names it). Found without importing anything, as :func:`_sources` finds the inputs."""
+    import importlib.machinery
+
+    suffixes = importlib.machinery.all_suffixes()
+    here = os.getcwd()
+    roots = list(dict.fromkeys(os.path.realpath(p or here) for p in (here, *sys.path) if isinstance(p, str)))
+    shadows: dict[Path, tuple[str, str, str]] = {}
+    for option in ("model", "data", "transform"):
+        spec = getattr(args, option, None)
+        if not spec or ":" not in spec or Path(spec).exists():  # (an image folder)
+            continue
+        parts = spec.partition(":")[0].split(".")
+        folders = roots
+        for k, part in enumerate(parts):
+            inside: list[str] = []  # where the next part is looked for: the package's folder(s)
+            for folder in folders:
+                package = os.path.join(folder, part)
+                if any(os.path.isfile(os.path.join(package, "__init__" + s)) for s in suffixes):
+                    inside = [os.path.realpath(package)]  # (a package's folder comes before a module file beside it)
+                    break
+                if k:
+                    where = f"its package's folder {folder!r}"
+                elif folder == roots[0]:
+                    where = f"the working folder {folder!r}"
+                else:
+                    where = f"{folder!r} (on the import path)"
+                found = (f"--{option} {spec!r}", ".".join(parts[: k + 1]), where)
+                for suffix in suffixes:
+                    shadows.setdefault(Path(folder, part + suffix), found)
+                if any(os.path.isfile(os.path.join(folder, part + s)) for s in suffixes):
+                    break  # (found: the folders after this one are not searched)
+                if os.path.isdir(package):  # a namespace package's portion: a module in a later folder still wins
+                    inside.append(os.path.realpath(package))
+            folders = inside
+    return shadows
+
+
+def _refuse_import_shadows(args: argparse.Namespace, plan: Any) -> None:
+    """Refuses an output that would be imported as the module of --model/--data/--transform the next time (a
+    probe: ``--model pmodels:fn --out pmodels.so`` wrote a file that the next run imported instead of
+    ``pmodels.py``; ``--out pmodels.py`` in the working folder did the same to a ``pmodels.py`` found further down
+    the import path). The checks of the inputs compare files, and this one is not the module's file yet."""
+    shadows = _import_shadows(args)
+    for label, (text, real) in plan.outputs.items():
+        given = Path(os.path.realpath(Path(text).parent), Path(text).name)
+        found = shadows.get(given) or shadows.get(real)
+        if found is not None:
+            whose, module, where = found
+            raise InvalidArgumentError(
+                f"{label} {text!r} would be imported as the module {module!r} of {whose}: Python looks for "
+                f"{module!r} in {where} before it reaches that code, so the next run would load this file "
+                "instead. Give the output another name or folder."
+            )
 
 
 def check_apply(args: argparse.Namespace) -> Any:
