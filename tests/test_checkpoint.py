@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import compute_truth, max_rel_error
 from precisebn.checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
@@ -360,6 +361,48 @@ def test_values_beyond_the_checkpoints_dtype_are_refused_before_writing(tmp_path
         save_checkpoint(ckpt, {"1.running_var": torch.full((4,), 3.3e5)}, tmp_path / "out.pt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["half.pt"]
     save_checkpoint(ckpt, {"1.running_var": torch.full((4,), 6.0e4)}, tmp_path / "out.pt")  # representable
+
+
+def test_variances_below_the_checkpoints_dtype_smallest_normal_are_refused(tmp_path, capsys):
+    """Probe 45: ``precisebn apply`` into a float16 checkpoint wrote a positive variance of ~7e-11 (a layer's input
+    of scale 1e-5) as 0, exit 0, and ``precisebn inspect --strict`` then failed on the file it wrote. Refused now
+    (exit 1, the tensor named, nothing written); the statistics are the float64 truth, and a float32 copy of the
+    checkpoint takes them (``inspect`` finds no zero variance there)."""
+    import precisebn
+    from precisebn.cli import main
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 3, generator=g) * torch.tensor([1e-5, 1e-2, 1.0])).half() for _ in range(4)]
+    model = nn.Sequential(nn.BatchNorm1d(3)).half()
+    truth = compute_truth(model, batches)["0"]
+    stats = precisebn.estimate(model, batches)
+    assert max_rel_error(stats["0"].var, truth.var) < 1e-12 and float(truth.var[0]) < 1e-9
+    stats.save(tmp_path / "s.safetensors")
+    torch.save(model.state_dict(), tmp_path / "half.pt")
+    saved = (tmp_path / "half.pt").read_bytes()
+    assert (
+        main(["apply", str(tmp_path / "half.pt"), str(tmp_path / "s.safetensors"), "--out", str(tmp_path / "out.pt")])
+        == 1
+    )
+    err = capsys.readouterr().err
+    assert "'0.running_var' has variances down to" in err and "below float16's smallest normal 6.1e-05" in err, err
+    assert "1 of 3 channels would be written as 0" in err and "Convert the checkpoint to float32" in err, err
+    assert not (tmp_path / "out.pt").exists() and (tmp_path / "half.pt").read_bytes() == saved
+    ckpt = load_checkpoint(tmp_path / "half.pt")  # (the library's writer, which the CLI's recalibrate ends with)
+    with pytest.raises(InvalidArgumentError, match=r"'0.running_var' has variances down to .*float16"):
+        save_checkpoint(ckpt, {"0.running_var": stats["0"].var}, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+    torch.save({k: v.float() for k, v in model.state_dict().items()}, tmp_path / "wide.pt")
+    assert (
+        main(["apply", str(tmp_path / "wide.pt"), str(tmp_path / "s.safetensors"), "--out", str(tmp_path / "out.pt")])
+        == 0
+    )
+    written = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert max_rel_error(written["0.running_var"], truth.var) < 1e-6
+    assert max_rel_error(written["0.running_mean"], truth.mean, truth.var.sqrt()) < 1e-6
+    capsys.readouterr()
+    main(["inspect", str(tmp_path / "out.pt")])
+    assert "var<=0" not in capsys.readouterr().out
 
 
 def test_image_folders_through_symlinked_folders_and_16_bit_images(tmp_path):

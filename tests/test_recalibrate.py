@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import re
 import warnings
 from collections.abc import Iterator
 
@@ -577,6 +578,41 @@ def test_statistics_beyond_the_buffers_dtype_are_refused_saying_so() -> None:
     truth = compute_truth(model, [b.double() for b in batches])
     precisebn.recalibrate(model, [b.double() for b in batches])
     assert_matches_truth(model, truth, 1e-12)
+
+
+def test_variances_below_the_buffers_dtype_smallest_normal_are_refused_saying_so() -> None:
+    """Probe 45: a float16 layer whose input is of scale 1e-5 (variance ~8e-11, below float16's smallest normal,
+    6.1e-5) got running_var 0 silently (``inspect --strict`` then flagged the model), and one of scale 3e-4
+    (~1e-7) a subnormal 40 % off. Refused as overflow is, naming the layer, the model unchanged; variances that
+    float16 holds within 1 % (a subnormal at ~1e-5) are written, and a float32 model gets them all exactly."""
+    g = torch.Generator().manual_seed(0)
+    scale = torch.tensor([1e-5, 3e-4, 3e-3, 1.0])
+    batches = [(torch.randn(16, 4, generator=g) * scale).half() for _ in range(4)]
+    model = nn.Sequential(nn.BatchNorm1d(4)).half()
+    truth = compute_truth(model, batches)
+    stats = precisebn.estimate(model, batches)
+    assert max_rel_error(stats["0"].var, truth["0"].var) < 1e-12  # (measured exactly: only the writes fail)
+    assert max_rel_error(stats["0"].mean, truth["0"].mean, truth["0"].var.sqrt()) < 1e-12
+    assert float(truth["0"].var[0]) < 1e-9 and 1e-8 < float(truth["0"].var[1]) < 3e-7  # (as the docstring says)
+    before = state_snapshot(model)
+    for call in (lambda: precisebn.recalibrate(model, batches), lambda: precisebn.apply(model, stats)):
+        with pytest.raises(StatsMismatchError) as info:
+            call()
+        message = str(info.value)
+        assert re.search(
+            r"'0' has variances down to \S+e-11, below float16's smallest normal 6.1e-05: 2 of 4 channels would be "
+            r"written as 0 \(1\) or more than 1% off",
+            message,
+        ), message
+        assert "layer.float() for a float16 layer" in message and "Nothing was written" in message
+        assert_unchanged(model, before)
+    held = nn.Sequential(nn.BatchNorm1d(2)).half()  # the channels float16 holds (3e-3: a subnormal, 0.3 % off)
+    precisebn.recalibrate(held, [b[:, 2:] for b in batches])
+    assert max_rel_error(held[0].running_var, truth["0"].var[2:]) < 0.01
+    assert torch.equal(held[0].running_var, truth["0"].var[2:].half())
+    wide = copy.deepcopy(model).float()  # (the same values, exactly: a float32 layer holds them all)
+    precisebn.recalibrate(wide, [b.float() for b in batches])
+    assert_matches_truth(wide, truth)
 
 
 def test_a_layer_on_the_meta_device_is_refused_by_name() -> None:

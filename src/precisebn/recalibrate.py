@@ -503,7 +503,9 @@ def apply(model: nn.Module, stats: PopulationStats, *, prior: float | None = Non
         StatsMismatchError: A layer is missing from the model, is not a normalization
             layer with running statistics, or its mean/variance is not of shape
             ``(channels,)``, not finite (also after the cast to the buffer's dtype) or
-            negative; with ``prior``, a layer's current statistics are not finite.
+            negative, or a positive variance that the buffer's dtype would hold as 0 or
+            more than 1 % off (below its smallest normal: float16's 6.1e-5); with
+            ``prior``, a layer's current statistics are not finite.
         InvalidArgumentError: ``prior`` or ``adapt`` has a wrong value.
         ConcurrentUseError: Another call is recalibrating the model.
 

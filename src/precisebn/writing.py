@@ -23,7 +23,7 @@ from .adapt import WRITTEN, Adapt, with_prior
 from .calls import PerCallBatchNorm, call_indices
 from .errors import StatsMismatchError
 from .layers import has_running_stats, refuse_freed, refuse_shared_buffers
-from .population import PopulationStats
+from .population import LayerStats, PopulationStats
 from .report import LayerReport, Report
 from .state import copy_all, restore_on_error
 
@@ -203,10 +203,13 @@ def plan_writes(
                 problems.append(f"{name!r} has NaN/Inf values (as {dtype})")
             elif s.reached and write[1] and bool((var < 0).any()):
                 problems.append(f"{name!r} has a negative variance")
-    if problems and len(overflow) == len(problems):  # finite statistics that the buffers' dtype cannot hold
+    unheld = [f"{p} (NaN/Inf values as written)" for p in overflow] if len(overflow) == len(problems) else []
+    if not problems and write[1] and updated:  # (probe 45: a positive variance written as 0, inspect --strict failed)
+        unheld = _underflowed(entries, values, host[len(old) + n_means :])
+    if unheld:  # finite statistics that the buffers' dtype cannot hold
         _refuse(
             "the statistics cannot be written",
-            [f"{p} (NaN/Inf values as written)" for p in overflow],
+            unheld,
             "Keep those layers in a dtype that holds them (e.g. layer.float() for a float16 layer: its parameters "
             "and its input must then be float32 too; layer.double() for a float32 one), or rescale what they "
             "receive. Nothing was written.",
@@ -336,6 +339,51 @@ def _converted(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Ten
             for i, t, part in zip(ids, sources, flat.split([t.numel() for t in sources])):
                 out[i] = part if t.dim() == 1 else part.view(t.shape)
     return out
+
+
+UNDERFLOW_TOLERANCE = 0.01
+"""The relative error beyond which a positive variance below its buffer dtype's smallest normal number (written
+as a subnormal, or as 0) is refused: a float16 buffer holds 11 significant bits at normal values (0.05 %), a
+subnormal fewer and fewer (a variance of 1e-6: 0.3 %; of 1e-7: 40 %; below 3e-8: 0)."""
+
+
+def underflow(exact: torch.Tensor, held: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """What is lost when the positive variances ``exact`` (float64) are held as ``held`` (their values cast to
+    ``dtype``, as float64), if anything: a variance below ``dtype``'s smallest normal number that became 0, or
+    a subnormal more than :data:`UNDERFLOW_TOLERANCE` off — a silent wrong statistic (probe 45: a float16 layer
+    whose input is of scale 1e-5 got variance 0, and ``inspect --strict`` then flagged the file precisebn wrote).
+    A normal value is held to the dtype's precision, as everywhere."""
+    tiny = torch.finfo(dtype).tiny
+    low = (exact > 0) & (exact < tiny)
+    lost = low & ((held == 0) | ((held - exact).abs() > UNDERFLOW_TOLERANCE * exact))
+    if not bool(lost.any()):
+        return None
+    n, zeros = int(lost.sum()), int((lost & (held == 0)).sum())
+    how = f"as 0 ({zeros}) or more than {UNDERFLOW_TOLERANCE:.0%} off" if 0 < zeros < n else "as 0" if zeros else ""
+    return (
+        f"has variances down to {float(exact[exact > 0].min()):.3g}, below {str(dtype).removeprefix('torch.')}'s "
+        f"smallest normal {tiny:.3g}: {n} of {exact.numel()} channels would be written "
+        + (how or f"more than {UNDERFLOW_TOLERANCE:.0%} off")
+    )
+
+
+def _underflowed(
+    entries: list[tuple[str, nn.Module, LayerStats]],
+    values: dict[str, tuple[torch.Tensor, ...]],
+    written: list[torch.Tensor],
+) -> list[str]:
+    """:func:`underflow` for each reached layer of :func:`plan_writes`: ``written``, the written variances as the
+    buffers hold them (host float64), are checked layer by layer only when one of them is below its dtype's
+    smallest normal (the common case costs one minimum)."""
+    dtypes = {m.running_var.dtype for _, m, s in entries if s.reached}
+    if not written or float(torch.cat(written).amin()) >= max(torch.finfo(d).tiny for d in dtypes):
+        return []
+    found = (
+        (name, underflow(s.var.detach().to("cpu", torch.float64), values[name][3], m.running_var.dtype))
+        for name, m, s in entries
+        if s.reached
+    )
+    return [f"{name!r} {lost}" for name, lost in found if lost]
 
 
 def _all_fine(new: list[torch.Tensor], means: int, variances: bool) -> bool:
