@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dist_scenarios as sc
+import precisebn
 from conftest import compute_truth, max_rel_error
 from precisebn import distributed
 from precisebn.errors import DistributedError
@@ -193,6 +194,42 @@ def test_auto_stops_at_the_same_batch_on_every_rank(tmp_path: Path) -> None:
         f = res["auto_failure"]
         assert f["error"] == "DistributedError" and f["failed_ranks"] == [1] and f["unchanged"], f
         assert "disk read error on rank 1" in f["message"]
+
+
+def test_auto_is_not_held_up_by_a_rank_whose_error_is_unknown_for_want_of_data(tmp_path: Path) -> None:
+    """Probe 45: under num_samples="auto", a rank that saw one batch, or only empty batches, reported its error as
+    unknown, and the vote (the largest over ranks) kept every rank going to the cap (32,768 samples per rank).
+    Such a rank has no say now: rank 0 stops at the very batch it stops at alone (1,648 batches, 6,592 samples),
+    and the statistics are the float64 truth of the union. A rank whose error is genuinely large (each batch one
+    sample repeated) still keeps the others going: more samples than two alike ranks need."""
+    import itertools
+
+    torch.set_num_threads(1)
+    alone = precisebn.estimate(sc.make_model(), sc._stream(0), num_samples="auto")
+    results = run_ranks(2, ["auto_small_share"], tmp_path, timeout=300)
+    for kind in ("one", "empty", "imprecise"):
+        first = results[0]["auto_small_share"][kind]
+        assert "error" not in results[0]["auto_small_share"], results[0]
+        for res in results:
+            a = res["auto_small_share"][kind]
+            assert (a["samples"], a["batches"]) == (first["samples"], first["batches"]), kind
+            for name in first["mean"]:
+                assert torch.equal(a["mean"][name], first["mean"][name]) and torch.equal(
+                    a["var"][name], first["var"][name]
+                )
+        if kind == "imprecise":  # (both ranks on endless streams: the same batches each)
+            assert first["batches"] % 2 == 0 and first["samples"] > 2 * alone.samples, (first["samples"], alone.samples)
+            k = first["batches"] // 2
+            theirs = list(itertools.islice(sc.small_share(kind), k))
+        else:
+            theirs = sc.small_share(kind)
+            k = first["batches"] - len(theirs)
+            assert k == alone.batches, (kind, k, alone.batches)  # (before: 8,192, the cap)
+        assert first["se"] <= 0.02 * 1.05, (kind, first["se"])
+        truth = compute_truth(sc.make_model(), list(itertools.islice(sc._stream(0), k)) + list(theirs))
+        for name, t in truth.items():
+            assert max_rel_error(first["mean"][name], t.mean, t.var.sqrt()) < 1e-5, (kind, name)
+            assert max_rel_error(first["var"][name], t.var) < 1e-5, (kind, name)
 
 
 def test_no_reference_to_the_process_group_outlives_a_call(tmp_path: Path) -> None:

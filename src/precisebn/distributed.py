@@ -297,23 +297,32 @@ class RankContext:
         while count() > before and time.monotonic() < deadline:
             time.sleep(1e-4)
 
-    def vote(self, tolerance: float, min_samples: int, max_samples: int) -> Callable[[float, int, bool], bool]:
+    def vote(
+        self, tolerance: float, min_samples: int, max_samples: int, min_batches: int = 1
+    ) -> Callable[[float, int, bool, int], bool]:
         """The ranks' common stopping decision for ``num_samples="auto"``.
 
         Each call is one small ``all_reduce`` of the status table (so that a rank that
         fails meanwhile is seen at once, in the same exchange). Each rank brings its own
         precision ``p_r`` over its ``n_r`` samples; the union's is taken as
         ``max_r(p_r·√n_r) / √N`` (standard errors shrink as 1/√samples when ranks see
-        alike data). The ranks stop together when that is within ``tolerance`` and N ≥
-        ``min_samples``, when N reaches ``max_samples``, or when no rank has data left.
+        alike data), over the ranks that know their error: a rank whose error is unknown
+        (not finite) with fewer than ``min_batches`` batches holding values — one batch, only
+        empty ones — has no say, and its samples do not count in ``N`` (probe 45: its unknown
+        error made the union's unknown, and every rank ran to the cap, 32 times the samples).
+        A rank whose error is unknown after that many batches (a layer reached in one of them)
+        still keeps the others going, as one process would go on. The ranks stop together when
+        the union's error is within ``tolerance`` and its ``N`` ≥ ``min_samples``, when all
+        samples reach ``max_samples``, or when no rank has data left.
         """
 
         tolerance = float(tolerance)  # (a NumPy float alike)
-        rule = zlib.crc32(f"{tolerance!r} {min_samples} {max_samples}".encode())  # (every rank must stop alike)
+        rule = zlib.crc32(f"{tolerance!r} {min_samples} {max_samples} {min_batches}".encode())  # (alike everywhere)
 
-        def vote(precision: float, samples: int, has_data: bool) -> bool:
+        def vote(precision: float, samples: int, has_data: bool, filled: int) -> bool:
+            """``filled``: this rank's batches that held values (a sample or more)."""
             weighted = precision * math.sqrt(samples) if math.isfinite(precision) else float("inf")
-            table = self._exchange(_VOTE, samples, 0, rule, tolerance, min(weighted, 1e300), has_data)
+            table = self._exchange(_VOTE, samples, filled, rule, tolerance, min(weighted, 1e300), has_data)
             if any(row[0] in (_FAILED, _STOPPED) for row in table):
                 raise _FailedAtVote(self._failure_error(table))
             if any(row[0] != _VOTE for row in table):  # a rank not voting: this was its status exchange
@@ -329,9 +338,12 @@ class RankContext:
                     )
                 )
             total = sum(row[1] for row in table)
-            union = max(row[5] for row in table) / math.sqrt(max(total, 1.0))
+            # (a rank that cannot know its error yet says nothing about the others' data: the union's error is theirs)
+            voters = [row for row in table if row[5] < 1e300 or row[2] >= min_batches]
+            known = sum(row[1] for row in voters)
+            union = max((row[5] for row in voters), default=math.inf) / math.sqrt(max(known, 1.0))
             no_data = not any(row[6] for row in table)
-            return no_data or total >= max_samples or (total >= min_samples and union <= tolerance)
+            return no_data or total >= max_samples or (known >= min_samples and union <= tolerance)
 
         return vote
 

@@ -42,9 +42,10 @@ AUTO_CHECK_EVERY = 8
 AUTO_MAX_SAMPLES = 65536
 """... and stops at this many samples (in all) whatever they say, unless ``num_batches`` is given."""
 
-Vote = Callable[[float, int, bool], bool]
-"""``vote(precision, samples, has_data) -> stop``: the ranks' common decision in a
-distributed ``num_samples="auto"`` (one small collective per call)."""
+Vote = Callable[[float, int, bool, int], bool]
+"""``vote(precision, samples, has_data, filled) -> stop``: the ranks' common decision in a
+distributed ``num_samples="auto"`` (one small collective per call); ``filled``: the rank's
+batches that held values."""
 
 logger = logging.getLogger("precisebn")
 
@@ -88,6 +89,7 @@ class Pass:
         self.per_call = per_call  # one set of statistics per call index for layers called several times per batch
         self.precision = float("nan")  # the last precision looked at (auto)
         self._decided = False  # the ranks voted to stop
+        self._filled = 0  # batches that held values (a sample or more, or an unknown number): the votes say it
         self.samples_given = samples_given  # num_samples was the caller's (else the default, named so in errors)
 
     def measure(
@@ -189,6 +191,7 @@ class Pass:
             collector.end_batch()
             batches += 1
             samples += size or 0
+            self._filled += size != 0
             if bar is not None:
                 bar.update(size if unit == "sample" and size is not None else 1)
             if abort is not None:
@@ -207,7 +210,7 @@ class Pass:
                 "iterable of batches (the model was left unchanged)."
             )
         if self.vote is not None and not self._decided:  # out of data or at its cap: join the others' votes
-            while not self.vote(self._precision(collector), samples, False):
+            while not self.vote(self._precision(collector), samples, False, self._filled):
                 pass
         return samples, batches, limited
 
@@ -215,7 +218,7 @@ class Pass:
         if self.tolerance is None or batches < AUTO_MIN_BATCHES or batches % AUTO_CHECK_EVERY:
             return False
         if self.vote is not None:
-            self._decided = self.vote(self._precision(collector), samples, True)
+            self._decided = self.vote(self._precision(collector), samples, True, self._filled)
             return self._decided
         return samples >= AUTO_MIN_SAMPLES and self._precision(collector) <= self.tolerance
 

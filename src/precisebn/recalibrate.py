@@ -46,7 +46,7 @@ from .layers import (
     unwrap,
 )
 from .loaders import independent
-from .measure import AUTO_MAX_SAMPLES, AUTO_MIN_SAMPLES, Pass
+from .measure import AUTO_MAX_SAMPLES, AUTO_MIN_BATCHES, AUTO_MIN_SAMPLES, Pass
 from .population import PopulationStats
 from .report import Report
 from .state import exclusive
@@ -365,7 +365,7 @@ def _estimate(
             num_samples = DEFAULT_NUM_SAMPLES
         vote = None
         if ctx is not None and auto:
-            vote = ctx.vote(tolerance, AUTO_MIN_SAMPLES, num_samples or sys.maxsize)  # type: ignore[arg-type]
+            vote = ctx.vote(tolerance, AUTO_MIN_SAMPLES, num_samples or sys.maxsize, AUTO_MIN_BATCHES)  # type: ignore[arg-type]
         shared = "auto" if auto else "all" if num_samples is None else num_samples  # (as every rank must pass it)
         if ctx is not None and num_samples is not None:
             num_samples = math.ceil(num_samples / ctx.world_size)
