@@ -173,6 +173,38 @@ def test_adapt_writes_one_buffer_and_leaves_the_other_bitwise(adapt, prior) -> N
         assert torch.equal(new_kept, old_kept)  # the report shows the kept buffer as it was
 
 
+def test_adapt_mean_reports_the_shift_and_its_error_in_the_same_kept_sigma() -> None:
+    """Probe 45: with adapt="mean" the report gave the mean's shift in the kept σ (sqrt(running_var + eps), what the
+    layer normalises with) and its standard error in the measured σ — 10 times smaller where the new data's σ was
+    10 times the kept one, so the shift looked 80 errors off instead of 8. Both are in the kept σ now, checked
+    against the delete-one-batch jackknife (16 batches: each its own fold) and the shift of the float64 truth;
+    adapt="both" keeps the measured σ (the statistics' own se_mean)."""
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(32, 2, generator=g) * 10 + 3 for _ in range(16)]  # σ 10; the kept running_var 0.25
+    model = nn.Sequential(nn.BatchNorm1d(2))
+    with torch.no_grad():
+        model[0].running_var.fill_(0.25)
+    x = [b.double() for b in batches]
+    pooled = torch.cat(x)
+    mean, var = pooled.mean(0), pooled.var(0, unbiased=False)
+    left_out = torch.stack([(pooled.sum(0) - b.sum(0)) / (len(pooled) - len(b)) for b in x])
+    k = len(x)
+    jackknife = ((k - 1) / k * (left_out - left_out.mean(0)).square().sum(0)).sqrt()  # the mean's error, absolute
+    kept = torch.tensor([0.25, 0.25], dtype=torch.float64) + model[0].eps
+    for adapt, unit in (("mean", kept.sqrt()), ("both", var.sqrt())):
+        m = copy.deepcopy(model)
+        report = precisebn.recalibrate(m, batches, adapt=adapt)
+        row = report["0"]
+        assert max_rel_error(m[0].running_mean, mean, var.sqrt()) < 1e-6  # (the float64 truth)
+        assert max_rel_error(row.se_mean, jackknife / unit) < 1e-6, adapt
+        if adapt == "mean":
+            assert torch.equal(m[0].running_var, torch.full((2,), 0.25))
+            shift = ((mean - 0).abs() / unit).mean()
+            assert abs(row.mean_shift - float(shift)) < 1e-5 * float(shift)
+            assert 2 < row.mean_shift / row.se_mean_median < 20, (row.mean_shift, row.se_mean_median)  # (before: 80)
+            assert f"the means ±{row.se_mean_median:.2g}σ at worst" in str(report)
+
+
 def test_no_prior_and_zero_prior_are_plain_recalibration() -> None:
     plain, batches = net(torch.float32), data(dtype=torch.float32)
     none, zero = copy.deepcopy(plain), copy.deepcopy(plain)

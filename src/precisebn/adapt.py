@@ -43,7 +43,16 @@ from torch import Tensor
 from .errors import InvalidArgumentError
 from .population import LayerStats
 
-__all__ = ["ADAPT", "WRITTEN", "Adapt", "check_adapt", "pool_with_prior", "prior_values", "with_prior"]
+__all__ = [
+    "ADAPT",
+    "WRITTEN",
+    "Adapt",
+    "check_adapt",
+    "mean_error_in_kept_sd",
+    "pool_with_prior",
+    "prior_values",
+    "with_prior",
+]
 
 Adapt = Literal["both", "mean", "var"]
 ADAPT = ("both", "mean", "var")
@@ -150,3 +159,20 @@ def with_prior(
         var = s.var if mean_only else var
         out.append((name, m, dataclasses.replace(s, mean=mean, var=var, se_mean=None, se_var=None)))
     return out, problems
+
+
+def mean_error_in_kept_sd(se_mean: Tensor, measured_var: Tensor, kept_var: Tensor, eps: float) -> Tensor:
+    """The mean's standard error ``se_mean`` (in the measured standard deviations, ``sqrt(measured_var)``)
+    in units of ``sqrt(kept_var + eps)``: what the layer normalises with after ``adapt="mean"``, and the
+    unit of the report's ``mean_shift`` (probe 45: the report gave the shift in the kept σ and its error in
+    the measured one — a shift of 3.3 kept σ with an error of 0.042 "σ", 0.42 kept σ, where the measured σ
+    was 10 times the kept one). Per channel, float64.
+
+    Example:
+        >>> one = torch.ones(1, dtype=torch.float64)
+        >>> mean_error_in_kept_sd(0.05 * one, 100 * one, one, 0.0)  # 0.05 of σ 10 is 0.5 of σ 1
+        tensor([0.5000], dtype=torch.float64)
+    """
+    f64 = torch.float64
+    absolute = se_mean.detach().to("cpu", f64) * measured_var.detach().to("cpu", f64).clamp_min(0).sqrt()
+    return absolute / (kept_var.detach().to("cpu", f64).clamp_min(0) + eps).sqrt()

@@ -40,6 +40,10 @@ class LayerReport:
         se_mean, se_var: Per-channel standard errors of the new mean (in standard
             deviations) and of the new variance (relative), from the jackknife over
             batches (see :func:`precisebn.stats.fold_errors`); ``None`` when unknown.
+            The mean's standard deviation is the one the layer normalises with after the
+            write: the measured one, or with ``adapt="mean"`` the kept
+            ``sqrt(new_var + eps)`` — the unit of :attr:`mean_shift`, so that the two
+            compare (the statistics' own ``se_mean`` stays in the measured one).
         per_forward: The most calls of the layer in one forward pass (batch). Above 1
             its new statistics pool every call, although training normalised each call
             with that call's own batch statistics (see :func:`precisebn.untie_calls`).
@@ -113,7 +117,8 @@ class LayerReport:
     @property
     def mean_shift(self) -> float:
         """Mean over channels of ``|Δmean| / sqrt(new_var + eps)``: how far, in the new
-        standard deviations, the stored mean moved."""
+        standard deviations (the kept ones with ``adapt="mean"``, as :attr:`se_mean`), the
+        stored mean moved."""
         return float(self._shift.mean()) if self.channels else 0.0
 
     @property

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ._table import times as _times
-from .adapt import WRITTEN, Adapt, with_prior
+from .adapt import WRITTEN, Adapt, mean_error_in_kept_sd, with_prior
 from .calls import PerCallBatchNorm, call_indices
 from .errors import StatsMismatchError
 from .layers import has_running_stats, refuse_freed, refuse_shared_buffers
@@ -226,7 +226,9 @@ def plan_writes(
             float(m.eps),
             s.reached,
             s.path,
-            s.se_mean if write[0] else None,  # (a buffer not written keeps its value: its error is unknown)
+            # (a buffer not written keeps its value: its error is unknown; a mean written beside the kept variance:
+            # its error in the kept σ, as mean_shift is)
+            (s.se_mean if write[1] else _kept_sd(s, values[name][3], m.eps)) if write[0] else None,
             s.se_var if write[1] else None,
             s.per_forward,
         )
@@ -245,6 +247,14 @@ def plan_writes(
             ]
         )
     return Writes(report, targets, new, [(name, s.calls) for name, _, s in entries if not s.reached])
+
+
+def _kept_sd(s: LayerStats, kept_var: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``s.se_mean`` in units of ``sqrt(kept_var + eps)`` (:func:`~precisebn.adapt.mean_error_in_kept_sd`); as it is
+    where the layer was not reached or has no error."""
+    if not s.reached or s.se_mean is None:
+        return s.se_mean
+    return mean_error_in_kept_sd(s.se_mean, s.var, kept_var, float(eps))
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:
