@@ -834,6 +834,39 @@ def test_several_training_loaders_without_data_are_refused_before_training(tmp_p
     assert model.losses == []
 
 
+class WithoutForward(TinyNet):
+    """TinyNet whose steps call its layers directly, without a forward() of its own (Lightning does not require one)."""
+
+    forward = L.LightningModule.forward  # (TinyNet's own taken away: the base class's, which raises)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x).squeeze(1), y)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+
+@pytest.mark.parametrize("callback", ["PreciseBN", "PreciseWeightAveraging"])
+def test_a_module_without_forward_is_refused_before_training_unless_forward_is_given(
+    tmp_path: Path, float64_truth: Any, callback: str
+) -> None:
+    """Found by probe 45: a LightningModule without a forward() of its own trained a whole epoch, and fit then ended
+    at the first validation with Lightning's raw NotImplementedError ("missing the required forward function")."""
+    x, y = make_data()
+    model = WithoutForward()
+    make = PreciseBN if callback == "PreciseBN" else PreciseWeightAveraging
+    trainer = make_trainer(tmp_path, max_epochs=1, callbacks=[make(num_samples="all")])
+    with pytest.raises(InvalidArgumentError, match="defines no forward"):
+        trainer.fit(model, loader(x, y), loader(x, y))
+    assert model.losses == []
+    model = WithoutForward()  # with forward=: trains and validates with precise statistics
+    precise = make(num_samples="all", forward=lambda module, batch: module.net(batch[0]))
+    make_trainer(tmp_path, max_epochs=1, callbacks=[precise]).fit(model, loader(x, y), loader(x, y))
+    assert precise.computations == 1 and len(model.losses) == 4
+    if callback == "PreciseBN":
+        assert_precise(float64_truth, model.validated[0][1], x)
+
+
 @pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
 def test_precise_weight_averaging_under_true_precision(tmp_path: Path, float64_truth: Any, precision: str) -> None:
     """Found by a probe: Lightning builds the averaged copy before a "64-true"/"bf16-true" precision plugin

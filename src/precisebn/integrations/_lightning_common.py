@@ -104,6 +104,22 @@ def _training_loader(trainer: Any) -> Iterable[Any]:
     return loader
 
 
+def _has_forward(module: nn.Module) -> bool:
+    """Whether ``module`` has a ``forward`` of its own: not the LightningModule's (of either package) nor torch's,
+    which only raise ``NotImplementedError`` (a probe: a module without one, which Lightning trains, ended ``fit`` with
+    that raw error at the first validation, after a whole epoch)."""
+    if "forward" in vars(module):  # (set on the instance)
+        return True
+    own = getattr(type(module), "forward", None)
+    bases = [vars(nn.Module).get("forward")]
+    bases += [
+        vars(cls).get("forward")
+        for cls in type(module).__mro__
+        if cls.__name__ == "LightningModule" and cls.__module__.endswith(".core.module")
+    ]
+    return own is not None and all(own is not base for base in bases)
+
+
 def _copies_state_dict(strategy: Any) -> bool:
     """Whether the strategy builds the checkpoint's ``state_dict`` other than as
     ``lightning_module.state_dict()`` (sharded strategies gather copies)."""
@@ -171,6 +187,12 @@ class _Recalibrator:
         super().on_train_start(trainer, pl_module)  # type: ignore[misc]
         if self.data is None:  # none or several training dataloaders: said before training, not after an epoch
             _training_loader(trainer)
+        if self.forward is None and not _has_forward(pl_module):  # (the same: not a raw error after an epoch)
+            raise InvalidArgumentError(
+                f"{type(self).__name__}: {type(pl_module).__name__} defines no forward() (Lightning does not require "
+                "one), and the computations feed the training batches to it; pass forward= (e.g. "
+                "forward=lambda module, batch: module.net(batch[0])) to say how the module takes a batch."
+            )
 
     @property
     def _scheduler(self) -> PreciseBNScheduler | None:
