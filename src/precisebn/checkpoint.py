@@ -276,24 +276,7 @@ def _replaced(ckpt: Checkpoint, replace: Mapping[str, Tensor]) -> dict[str, Tens
                 "to float32 first (e.g. {k: v.float() for k, v in state_dict.items()}), or rescale the layer's "
                 "input. Nothing was written."
             )
-        if k.endswith("running_var") and sd[k].is_floating_point() and (lost := _underflow(value, sd[k])):
-            raise InvalidArgumentError(
-                f"{k!r} {lost}, as the {sd[k].dtype} the checkpoint stores it in. Convert the checkpoint to float32 "
-                "first (e.g. {k: v.float() for k, v in state_dict.items()}), or rescale the layer's input. Nothing "
-                "was written."
-            )
     return sd
-
-
-def _underflow(value: Tensor, held: Tensor) -> str | None:
-    """:func:`~precisebn.writing.underflow` of a checkpoint's new variances ``value`` held as ``held`` (probe 45:
-    a float16 checkpoint got a positive variance as 0, silently, and ``inspect --strict`` failed on it)."""
-    from .writing import underflow
-
-    held64 = held.to(torch.float64)
-    if not held64.numel() or float(held64.amin()) >= torch.finfo(held.dtype).tiny:
-        return None  # (the common case: every value a normal number of the dtype)
-    return underflow(value.to(torch.float64), held64, held.dtype)
 
 
 def write_checkpoint(ckpt: Checkpoint, replace: Mapping[str, Tensor], path: str | os.PathLike[str]) -> None:

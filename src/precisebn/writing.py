@@ -352,28 +352,40 @@ def _converted(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Ten
 
 
 UNDERFLOW_TOLERANCE = 0.01
-"""The relative error beyond which a positive variance below its buffer dtype's smallest normal number (written
-as a subnormal, or as 0) is refused: a float16 buffer holds 11 significant bits at normal values (0.05 %), a
-subnormal fewer and fewer (a variance of 1e-6: 0.3 %; of 1e-7: 40 %; below 3e-8: 0)."""
+"""The error, relative to ``var + eps`` (what the layer divides by the square root of), beyond which a positive
+variance below its buffer dtype's smallest normal number (written as a subnormal, or as 0) is refused. A float16
+subnormal is off by at most 3e-8, so a layer with torch's default eps (1e-5) is never refused: its near-dead
+channels (variance 1e-9 written as 0: 0.01 % of var + eps) change nothing it computes. A float16 layer with eps
+below ~3e-6 can be: eps 1e-9 and a variance of 1e-7, 40 % off."""
 
 
-def underflow(exact: torch.Tensor, held: torch.Tensor, dtype: torch.dtype) -> str | None:
+def underflow(exact: torch.Tensor, held: torch.Tensor, dtype: torch.dtype, eps: float) -> str | None:
     """What is lost when the positive variances ``exact`` (float64) are held as ``held`` (their values cast to
-    ``dtype``, as float64), if anything: a variance below ``dtype``'s smallest normal number that became 0, or
-    a subnormal more than :data:`UNDERFLOW_TOLERANCE` off — a silent wrong statistic (probe 45: a float16 layer
-    whose input is of scale 1e-5 got variance 0, and ``inspect --strict`` then flagged the file precisebn wrote).
-    A normal value is held to the dtype's precision, as everywhere."""
+    ``dtype``, as float64), if anything: a variance below ``dtype``'s smallest normal number that became a
+    subnormal or 0 more than :data:`UNDERFLOW_TOLERANCE` of ``exact + eps`` away — a silent wrong statistic for
+    a layer of that ``eps`` (probe 45). A normal value is held to the dtype's precision, as everywhere.
+
+    Example:
+        >>> import torch
+        >>> exact = torch.tensor([1e-9, 1e-7, 1.0], dtype=torch.float64)
+        >>> held = exact.half().double()  # 0, a subnormal 40 % off, 1
+        >>> underflow(exact, held, torch.float16, eps=1e-5) is None  # 0.01 % and 0.4 % of var + eps
+        True
+        >>> print(underflow(exact, held, torch.float16, eps=1e-9))  # doctest: +NORMALIZE_WHITESPACE
+        has variances down to 1e-09, below float16's smallest normal 6.1e-05: 2 of 3 channels would be
+        written as 0 (1) or off by more than 1% of var + eps (eps 1e-09)
+    """
     tiny = torch.finfo(dtype).tiny
     low = (exact > 0) & (exact < tiny)
-    lost = low & ((held == 0) | ((held - exact).abs() > UNDERFLOW_TOLERANCE * exact))
+    lost = low & ((held - exact).abs() > UNDERFLOW_TOLERANCE * (exact + eps))
     if not bool(lost.any()):
         return None
     n, zeros = int(lost.sum()), int((lost & (held == 0)).sum())
-    how = f"as 0 ({zeros}) or more than {UNDERFLOW_TOLERANCE:.0%} off" if 0 < zeros < n else "as 0" if zeros else ""
+    off = f"off by more than {UNDERFLOW_TOLERANCE:.0%} of var + eps (eps {eps:.3g})"
+    how = f"as 0 ({zeros}) or {off}" if 0 < zeros < n else f"as 0 (eps {eps:.3g})" if zeros else off
     return (
         f"has variances down to {float(exact[exact > 0].min()):.3g}, below {str(dtype).removeprefix('torch.')}'s "
-        f"smallest normal {tiny:.3g}: {n} of {exact.numel()} channels would be written "
-        + (how or f"more than {UNDERFLOW_TOLERANCE:.0%} off")
+        f"smallest normal {tiny:.3g}: {n} of {exact.numel()} channels would be written {how}"
     )
 
 
@@ -389,7 +401,7 @@ def _underflowed(
     if not written or float(torch.cat(written).amin()) >= max(torch.finfo(d).tiny for d in dtypes):
         return []
     found = (
-        (name, underflow(s.var.detach().to("cpu", torch.float64), values[name][3], m.running_var.dtype))
+        (name, underflow(s.var.detach().to("cpu", torch.float64), values[name][3], m.running_var.dtype, float(m.eps)))
         for name, m, s in entries
         if s.reached
     )
