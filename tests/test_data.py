@@ -643,3 +643,36 @@ def test_a_shallow_copy_of_a_layer_made_during_the_passes_says_why_it_is_refused
     y = torch.randn(2, 4, 6, 6)
     with torch.no_grad():
         assert torch.equal(kept[0].eval()(y), model[1].eval()(y))  # (a shallow copy: the layer's own buffers)
+
+
+def test_a_batch_the_model_does_not_take_gets_a_note_saying_how_it_was_passed() -> None:
+    """A probe: a dict batch (``{"x": images, "y": labels}``) given to a model that takes one tensor failed with
+    only "forward() got an unexpected keyword argument 'x'". The model's own TypeError still propagates,
+    unchanged, the model untouched; a note says how precisebn called it and to pass ``forward=``, which then
+    gives the statistics of what the layer received (against the float64 truth)."""
+    import precisebn
+    from conftest import assert_unchanged, compute_truth, state_snapshot
+
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    batches = [{"x": torch.randn(8, 3, 6, 6, generator=g) * 2 + 1, "y": torch.zeros(8)} for _ in range(4)]
+    before = state_snapshot(model)
+    with pytest.raises(TypeError, match="unexpected keyword argument") as info:
+        precisebn.recalibrate(model, batches)
+    notes = getattr(info.value, "__notes__", [])
+    assert any("model(**batch), a dict batch's keys (x, y)" in n and "forward=lambda" in n for n in notes), notes
+    assert_unchanged(model, before)
+    with pytest.raises(TypeError, match="positional argument") as info:
+        default_forward(nn.Bilinear(3, 3, 2), (torch.randn(4, 3), torch.randn(4, 3)))
+    assert any("model(batch[0]), the first element" in n for n in getattr(info.value, "__notes__", []))
+    truth = compute_truth(model, [b["x"] for b in batches])
+    stats = precisebn.estimate(model, batches, forward=lambda m, b: m(b["x"]))
+    _assert_exact(stats["1"], truth["1"])
+
+    class Odd(nn.Module):
+        def forward(self, x: Any) -> Any:
+            return x + "1"  # a TypeError of the model's own, not about its arguments: no note
+
+    with pytest.raises(TypeError) as info:
+        default_forward(Odd(), {"x": torch.zeros(2)})
+    assert not getattr(info.value, "__notes__", [])

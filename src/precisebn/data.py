@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,13 +31,32 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
     if isinstance(batch, (tuple, list)):
         if not batch:
             raise BatchTypeError("an empty tuple/list batch cannot be fed to the model; check the data.")
-        return model(batch[0])
+        with _hint("model(batch[0]), the first element of a tuple/list batch"):
+            return model(batch[0])
     if isinstance(batch, Mapping):
-        return model(**batch)
+        with _hint(f"model(**batch), a dict batch's keys ({', '.join(map(str, list(batch)[:4]))}) as keywords"):
+            return model(**batch)
     raise BatchTypeError(
         f"don't know how to feed a batch of type {type(batch).__name__} to the model; "
         "pass forward=lambda model, batch: model(...) to say how."
     )
+
+
+@contextlib.contextmanager
+def _hint(how: str) -> Iterator[None]:
+    """Adds a note to a ``TypeError`` about the model's arguments raised by a call made as ``how``: the
+    model's own error, unchanged, says what the model expected; the note says what was passed and how to
+    pass it otherwise (a dict batch given as keywords to a model that takes one tensor said only
+    "unexpected keyword argument 'x'", a probe)."""
+    try:
+        yield
+    except TypeError as e:
+        if "argument" in str(e):
+            e.add_note(
+                f"precisebn: the default forward called {how}. If the model takes its batch otherwise, "
+                "pass forward=lambda model, batch: model(...) (e.g. model(batch['x']))."
+            )
+        raise
 
 
 def batch_size(batch: Any) -> int | None:
