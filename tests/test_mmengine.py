@@ -428,7 +428,8 @@ def test_with_ema_the_checkpoint_holds_the_statistics_validation_used(tmp_path: 
     but not that state_dict (0.91 off). Each checkpoint's state_dict now holds the statistics validation ran with,
     which are exact for the trained model's weights (kept under ema_state_dict, as EMAHook swaps them)."""
     x, y = make_data()
-    hook, probe = ExactPreciseBNHook(num_samples="all", interval=1), AtValidation()
+    # (ema="copy", the behaviour before ema="own": see the tests at the end of this file)
+    hook, probe = ExactPreciseBNHook(num_samples="all", interval=1, ema="copy"), AtValidation()
     run(
         tmp_path,
         TinyNet(),
@@ -560,3 +561,199 @@ def test_a_validation_after_a_training_run_that_raised_computes_nothing(tmp_path
     runner(TinyNet(), MSE()).val()
     assert hook.computations == 1
     assert all(torch.equal(v, before[k]) for k, v in failed.state_dict().items())
+
+
+# -- ema="own": the EMA weights get statistics of their own ---------------------------------------------------------
+
+
+TENSOR_CALLS: list[int] = []
+
+
+class SpiedNet(TinyNet):
+    """TinyNet that records its state at every validation batch (``mode="predict"``): the weights and statistics
+    validation ran with, whatever the hooks' order. ``explode``: its ``mode="tensor"`` passes raise ``error``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_validation: list[dict[str, torch.Tensor]] = []
+        self.explode: BaseException | None = None
+
+    def forward(self, inputs: torch.Tensor, data_samples: Any = None, mode: str = "tensor") -> Any:
+        if mode == "predict":
+            self.in_validation.append({k: v.clone() for k, v in self.state_dict().items()})
+        if mode == "tensor":
+            TENSOR_CALLS.append(id(self))  # (outside the model: precisebn puts the model's attributes back)
+            if self.explode is not None:
+                raise self.explode
+        return super().forward(inputs, data_samples, mode)
+
+
+class AroundValidation(Hook):
+    """After every other hook's ``before_val`` and ``after_val``: the model's state, and the EMA module's, as
+    validation starts and once it is over."""
+
+    priority = "LOWEST"
+
+    def __init__(self) -> None:
+        self.before: list[dict[str, torch.Tensor]] = []
+        self.after: list[dict[str, torch.Tensor]] = []
+        self.ema_before: list[dict[str, torch.Tensor]] = []
+
+    def before_val(self, runner: Any) -> None:
+        self.before.append({k: v.clone() for k, v in runner.model.state_dict().items()})
+        (ema,) = [h for h in runner.hooks if type(h).__name__ == "EMAHook"]
+        self.ema_before.append({k: v.clone() for k, v in ema.ema_model.module.state_dict().items()})
+
+    def after_val(self, runner: Any) -> None:
+        self.after.append({k: v.clone() for k, v in runner.model.state_dict().items()})
+
+
+def errors_to_truth(state: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[float, float]:
+    """The largest |error| of the state's running mean (in σ) and variance (relative) against the float64 truth
+    of ``conftest.compute_truth`` for the state's own weights over the training data."""
+    from conftest import compute_truth, max_rel_error
+
+    net = TinyNet()
+    net.load_state_dict(state)
+    truth = compute_truth(net, [x])[BN]
+    return (
+        max_rel_error(state[f"{BN}.running_mean"], truth.mean, truth.var.sqrt()),
+        max_rel_error(state[f"{BN}.running_var"], truth.var),
+    )
+
+
+def weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(v, b[k]) for k, v in a.items())
+
+
+@pytest.mark.parametrize("copies", [False, True])  # (True: the checkpoint holds copies, as for a model on a GPU)
+@pytest.mark.parametrize("priority", ["ABOVE_NORMAL", "LOWEST"])  # before EMAHook (its default), after every hook
+@pytest.mark.parametrize("update_buffers", [False, True])
+def test_with_ema_validation_and_checkpoints_get_the_ema_weights_own_statistics(
+    tmp_path: Path, update_buffers: bool, priority: str, copies: bool
+) -> None:
+    """Probe 45: validation ran EMAHook's weights with the statistics of the model's weights (0.05-0.08 σ off in
+    the mean, ~9 % in the variance; with update_buffers=True ~2 σ: its averages of the moving averages), and the
+    checkpoint's state_dict (the EMA weights) held them too. With ema="own" (the default) the EMA weights get the
+    float64 statistics of their own layer inputs, for validation and in the checkpoint; the model trains on with
+    its own, bitwise, and they are in the checkpoint's ema_state_dict (EMAHook's swap of the two)."""
+    x, y = make_data()
+    hook, around = ExactPreciseBNHook(num_samples="all", interval=1, priority=priority), AroundValidation()
+    model = SpiedNet()
+    ema_hook = {"type": "EMAHook", "momentum": 0.5, "update_buffers": update_buffers}
+    run(
+        tmp_path,
+        model,
+        loader(x, y),
+        hooks=[hook, ema_hook, around] + ([CopiedCheckpoints()] if copies else []),
+        train_cfg={"by_epoch": True, "max_epochs": 2, "val_interval": 1},
+        val=loader(x[:32], y[:32]),
+        checkpoint={"type": "CheckpointHook", "interval": 1},
+    )
+    assert len(around.before) == len(around.after) == 2 and len(model.in_validation) == 4  # 2 batches each
+    for epoch in (1, 2):
+        live, ema = around.before[epoch - 1], around.ema_before[epoch - 1]
+        assert not same(weights(live), weights(ema))  # (the EMA weights differ from the model's)
+        # (1) validation ran the EMA weights with the float64 statistics of their own layer inputs
+        for validated in model.in_validation[2 * epoch - 2 : 2 * epoch]:
+            assert same(weights(validated), weights(ema))
+            mean_error, var_error = errors_to_truth(validated, x)
+            assert mean_error < 1e-6 and var_error < 1e-6, (epoch, mean_error, var_error)
+        # (the model's own statistics are far from the EMA weights' truth: the check can tell them apart)
+        assert max(errors_to_truth({**validated, **{k: live[k] for k in live if "running" in k}}, x)) > 1e-3
+        # (2) the model's statistics, exact for its weights, are bitwise what they were once validation is over
+        assert max(errors_to_truth(live, x)) < 1e-6
+        assert same(around.after[epoch - 1], live)
+        # (3) the checkpoint: the EMA weights with their statistics; the model's under ema_state_dict
+        saved = torch.load(tmp_path / f"epoch_{epoch}.pth", weights_only=False)
+        assert same(weights(saved["state_dict"]), weights(ema))
+        assert max(errors_to_truth(saved["state_dict"], x)) < 1e-6
+        for key in (f"{BN}.running_mean", f"{BN}.running_var"):
+            assert torch.equal(saved["state_dict"][key], validated[key])
+        trained = {k.removeprefix("module."): v for k, v in saved["ema_state_dict"].items() if k.startswith("module.")}
+        assert same(trained, live)
+        # resuming swaps them back (EMAHook.after_load_checkpoint): the EMA module gets the EMA weights with their
+        # statistics, the model its own
+        resumed = {"state_dict": dict(saved["state_dict"]), "ema_state_dict": dict(saved["ema_state_dict"])}
+        from mmengine.hooks import EMAHook
+
+        EMAHook._swap_ema_state_dict(None, resumed)  # type: ignore[arg-type]
+        back = {k.removeprefix("module."): v for k, v in resumed["ema_state_dict"].items() if k.startswith("module.")}
+        assert same(weights(back), weights(ema)) and max(errors_to_truth(back, x)) < 1e-6
+        assert same(resumed["state_dict"], live)
+    assert hook.computations == 2 and hook._ema_trigger.computations == 2  # one of each per epoch
+
+
+@pytest.mark.parametrize("error", [RuntimeError("the EMA copy fails"), KeyboardInterrupt()])
+def test_with_ema_a_failure_in_the_ema_computation_leaves_both_models_unchanged(
+    tmp_path: Path, snapshot: Any, unchanged: Any, error: BaseException
+) -> None:
+    """The model's statistics are computed first, then the EMA weights': a failure in the second (the data, the
+    model, Ctrl-C) puts the first back too — the model and the EMA module bitwise as they were, no hook left."""
+    x, y = make_data()
+
+    class Explode(Hook):
+        priority = "HIGHEST"  # before the precise-BN hook in before_val
+        states: ClassVar[list[dict[str, Any]]] = []
+
+        def before_val(self, runner: Any) -> None:
+            (ema,) = [h for h in runner.hooks if type(h).__name__ == "EMAHook"]
+            ema.ema_model.module.explode = error
+            Explode.states[:] = [snapshot(runner.model), snapshot(ema.ema_model.module), ema.ema_model.module]
+
+    model = SpiedNet()
+    hook = ExactPreciseBNHook(num_samples="all", interval=None)  # computed in before_val alone
+    TENSOR_CALLS.clear()
+    with pytest.raises(type(error)):
+        run(
+            tmp_path,
+            model,
+            loader(x, y),
+            hooks=[Explode(), hook, {"type": "EMAHook", "momentum": 0.5}],
+            train_cfg={"by_epoch": True, "max_epochs": 1, "val_interval": 1},
+            val=loader(x[:32], y[:32]),
+        )
+    live, ema, ema_module = Explode.states
+    assert [id(model)] * 4 + [id(ema_module)] == TENSOR_CALLS  # the model's computation ran (and was undone)
+    unchanged(model, live)
+    unchanged(ema_module, ema)
+    assert hook.computations == 0 and hook.last_step is None
+
+
+def test_with_ema_copy_and_bad_values() -> None:
+    with pytest.raises(InvalidArgumentError, match="ema must be 'own' or 'copy'"):
+        ExactPreciseBNHook(ema="both")  # type: ignore[arg-type]
+    assert ExactPreciseBNHook().ema == "own"
+
+
+def test_with_ema_iteration_based_validation_and_checkpoints_get_the_ema_weights_own_statistics(
+    tmp_path: Path,
+) -> None:
+    """Iteration-based: the hook's interval falls inside an iteration, before EMAHook averages that iteration's
+    weights; the EMA weights' statistics are computed at the checkpoint and validation that follow."""
+    x, y = make_data()
+    hook, around = ExactPreciseBNHook(num_samples="all", interval=3), AroundValidation()
+    model = SpiedNet()
+    run(
+        tmp_path,
+        model,
+        loader(x, y),
+        hooks=[hook, {"type": "EMAHook", "momentum": 0.5}, around],
+        train_cfg={"by_epoch": False, "max_iters": 10, "val_interval": 5},
+        val=loader(x[:32], y[:32]),
+        checkpoint={"type": "CheckpointHook", "interval": 5, "by_epoch": False},
+    )
+    assert len(model.in_validation) == 4
+    for i, it in enumerate((5, 10)):
+        ema, live = around.ema_before[i], around.before[i]
+        for validated in model.in_validation[2 * i : 2 * i + 2]:
+            assert same(weights(validated), weights(ema)) and max(errors_to_truth(validated, x)) < 1e-6
+        assert same(around.after[i], live) and max(errors_to_truth(live, x)) < 1e-6
+        saved = torch.load(tmp_path / f"iter_{it}.pth", weights_only=False)
+        assert same(weights(saved["state_dict"]), weights(ema)) and max(errors_to_truth(saved["state_dict"], x)) < 1e-6
+    # the model: after iterations 3, 6, 9 and at 5, 10; the EMA weights at 5 and 10 (checkpoint and validation)
+    assert (hook.computations, hook._ema_trigger.computations) == (5, 2)
