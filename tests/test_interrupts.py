@@ -411,3 +411,55 @@ def test_a_finaliser_recalibrating_inside_a_held_call_does_not_swallow_its_ctrl_
     finally:
         logging.getLogger("precisebn").removeHandler(handler)
     assert any("had completed" in note for note in getattr(info.value, "__notes__", []))
+
+
+def test_a_signal_at_any_line_of_a_hold_leaves_no_stale_hold_behind() -> None:
+    """The sweep above found it when its lines moved (stop 44): a Ctrl-C as ``_engage`` entered its ``try`` left
+    the flag up with no recorder in place, so every later hold in the process took itself as nested and held
+    nothing (a Ctrl-C in a later call's restore then left its modules marked in use). A signal at each line of the
+    hold's own code, in a hold with signals let through inside: the exception raised at once or at the end,
+    nothing of the hold left behind, and a later hold holds."""
+    from precisebn import interrupts
+
+    codes = {
+        f.__code__
+        for f in (
+            interrupts._engage,
+            interrupts._disengage,
+            interrupts._dispatch,
+            signals_held.__enter__,
+            signals_held.__exit__,
+            signals_let_through.__enter__,
+            signals_let_through.__exit__,
+        )
+    }
+    ran: list[str] = []
+
+    def call() -> None:
+        with signals_held():
+            ran.append("held")
+            with signals_let_through():
+                ran.append("let through")
+            ran.append("held again")
+
+    tried = 0
+    for line in range(1, 1000):
+        ran.clear()
+        raised = _signalled_at(line, signal.SIGINT, call, codes)
+        if raised is None:  # (past the last line: no signal was sent)
+            assert ran == ["held", "let through", "held again"]
+            break
+        tried += 1
+        assert not (interrupts._engaged or interrupts._holds or interrupts._saved or interrupts._pending), line
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, line
+        order: list[str] = []
+
+        def later(order: list[str] = order) -> None:
+            with signals_held():
+                os.kill(os.getpid(), signal.SIGINT)
+                order.append("the block went on")
+
+        with pytest.raises(KeyboardInterrupt):
+            later()
+        assert order == ["the block went on"], f"a later hold held nothing (signal at line {line})"
+    assert tried > 20

@@ -54,8 +54,9 @@ def _engage() -> None:
     """Puts the recorder in place of every Python-level handler (as they are now: a handler installed while
     signals were let through is held too, and put back after)."""
     global _engaged
-    _engaged = True
-    try:
+    try:  # (the flag inside: a signal as the try was entered left it raised with no recorder in place, and every
+        # later hold in the process took itself as nested, holding nothing — a test's signal at every line)
+        _engaged = True
         for s in _SIGNALS:
             handler = signal.getsignal(s)
             if callable(handler) and handler is not _record:
@@ -134,14 +135,11 @@ class signals_held:
         if not self._held:
             return
         self._held = False
-        try:
+        try:  # (one try: a signal between two, its handler back in place, left the held ones for a later call)
             _disengage()
-        except BaseException:  # (a signal let through meanwhile: the ones held are dropped with it)
-            _pending.clear()
-            raise
-        try:
             _dispatch()
-        except BaseException as raised:
+        except BaseException as raised:  # (a signal let through meanwhile, or a held one's handler: the others
+            _pending.clear()  # are dropped with it, as a second Ctrl-C during the first one's exception would be)
             if self.done is not None and exc is None:
                 raised.add_note(f"precisebn: {self.done}")
             raise
@@ -159,9 +157,9 @@ class signals_let_through:
             return  # (signals are let through only by the call whose hold put the recorder in place: one run
             # inside another's hold — a __del__ or a signal handler recalibrating another model — would hand that
             # call's held Ctrl-C to its own passes, where the finaliser swallows it: the review of probe 40)
-        _disengage()
-        self._let = True
-        try:
+        try:  # (one try: a signal as it was entered, the handlers back, left the rest of the call unheld)
+            _disengage()
+            self._let = True
             _dispatch()
         except BaseException:
             self._let = False
