@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import warnings
 
 import pytest
 import torch
@@ -188,3 +189,44 @@ def test_constant_channels_do_not_make_auto_stop_early(capture: str) -> None:
     se = report["0"].se_var
     assert se is not None and float(se[live:].abs().max()) == 0.0
     assert report["0"].se_var_median == pytest.approx(float(se[:live].double().quantile(0.5)))
+
+
+class _Queries(nn.Module):
+    """A BatchNorm on learned queries (the same values whatever the data) beside one on the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = nn.Parameter(torch.randn(6, 3))
+        self.fixed, self.data = nn.BatchNorm1d(3), nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.data(x) + self.fixed(self.queries).mean(0)
+
+
+@pytest.mark.parametrize("capture", ["auto", "float64"])
+def test_one_batch_fed_again_and_again_is_warned_of_its_errors_of_zero(capture: str) -> None:
+    """The same batch fed again and again (probe 44b): every fold holds the same values, the errors come out 0
+    and num_samples="auto" stops at its minimum — the statistics exact for those values, the errors meaningless.
+    A layer whose input does not depend on the data has errors of 0 rightly, and is no cause alone."""
+    model = net()
+    batch = torch.randn(8, 3, 6, 6) * 2 + 1
+    with pytest.warns(precisebn.errors.PreciseBNWarning, match="standard errors are 0") as caught:
+        stats = precisebn.estimate(model, [batch] * 20, num_samples="all", capture=capture)
+    assert len([w for w in caught if "standard errors are 0" in str(w.message)]) == 1
+    truth = inputs_per_batch(model, [batch], "1")[0]  # every batch's input alike: the population is this one's
+    torch.testing.assert_close(stats["1"].mean, truth.mean(1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(stats["1"].var, truth.var(1, unbiased=False), rtol=1e-5, atol=0)
+    assert float(stats["1"].se_mean.abs().max()) <= 1e-9 and float(stats["1"].se_var.abs().max()) <= 1e-6
+    with pytest.warns(precisebn.errors.PreciseBNWarning, match="standard errors are 0"):
+        auto = precisebn.estimate(model, itertools.repeat(batch), num_samples="auto", capture=capture)
+    assert auto.samples == 256  # its minimum
+    distinct = [torch.randn(8, 3, 6, 6) for _ in range(20)]
+    queries = _Queries()
+    x = [torch.randn(8, 3) for _ in range(20)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither distinct batches nor a data-free layer beside others
+        precisebn.estimate(model, distinct, num_samples="all", capture=capture)
+        mixed = precisebn.estimate(queries, x, num_samples="all", capture=capture)
+    assert float(mixed["fixed"].se_mean.abs().max()) <= 1e-9 < 1e-3 < float(mixed["data"].se_mean.abs().max())
+    with pytest.warns(precisebn.errors.PreciseBNWarning, match="standard errors are 0"):
+        precisebn.estimate(queries, [x[0]] * 20, num_samples="all", capture=capture)

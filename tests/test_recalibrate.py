@@ -272,12 +272,12 @@ def test_default_is_8192_samples() -> None:
 
 def test_short_data_warns_once_with_the_numbers() -> None:
     with pytest.warns(ShortDataWarning, match=r"after 12 samples in 3 batches, fewer than num_samples=100") as rec:
-        stats = precisebn.estimate(nn.BatchNorm1d(3), [torch.randn(4, 3)] * 3, num_samples=100)
+        stats = precisebn.estimate(nn.BatchNorm1d(3), [torch.randn(4, 3) for _ in range(3)], num_samples=100)
     assert len(rec) == 1 and stats.samples == 12
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        precisebn.estimate(nn.BatchNorm1d(3), [torch.randn(4, 3)] * 3)  # default limit: no warning
-        precisebn.estimate(nn.BatchNorm1d(3), [torch.randn(4, 3)] * 3, num_samples="all")
+        precisebn.estimate(nn.BatchNorm1d(3), [torch.randn(4, 3) for _ in range(3)])  # default limit: no warning
+        precisebn.estimate(nn.BatchNorm1d(3), [torch.randn(4, 3) for _ in range(3)], num_samples="all")
 
 
 @pytest.mark.parametrize(

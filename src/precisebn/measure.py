@@ -290,6 +290,7 @@ class Measurement:
                 mean, var, count, calls, layer.type_name, path if count > 0 else "none", se_mean, se_var, most
             )
         _warn_far_from_zero([(layer, layers[layer.name]) for layer in self.layers])
+        _warn_repeated(list(layers.values()))
         return PopulationStats(layers, self.samples, self.batches, self.mode, self.seconds, self.world_size)
 
     @functools.cached_property
@@ -380,6 +381,52 @@ def _warn_far_from_zero(entries: list[tuple[NormLayer, LayerStats]]) -> None:
             "rounding of each batch's mean to the buffers' dtype may have moved their variances by more than "
             "the tolerance; capture='float64' (an option of precisebn.recalibrate and precisebn.estimate) measures "
             "them exactly.",
+            PreciseBNWarning,
+            stacklevel=caller_stacklevel(),
+        )
+
+
+REPEATED = (1e-9, 1e-6)
+"""Standard errors of the mean (in σ) and of the variance (relative to it) at most this small on every channel
+that varies, in every layer reached, are taken as the same values in every fold (see :func:`_warn_repeated`). The
+error of a mean over ``n`` independent values is ``1/√n`` σ: 1e-9 would take 1e18 of them. The variance's is
+looser: its errors from the fast path's shifted sums, of identical folds, came out at ~5e-9 rather than 0."""
+
+
+def _warn_repeated(stats: list[LayerStats]) -> None:
+    """Warns when every reached layer's standard errors are 0 to rounding on every channel that varies: the
+    folds of batches held the same values — one batch fed again and again (probe 44b: ``[batch] * 40`` reported
+    ±0 %, and ``num_samples="auto"`` stopped at its minimum), or a small set cycled until every fold held all of it
+    (3 batches 16 times). The statistics are those of the values given, but
+    the errors then say nothing of the data's. A layer whose input does not depend on the data (a learned
+    constant) has errors of 0 rightly: the warning needs every reached layer to agree, so such a layer beside
+    others that vary does not set it off. One host read per device, at the end."""
+    by_device: dict[torch.device, list[LayerStats]] = {}
+    for s in stats:
+        if s.count > 0 and s.se_mean is not None and s.se_var is not None:
+            by_device.setdefault(s.var.device, []).append(s)
+    varying = repeated = False
+    for parts in by_device.values():
+        var = torch.cat([s.var for s in parts])
+        se_mean, se_var = torch.cat([s.se_mean for s in parts]), torch.cat([s.se_var for s in parts])
+        kept = (var > 0) & se_mean.isfinite() & se_var.isfinite()  # (NaN: one fold; a constant channel: 0 rightly)
+        zero = se_mean.new_zeros(())
+        largest_mean, largest_var, count = torch.stack(
+            [torch.where(kept, se_mean, zero).amax(), torch.where(kept, se_var, zero).amax(), kept.sum().to(zero)]
+        ).tolist()
+        if count == 0:
+            continue
+        varying = True
+        if largest_mean > REPEATED[0] or largest_var > REPEATED[1]:
+            return
+        repeated = True
+    if varying and repeated:
+        warnings.warn(
+            "precisebn: every layer's standard errors are 0 (to rounding): every fold of batches gave the layers "
+            "the same values (one batch fed again and again, or a small set cycled until each fold held all of it?). "
+            "The statistics are exact for those values, but "
+            "their errors (and num_samples='auto', which stops at its minimum on them) say nothing of how far they "
+            "are from the statistics of your data: feed distinct batches.",
             PreciseBNWarning,
             stacklevel=caller_stacklevel(),
         )
