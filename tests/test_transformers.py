@@ -411,3 +411,35 @@ def test_a_run_after_one_that_raised_computes_at_its_own_steps(tmp_path: Path, f
         assert_precise(float64_truth, state, batches)
     for step in (4, 8):
         assert_precise(float64_truth, load_file(tmp_path / f"checkpoint-{step}" / "model.safetensors"), batches)
+
+
+class SaveAtStep3(TrainerCallback):
+    """A callback that asks for a checkpoint of its own (at step 3: no strategy saves there)."""
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 3:
+            control.should_save = True
+
+
+@pytest.mark.parametrize("precise_first", [True, False])
+def test_a_checkpoint_asked_for_after_the_callback_looked_is_named(
+    tmp_path: Path, float64_truth: Any, precise_first: bool
+) -> None:
+    """Probe 46: a callback listed after PreciseBNCallback that set control.should_save in on_step_end got a
+    checkpoint with the moving averages (0.45 σ / 50 % and 1.2 σ / 190 % off the float64 truth of its weights in
+    the probe), silently. Now a PreciseBNWarning says so and how to order the callbacks; listed after it, the
+    checkpoint is precise."""
+    precise, forcing = PreciseBNCallback(num_samples="all"), SaveAtStep3()
+    callbacks = [precise, forcing] if precise_first else [forcing, precise]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, batches = train_precise(tmp_path, callbacks, num_train_epochs=1)
+    named = [w for w in caught if issubclass(w.category, PreciseBNWarning) and "checkpoint at step 3" in str(w.message)]
+    saved = load_file(tmp_path / "checkpoint-3" / "model.safetensors")
+    if precise_first:
+        assert len(named) == 1 and "after every callback" in str(named[0].message)
+        with pytest.raises(AssertionError):
+            assert_precise(float64_truth, saved, batches)
+    else:
+        assert not named and precise.computations == 2  # step 3 and the end of training
+        assert_precise(float64_truth, saved, batches)
