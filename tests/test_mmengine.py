@@ -122,6 +122,13 @@ def run(
     return runner
 
 
+def logged(runner: Runner, prefix: str = "precisebn") -> int:
+    """How many computations the hook logged in ``runner.message_hub`` (``train/{prefix}/samples``; the EMA
+    weights': ``prefix="precisebn_ema"``)."""
+    history = runner.message_hub.log_scalars.get(f"train/{prefix}/samples")
+    return 0 if history is None else len(history.data[0])
+
+
 def assert_precise(float64_truth: Any, state: dict[str, torch.Tensor], x: torch.Tensor) -> None:
     net = TinyNet()
     net.load_state_dict(state)
@@ -645,7 +652,7 @@ def test_with_ema_validation_and_checkpoints_get_the_ema_weights_own_statistics(
     hook, around = ExactPreciseBNHook(num_samples="all", interval=1, priority=priority), AroundValidation()
     model = SpiedNet()
     ema_hook = {"type": "EMAHook", "momentum": 0.5, "update_buffers": update_buffers}
-    run(
+    runner = run(
         tmp_path,
         model,
         loader(x, y),
@@ -685,7 +692,7 @@ def test_with_ema_validation_and_checkpoints_get_the_ema_weights_own_statistics(
         back = {k.removeprefix("module."): v for k, v in resumed["ema_state_dict"].items() if k.startswith("module.")}
         assert same(weights(back), weights(ema)) and max(errors_to_truth(back, x)) < 1e-6
         assert same(resumed["state_dict"], live)
-    assert hook.computations == 2 and hook._ema_trigger.computations == 2  # one of each per epoch
+    assert hook.computations == 2 and logged(runner, "precisebn_ema") == 2  # one of each per epoch
 
 
 @pytest.mark.parametrize("error", [RuntimeError("the EMA copy fails"), KeyboardInterrupt()])
@@ -738,7 +745,7 @@ def test_with_ema_iteration_based_validation_and_checkpoints_get_the_ema_weights
     x, y = make_data()
     hook, around = ExactPreciseBNHook(num_samples="all", interval=3), AroundValidation()
     model = SpiedNet()
-    run(
+    runner = run(
         tmp_path,
         model,
         loader(x, y),
@@ -756,4 +763,71 @@ def test_with_ema_iteration_based_validation_and_checkpoints_get_the_ema_weights
         saved = torch.load(tmp_path / f"iter_{it}.pth", weights_only=False)
         assert same(weights(saved["state_dict"]), weights(ema)) and max(errors_to_truth(saved["state_dict"], x)) < 1e-6
     # the model: after iterations 3, 6, 9 and at 5, 10; the EMA weights at 5 and 10 (checkpoint and validation)
-    assert (hook.computations, hook._ema_trigger.computations) == (5, 2)
+    assert (hook.computations, logged(runner), logged(runner, "precisebn_ema")) == (5, 5, 2)
+
+
+def statistics(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if k.endswith(("running_mean", "running_var"))}
+
+
+def test_with_several_ema_hooks_each_gets_the_model_statistics_with_one_warning(tmp_path: Path) -> None:
+    """ema="own" computes one EMA module's statistics: with two EMAHooks on the model, neither is computed (no
+    ``train/precisebn_ema`` logs); each EMA module gets the model's statistics, copied (ema="copy"), exact for the
+    model's weights, and one PreciseBNWarning says so. (No validation: two EMAHooks swap their parameters back in
+    the order they swapped them in, which leaves the model with other weights than it trained.)"""
+    x, y = make_data()
+    model = TinyNet()
+    ema_hooks = [{"type": "EMAHook", "momentum": 0.5}, {"type": "EMAHook", "momentum": 0.25}]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner = run(
+            tmp_path,
+            model,
+            loader(x, y),
+            hooks=[ExactPreciseBNHook(num_samples="all", interval=1), *ema_hooks],
+            train_cfg={"by_epoch": True, "max_epochs": 2},
+        )
+    messages = [str(w.message) for w in caught if issubclass(w.category, PreciseBNWarning)]
+    assert len(messages) == 1 and "2 EMAHooks follow the model" in messages[0], messages
+    assert (logged(runner), logged(runner, "precisebn_ema")) == (2, 0)
+    live = model.state_dict()
+    assert max(errors_to_truth(live, x)) < 1e-6
+    modules = [h.ema_model.module for h in runner.hooks if type(h).__name__ == "EMAHook"]
+    assert len(modules) == 2 and not same(weights(modules[0].state_dict()), weights(modules[1].state_dict()))
+    for module in modules:
+        assert same(statistics(module.state_dict()), statistics(live))
+
+
+@pytest.mark.parametrize("update_buffers", [False, True])
+def test_with_ema_prior_pools_what_each_module_holds(tmp_path: Path, update_buffers: bool) -> None:
+    """prior=N with ema="own": each computation pools, for the model and for the EMA module, the statistics its
+    layers hold at that moment (counted as N samples) with the float64 statistics of the inputs its own weights
+    give the layer. The EMA module holds EMAHook's copy of the model's moving averages (update_buffers=False) or
+    its averages of them (True)."""
+    x, y = make_data()
+
+    class Before(Hook):
+        priority = "HIGHEST"  # before the precise-BN hook in after_train_epoch
+        states: ClassVar[list[dict[str, torch.Tensor]]] = []
+
+        def after_train_epoch(self, runner: Any) -> None:
+            (ema,) = [h for h in runner.hooks if type(h).__name__ == "EMAHook"]
+            for module in (runner.model, ema.ema_model.module):
+                Before.states.append({k: v.clone() for k, v in module.state_dict().items()})
+            Before.states.append(ema.ema_model.module)  # type: ignore[arg-type]
+
+    Before.states.clear()
+    model = TinyNet()
+    hook = ExactPreciseBNHook(num_samples="all", interval=1, prior=24, before_save=False)
+    ema_hook = {"type": "EMAHook", "momentum": 0.5, "update_buffers": update_buffers}
+    cfg = {"by_epoch": True, "max_epochs": 1}
+    runner = run(tmp_path, model, loader(x, y), hooks=[Before(), hook, ema_hook], train_cfg=cfg)
+    assert (logged(runner), logged(runner, "precisebn_ema")) == (1, 1)  # at the end of the epoch
+    live, ema, ema_module = Before.states
+    assert not same(weights(live), weights(ema))
+    assert same(statistics(live), statistics(ema)) is not update_buffers  # (EMAHook's copy of the model's, or not)
+    for net, before in ((model, live), (ema_module, ema)):
+        with torch.no_grad():
+            values = net.net[0](x).double().t()  # the layer's inputs with these weights, one value per sample
+        prior = (before[f"{BN}.running_mean"], before[f"{BN}.running_var"])
+        assert_adapted(net.net[1], prior, 24, values)

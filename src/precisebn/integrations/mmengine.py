@@ -164,7 +164,10 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
         layers: Which layers (names, types or a predicate); default all.
         capture, tolerance, prior, adapt: As for :func:`precisebn.recalibrate`
             (``prior=N``: each computation pools the statistics the layers hold at that
-            moment, counted as ``N`` samples, with the measured ones).
+            moment, counted as ``N`` samples, with the measured ones; with ``ema="own"``
+            the EMA module's computation pools what it holds: with
+            ``update_buffers=False`` ``EMAHook``'s copy of the model's moving averages,
+            with ``True`` its averages).
         frozen: Layers the model keeps in eval mode while it trains (frozen for
             training, e.g. ``norm_eval=True``; noted after every training step):
             ``"skip"`` (default) leaves them as they are, ``"include"`` recalibrates
