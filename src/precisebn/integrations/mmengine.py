@@ -48,18 +48,16 @@ import warnings
 from collections.abc import Iterable
 from typing import Any, Literal
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from .._optional import require
-from ..checkpoint import buffer_names
 from ..data import Forward
 from ..errors import InvalidArgumentError, PreciseBNWarning
-from ..interrupts import signals_held
-from ..layers import LayerSelection, has_running_stats
+from ..layers import LayerSelection
 from ..loaders import independent
 from ..report import Report
 from ..scheduler import Data, MappedBatches, fresh_batches
+from ._mmengine_ema import EmaStatistics, share_with_ema
 from ._trigger import Trigger, TriggerState, check_every, report_metrics
 
 _hooks = require("mmengine.hooks", "mmengine", "precisebn.integrations.mmengine")
@@ -227,13 +225,10 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
             "data": data,
         }
         self._trigger = Trigger(type(self).__name__, **options)
-        # the same computation, of the EMA weights in the module of the EMAHook that follows the model (ema="own")
-        self._ema_trigger = Trigger(f"{type(self).__name__} (EMA weights)", **options)
+        # the same computation, of the EMA weights in the module of the EMAHook that follows the model (ema="own"),
+        # and the swap of the statistics for validation and tests
+        self._ema_stats = EmaStatistics(type(self).__name__, options, ema)
         self.ema = ema
-        self._ema_hook: Any = None  # the EMAHook whose module _ema_trigger is bound to (ema="own", one EMAHook)
-        self._ema_armed: list[tuple[Tensor, Tensor]] | None = None  # (live, EMA) buffers to swap for validation
-        self._ema_swapped: list[tuple[Tensor, Tensor]] | None = None  # swapped now, until validation ends
-        self._warned_several = False
         self.num_samples = num_samples
         self.compute_before_val = before_val
         self.compute_before_save = before_save
@@ -256,7 +251,7 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
         # (probe 42). Training binds again in before_train. (A validation that raised left its swap where EMAHook
         # left its own: the model's buffers are not put back under the parameters EMAHook did not put back.)
         self._training, self._iter_ending = False, None
-        self._ema_armed = self._ema_swapped = None
+        self._ema_stats.forget()
 
     def before_train(self, runner: Any) -> None:
         model = runner.model.module if _wrappers.is_model_wrapper(runner.model) else runner.model
@@ -272,40 +267,14 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
 
         progress = self._trigger.progress and runner.rank == 0
         self._trigger.bind(model, batches, forward=mm_forward, progress=progress)
-        self._bind_ema(runner, model, batches, progress)
+        self._ema_stats.bind(runner, model, batches, mm_forward, progress)
         self._training = True
 
-    def _bind_ema(self, runner: Any, model: nn.Module, batches: Any, progress: bool) -> None:
-        """With ``ema="own"`` and one ``EMAHook`` following ``model`` (built in its ``before_run``, before this):
-        binds the second trigger to its EMA module, frozen layers read off ``model`` (the one trained)."""
-        self._ema_hook = None
-        self._ema_trigger.unbind()
-        if self.ema != "own":
-            return
-        hooks = _ema_hooks(runner, model)
-        if len(hooks) > 1:
-            if not self._warned_several:
-                self._warned_several = True
-                warnings.warn(
-                    f"{type(self).__name__}: {len(hooks)} EMAHooks follow the model; ema='own' computes the "
-                    "statistics of one EMA module only, so none is computed: each EMA module gets the model's "
-                    "statistics (ema='copy'). Use one EMAHook.",
-                    PreciseBNWarning,
-                    stacklevel=2,
-                )
-            return
-        if hooks:
-            ema_module = hooks[0].ema_model.module
-            scheduler = self._ema_trigger.bind(ema_module, batches, forward=mm_forward, progress=progress)
-            scheduler.trains(model)
-            self._ema_hook = hooks[0]
-
     def after_train(self, runner: Any) -> None:
-        self._unswap()
+        self._ema_stats.swap_back()
         self._training, self._iter_ending = False, None
         self._trigger.unbind()
-        self._ema_trigger.unbind()
-        self._ema_hook = None
+        self._ema_stats.unbind()
 
     # -- when -------------------------------------------------------------------------
 
@@ -321,7 +290,7 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
         self._iter_ending = int(runner.iter)
         self._trigger.observe()  # the layers the model keeps in eval mode while training (norm_eval): frozen
         if self._trigger.scheduler is not None:
-            self._ema_trigger.observe(self._trigger.scheduler.model)  # (the EMA module's are those of the model)
+            self._ema_stats.trigger.observe(self._trigger.scheduler.model)  # (the EMA module's are those of the model)
         n = self.interval
         if (
             n is not None
@@ -344,44 +313,32 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
 
     def before_val(self, runner: Any) -> None:
         self._iter_ending = None
-        self._ema_armed = None
         if not self._training:
             return
         if self.compute_before_val:
             self._compute(runner)
-        self._ema_armed = self._ema_pairs(self._step(runner))
+        if self._trigger.scheduler is not None:
+            self._ema_stats.arm(self._trigger.scheduler.model, self._step(runner))
 
     def before_val_epoch(self, runner: Any) -> None:
-        # EMAHook (update_buffers=False) swaps the parameters alone here: the buffers are swapped here too, so that
-        # validation runs the EMA weights with their own statistics (the two swaps touch different tensors: either
-        # order gives the same); after_val_epoch swaps them back, bitwise.
-        pairs, self._ema_armed = self._ema_armed, None
-        if pairs:
-            _swap(pairs)
-            self._ema_swapped = pairs
+        # EMAHook (update_buffers=False) swaps the parameters alone here: the statistics are swapped here too, so
+        # that validation runs the EMA weights with their own; after_val_epoch swaps them back, bitwise.
+        self._ema_stats.swap_in()
 
     def after_val_epoch(self, runner: Any, metrics: Any = None) -> None:
-        self._unswap()
+        self._ema_stats.swap_back()
 
     def after_val(self, runner: Any) -> None:
-        self._unswap()
-
-    def _unswap(self) -> None:
-        pairs = self._ema_swapped
-        if pairs:
-            with signals_held():
-                _swap(pairs)
-                self._ema_swapped = None
+        self._ema_stats.swap_back()
 
     def before_save_checkpoint(self, runner: Any, checkpoint: dict[str, Any]) -> None:
-        self._unswap()  # (a best checkpoint saved in after_val_epoch by a hook that runs before this one there)
+        # (a best checkpoint saved in after_val_epoch by a hook that runs before this one there)
+        self._ema_stats.swap_back()
         if not (self.compute_before_save and self._training):
             return
         step = self._step(runner)
         if runner.world_size > 1:  # saving runs on rank 0 alone: a computation there would wait for the others
-            stale = not self._trigger.is_current(step) or (
-                self._ema_source() is not None and not self._ema_trigger.is_current(step)
-            )
+            stale = not self._trigger.is_current(step) or self._ema_stats.stale(step)
             if stale and not self._warned_alone:
                 self._warned_alone = True
                 warnings.warn(
@@ -395,89 +352,22 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
                 )
             return
         report = self._compute(runner)
-        state = checkpoint.get("state_dict")
-        scheduler = self._trigger.scheduler
-        if not isinstance(state, dict) or scheduler is None:
-            return
-        own, ema_state = self._ema_current(step), checkpoint.get("ema_state_dict")
-        if own is not None and isinstance(ema_state, dict):
-            # EMAHook ran first (a priority above this hook's): it swapped the state_dicts, so that state_dict holds
-            # the EMA module's tensors and ema_state_dict's "module.*" the model's. Each gets its own statistics.
-            if report is not None:
-                _refresh(ema_state, _new_statistics(scheduler.model, report), prefix="module.")
-            hook, ema_report = own
-            _refresh(state, _new_statistics(hook.ema_model.module, ema_report))
-            return
-        # Otherwise EMAHook (if any) comes next: it takes the EMA module's buffers, which hold the EMA weights'
-        # statistics (ema="own") or the model's (copied), and swaps them with these.
-        if report is not None:
-            # The checkpoint's state_dict was taken before this computation; on CPU it holds
-            # the buffers themselves (written in place), elsewhere CPU copies: refresh those,
-            # under every name of a layer (one registered under two parents has two).
-            _refresh(state, _new_statistics(scheduler.model, report))
+        if self._trigger.scheduler is not None:
+            self._ema_stats.fill_checkpoint(checkpoint, self._trigger.scheduler.model, report, step)
 
     # -- computing --------------------------------------------------------------------
-
-    def _ema_source(self) -> Any:
-        """The ``EMAHook`` whose EMA weights get statistics of their own (``ema="own"``), or ``None``: none,
-        several, or one that has not begun averaging — before ``begin_iter``/``begin_epoch`` it copies the whole
-        model into its module after each iteration, so the model's statistics are those of its weights."""
-        hook, scheduler = self._ema_hook, self._ema_trigger.scheduler
-        if hook is None or scheduler is None:
-            return None
-        ema = getattr(hook, "ema_model", None)
-        if getattr(ema, "module", None) is not scheduler.model:
-            return None
-        steps = getattr(ema, "steps", None)
-        if isinstance(steps, Tensor) and int(steps) == 0:
-            return None
-        return hook
-
-    def _ema_current(self, step: int) -> tuple[Any, Report] | None:
-        """The ``EMAHook`` and the report of the EMA weights' statistics, if its module holds them for ``step``."""
-        hook, report = self._ema_source(), self._ema_trigger.last_report
-        if hook is None or report is None or not self._ema_trigger.is_current(step):
-            return None
-        return hook, report
-
-    def _ema_pairs(self, step: int) -> list[tuple[Tensor, Tensor]] | None:
-        """The (model, EMA module) statistics to swap for validation at ``step``: where the EMA module holds its
-        weights' statistics and ``EMAHook`` swaps the parameters alone (``update_buffers=False``)."""
-        own = self._ema_current(step)
-        scheduler = self._trigger.scheduler
-        if own is None or scheduler is None or getattr(own[0].ema_model, "update_buffers", False):
-            return None
-        hook, report = own
-        pairs, seen = [], set()
-        for key, value in _new_statistics(hook.ema_model.module, report):
-            owner, _, buffer = key.rpartition(".")
-            try:
-                target = getattr(scheduler.model.get_submodule(owner), buffer, None)
-            except AttributeError:
-                continue
-            if (
-                isinstance(value, Tensor)
-                and isinstance(target, Tensor)
-                and target.shape == value.shape
-                and target.dtype == value.dtype
-                and id(target) not in seen  # (a layer under two names: swapped once)
-            ):
-                seen.add(id(target))
-                pairs.append((target, value))
-        return pairs or None
 
     def _compute(self, runner: Any, *, ema: bool = True) -> Report | None:
         """Computes the model's statistics, and (``ema``: the EMA weights are this step's) those of the EMA
         weights with ``ema="own"``, as one transaction."""
         step = self._step(runner)
-        source = self._ema_source() if ema else None
         ema_report = None
-        if source is None:
+        if ema and self._ema_stats.source() is not None:
+            report, ema_report = self._ema_stats.compute(self._trigger, step, warn=runner.rank == 0)
+        else:
             report = self._trigger.compute(step, warn=runner.rank == 0)
             if report is not None and self._trigger.scheduler is not None:
-                _share_with_ema(runner, self._trigger.scheduler.model, report)
-        else:
-            report, ema_report = self._compute_both(step, warn=runner.rank == 0)
+                share_with_ema(runner, self._trigger.scheduler.model, report)
         if self.log:
             done_both = ((report, "precisebn", ""), (ema_report, "precisebn_ema", " of the EMA weights"))
             for done, prefix, weights in done_both:
@@ -491,116 +381,6 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
                         f"{done.samples} samples at iteration {step} in {done.seconds:.2f} s"
                     )
         return report
-
-    def _compute_both(self, step: int, *, warn: bool) -> tuple[Report | None, Report | None]:
-        """The model's computation, then the EMA module's; if either fails (the data, the model, a
-        ``KeyboardInterrupt``), both are left bitwise as they were and the error propagates."""
-        scheduler = self._trigger.scheduler
-        if scheduler is None:
-            return None, None
-        kept = [(b, b.clone()) for b in _statistics_of(scheduler.model)]
-        state = {k: scheduler.__dict__[k] for k in _SCHEDULER_STATE if k in scheduler.__dict__}
-        last = self._trigger._last_report
-        try:
-            report = self._trigger.compute(step, warn=warn)
-            return report, self._ema_trigger.compute(step, warn=False)  # (recalibrate: the EMA module unchanged)
-        except BaseException:
-            with torch.no_grad(), signals_held():
-                for buffer, value in kept:
-                    buffer.copy_(value)
-                scheduler.__dict__.update(state)
-                self._trigger._last_report = last
-            raise
-
-
-_SCHEDULER_STATE = ("_last_step", "_stale", "_last_report", "_weights", "_statistics", "_computations")
-
-
-def _statistics_of(model: nn.Module) -> list[Tensor]:
-    """The running statistics of every normalization layer of ``model`` (once each)."""
-    found: dict[int, Tensor] = {}
-    for module in model.modules():
-        if has_running_stats(module):
-            for name in ("running_mean", "running_var"):
-                buffer = getattr(module, name, None)
-                if isinstance(buffer, Tensor):
-                    found.setdefault(id(buffer), buffer)
-    return list(found.values())
-
-
-def _swap(pairs: list[tuple[Tensor, Tensor]]) -> None:
-    """Exchanges the values of each pair of tensors, bitwise, all or none (signals held)."""
-    with torch.no_grad(), signals_held():
-        for a, b in pairs:
-            kept = a.clone()
-            a.copy_(b)
-            b.copy_(kept)
-
-
-def _refresh(state: dict[str, Any], new: list[tuple[str, Tensor | None]], prefix: str = "") -> None:
-    """Puts the ``new`` statistics into a checkpoint's ``state`` under ``prefix + key`` where it holds other
-    tensors (CPU copies of a model on a GPU)."""
-    for key, value in new:
-        name = prefix + key
-        if name in state and value is not None and state[name] is not value:
-            state[name] = value.detach().cpu()
-
-
-def _ema_hooks(runner: Any, model: nn.Module) -> list[Any]:
-    """The ``EMAHook``s of ``runner`` that follow ``model`` (``src_model``), with an EMA module."""
-    return [
-        hook
-        for hook in getattr(runner, "hooks", ())
-        if isinstance(hook, _hooks.EMAHook)
-        and getattr(hook, "src_model", None) is model
-        and isinstance(getattr(getattr(hook, "ema_model", None), "module", None), nn.Module)
-    ]
-
-
-def _share_with_ema(runner: Any, model: nn.Module, report: Report) -> None:
-    """Copies the new statistics into the EMA module of every ``EMAHook`` that follows ``model``'s buffers.
-
-    ``EMAHook`` (with ``update_buffers=False``, its default) averages the parameters only and copies the model's
-    buffers into its EMA module after each training iteration; validation runs the EMA parameters with the model's
-    buffers, and a checkpoint's ``state_dict`` is filled from the EMA module. Statistics computed after the last
-    iteration — at an epoch's end, before validation or a save — reached that ``state_dict`` as they were before
-    (probe 41: 0.91 off the statistics validation ran with); this copies them as the next iteration would. An EMA
-    module that averages its buffers too (``update_buffers=True``) keeps its own once averaging has begun (before
-    ``begin_iter``/``begin_epoch`` ``EMAHook`` copies the whole model, buffers too: so does this). The copies are
-    made with signals held (see :mod:`precisebn.interrupts`): all of them or none."""
-    new: list[tuple[str, Tensor | None]] | None = None
-    for hook in getattr(runner, "hooks", ()):
-        ema = getattr(hook, "ema_model", None)
-        if not isinstance(hook, _hooks.EMAHook) or getattr(hook, "src_model", None) is not model or ema is None:
-            continue
-        if not isinstance(getattr(ema, "module", None), nn.Module):
-            continue
-        if getattr(ema, "update_buffers", True):
-            # (begun: update_parameters ran — not EMAHook's clock, which in before_val already answers for the
-            # next epoch or iteration, a review found: 1.6 σ off in the mean at the first validation)
-            steps = getattr(ema, "steps", None)
-            if not isinstance(steps, Tensor) or int(steps) > 0:
-                continue
-        new = _new_statistics(model, report) if new is None else new
-        with torch.no_grad(), signals_held():
-            for key, value in new:
-                owner, _, buffer = key.rpartition(".")
-                try:
-                    target = getattr(ema.module.get_submodule(owner), buffer, None)
-                except AttributeError:
-                    continue
-                if isinstance(value, Tensor) and isinstance(target, Tensor) and target.shape == value.shape:
-                    target.copy_(value)
-
-
-def _new_statistics(model: nn.Module, report: Report) -> list[tuple[str, Tensor | None]]:
-    """The running statistics ``report`` wrote, under every name of their layer (one registered under two
-    parents has two): ``(state_dict key, the buffer now)``."""
-    found = []
-    for key in buffer_names(model, report.updated, ("running_mean", "running_var")):
-        owner, _, buffer = key.rpartition(".")
-        found.append((key, getattr(model.get_submodule(owner), buffer, None)))
-    return found
 
 
 def register_mmpretrain_name(registry: Any = None, *, force: bool = False) -> None:
