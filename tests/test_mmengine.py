@@ -102,6 +102,7 @@ def run(
     train_cfg: dict[str, Any],
     val: Any = None,
     checkpoint: dict[str, Any] | None = None,
+    metric: BaseMetric | None = None,
 ) -> Runner:
     runner = Runner(
         model=model,
@@ -112,7 +113,7 @@ def run(
         optim_wrapper={"optimizer": {"type": "SGD", "lr": 0.02, "momentum": 0.9}},
         val_dataloader=val,
         val_cfg={} if val is not None else None,
-        val_evaluator=Evaluator(MSE()) if val is not None else None,
+        val_evaluator=Evaluator(metric or MSE()) if val is not None else None,
         default_hooks={"checkpoint": checkpoint, "logger": {"type": "LoggerHook", "interval": 1}},
         custom_hooks=hooks,
         randomness={"seed": 0},
@@ -578,16 +579,21 @@ TENSOR_CALLS: list[int] = []
 
 class SpiedNet(TinyNet):
     """TinyNet that records its state at every validation batch (``mode="predict"``): the weights and statistics
-    validation ran with, whatever the hooks' order. ``explode``: its ``mode="tensor"`` passes raise ``error``."""
+    validation ran with, whatever the hooks' order. ``explode``: its ``mode="tensor"`` passes raise it;
+    ``explode_predict``: its next ``mode="predict"`` pass (validation, test) raises it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.in_validation: list[dict[str, torch.Tensor]] = []
         self.explode: BaseException | None = None
+        self.explode_predict: BaseException | None = None
 
     def forward(self, inputs: torch.Tensor, data_samples: Any = None, mode: str = "tensor") -> Any:
         if mode == "predict":
             self.in_validation.append({k: v.clone() for k, v in self.state_dict().items()})
+            error, self.explode_predict = self.explode_predict, None
+            if error is not None:
+                raise error
         if mode == "tensor":
             TENSOR_CALLS.append(id(self))  # (outside the model: precisebn puts the model's attributes back)
             if self.explode is not None:
@@ -605,10 +611,12 @@ class AroundValidation(Hook):
         self.before: list[dict[str, torch.Tensor]] = []
         self.after: list[dict[str, torch.Tensor]] = []
         self.ema_before: list[dict[str, torch.Tensor]] = []
+        self.ema_hook: Any = None
 
     def before_val(self, runner: Any) -> None:
         self.before.append({k: v.clone() for k, v in runner.model.state_dict().items()})
         (ema,) = [h for h in runner.hooks if type(h).__name__ == "EMAHook"]
+        self.ema_hook = ema
         self.ema_before.append({k: v.clone() for k, v in ema.ema_model.module.state_dict().items()})
 
     def after_val(self, runner: Any) -> None:
@@ -768,6 +776,42 @@ def test_with_ema_iteration_based_validation_and_checkpoints_get_the_ema_weights
 
 def statistics(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k.endswith(("running_mean", "running_var"))}
+
+
+@pytest.mark.parametrize("where", ["metric", "forward"])
+def test_with_ema_a_validation_that_raises_gives_the_model_its_own_statistics_back(tmp_path: Path, where: str) -> None:
+    """Validation swapped the EMA weights' statistics into the model (beside EMAHook's parameters) and swapped them
+    back in after_val_epoch, which mmengine does not call when validation raises: the model's buffers were left
+    holding the EMA weights' statistics (training's own lost) and the EMA module the model's. Now the hook swaps them
+    back as the error leaves the validation loop — a metric's bug or Ctrl-C in the model's forward: the model's
+    statistics are bitwise its own again (exact for its own weights), the EMA module's its own (exact for the EMA
+    weights)."""
+    x, y = make_data()
+    hook, around, model = ExactPreciseBNHook(num_samples="all", interval=None), AroundValidation(), SpiedNet()
+    error: type[BaseException] = RuntimeError
+    if where == "forward":
+        model.explode_predict, error = KeyboardInterrupt(), KeyboardInterrupt
+    else:
+        FailingOnce.failures[:] = [1]
+    with pytest.raises(error):
+        run(
+            tmp_path,
+            model,
+            loader(x, y),
+            hooks=[hook, {"type": "EMAHook", "momentum": 0.5}, around],
+            train_cfg={"by_epoch": True, "max_epochs": 1, "val_interval": 1},
+            val=loader(x[:32], y[:32]),
+            metric=FailingOnce() if where == "metric" else None,
+        )
+    live, ema = around.before[0], around.ema_before[0]  # (after the computations, before the swap)
+    assert len(model.in_validation) == (2 if where == "metric" else 1) and not around.after
+    validated = model.in_validation[0]
+    assert same(weights(validated), weights(ema)) and same(statistics(validated), statistics(ema))  # (swapped)
+    assert same(statistics(model.state_dict()), statistics(live))  # the model's own, bitwise
+    assert max(errors_to_truth(live, x)) < 1e-6
+    assert same(statistics(around.ema_hook.ema_model.module.state_dict()), statistics(ema))
+    assert max(errors_to_truth(ema, x)) < 1e-6
+    assert max(errors_to_truth({**weights(ema), **statistics(live)}, x)) > 1e-3  # (the check tells them apart)
 
 
 def test_with_several_ema_hooks_each_gets_the_model_statistics_with_one_warning(tmp_path: Path) -> None:

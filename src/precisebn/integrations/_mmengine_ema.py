@@ -11,7 +11,8 @@ default, it swaps the parameters alone: the EMA weights run with the model's sta
   module, computes the EMA weights' exact statistics in one transaction with the model's
   (:meth:`EmaStatistics.compute`);
 * for validation the hook swaps the EMA module's statistics into the model beside
-  ``EMAHook``'s parameters, and back afterwards;
+  ``EMAHook``'s parameters, and back afterwards — also when the loop raises, which mmengine
+  tells no hook of (:meth:`EmaStatistics.guard`);
 * a checkpoint gets each set of statistics under its weights (:meth:`EmaStatistics.fill_checkpoint`);
 * ``ema="copy"``, or several ``EMAHook``: the model's statistics are copied into each EMA
   module (:func:`share_with_ema`).
@@ -19,7 +20,10 @@ default, it swaps the parameters alone: the EMA weights run with the model's sta
 
 from __future__ import annotations
 
+import functools
 import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +38,7 @@ from ..report import Report
 from ._trigger import Trigger
 
 _hooks = require("mmengine.hooks", "mmengine", "precisebn.integrations.mmengine")
+_loops = require("mmengine.runner", "mmengine", "precisebn.integrations.mmengine")
 
 __all__ = ["EmaStatistics", "new_statistics", "refresh", "share_with_ema"]
 
@@ -57,7 +62,8 @@ class EmaStatistics:
         self.trigger = Trigger(f"{owner} (EMA weights)", **options)
         self.hook: Any = None  # the EMAHook whose module the trigger is bound to (ema="own", one EMAHook)
         self._armed: Pairs | None = None  # (model, EMA module) statistics to swap in before_val_epoch
-        self._swapped: Pairs | None = None  # swapped now, until validation ends
+        self._swapped: Pairs | None = None  # swapped now, until validation ends (or it raises)
+        self._guarded: weakref.WeakSet[Any] = weakref.WeakSet()  # loops whose run() swaps back on failure
         self._warned_several = False
 
     # -- binding ----------------------------------------------------------------------
@@ -135,10 +141,10 @@ class EmaStatistics:
             _swap(pairs)
             self._swapped = pairs
 
-    def forget(self) -> None:
-        """Forgets the armed and swapped statistics (a new run: a validation that raised left its swap where
-        ``EMAHook`` left its own)."""
-        self._armed = self._swapped = None
+    def reset(self) -> None:
+        """Swaps the statistics back (:meth:`swap_back`) and forgets any armed."""
+        self._armed = None
+        self.swap_back()
 
     def swap_back(self) -> None:
         """Swaps the statistics back, bitwise, if they are swapped in."""
@@ -147,6 +153,18 @@ class EmaStatistics:
             with signals_held():
                 _swap(pairs)
                 self._swapped = None
+
+    def guard(self, runner: Any) -> None:
+        """Makes the validation loop built for this run swap the statistics back when it raises.
+
+        mmengine calls no hook when a loop raises (no ``after_val_epoch``, no ``after_run``), and ``EMAHook``
+        leaves its parameters swapped; the model's own statistics are put back here, bitwise, as the error
+        leaves the loop's ``run()`` (wrapped on the loop object, once per hook and loop)."""
+        for loop in (getattr(runner, "val_loop", None),):
+            if not isinstance(loop, _loops.BaseLoop) or loop in self._guarded:
+                continue
+            self._guarded.add(loop)
+            loop.run = _swapping_back_on_failure(loop.run, self.reset)
 
     # -- computing --------------------------------------------------------------------
 
@@ -189,6 +207,18 @@ class EmaStatistics:
             # Otherwise EMAHook (if any) comes next: it takes the EMA module's buffers, which hold the EMA
             # weights' statistics (ema="own") or the model's (copied), and swaps them with these.
             refresh(state, new_statistics(model, report))
+
+
+def _swapping_back_on_failure(run: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:
+    @functools.wraps(run)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return run(*args, **kwargs)
+        except BaseException:
+            reset()
+            raise
+
+    return guarded
 
 
 def _named_statistics(model: nn.Module, *, unique: bool = False) -> list[tuple[str, Tensor]]:

@@ -129,6 +129,11 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
       ``update_buffers=False`` (``EMAHook``'s default, which swaps parameters alone)
       this hook swaps the statistics too, and back, so that afterwards the model's
       buffers are bitwise what they were (training goes on with its own statistics);
+    * a validation that raises (the model, a metric, ``KeyboardInterrupt``) gets no
+      ``after_val_epoch`` from mmengine: the statistics are swapped back as the error
+      leaves the loop's ``run()``, so the model's buffers are bitwise its own and the
+      EMA module's its own (``EMAHook`` leaves its parameters swapped: the model then
+      holds the EMA weights, which ``ema_hook._swap_ema_parameters()`` puts back);
     * a checkpoint's ``state_dict`` holds the EMA weights with their statistics and
       ``ema_state_dict`` the model's weights with the model's (swapped back on resume,
       as ``EMAHook`` swaps them), whichever of the two hooks runs first;
@@ -248,10 +253,11 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
     def before_run(self, runner: Any) -> None:
         # Every run of a Runner (train, val, test) starts here. A training run that raised never reached after_train:
         # its flags stayed up, and the same hook in another Runner's val() or test() computed on that run's model
-        # (probe 42). Training binds again in before_train. (A validation that raised left its swap where EMAHook
-        # left its own: the model's buffers are not put back under the parameters EMAHook did not put back.)
+        # (probe 42). Training binds again in before_train. The loops this run built swap the EMA statistics back
+        # if they raise (mmengine calls no hook then); a swap still in place (a loop run some other way) goes back.
         self._training, self._iter_ending = False, None
-        self._ema_stats.forget()
+        self._ema_stats.reset()
+        self._ema_stats.guard(runner)
 
     def before_train(self, runner: Any) -> None:
         model = runner.model.module if _wrappers.is_model_wrapper(runner.model) else runner.model
@@ -322,7 +328,8 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
 
     def before_val_epoch(self, runner: Any) -> None:
         # EMAHook (update_buffers=False) swaps the parameters alone here: the statistics are swapped here too, so
-        # that validation runs the EMA weights with their own; after_val_epoch swaps them back, bitwise.
+        # that validation runs the EMA weights with their own; after_val_epoch swaps them back, bitwise (and so
+        # does the loop if it raises).
         self._ema_stats.swap_in()
 
     def after_val_epoch(self, runner: Any, metrics: Any = None) -> None:
