@@ -1,16 +1,16 @@
 """The statistics of mmengine's EMA weights, for :mod:`precisebn.integrations.mmengine`.
 
 mmengine's ``EMAHook`` keeps an averaged copy of the model (its EMA module, ``ema_model.module``),
-swaps its parameters into the model for every validation (``before_val_epoch``, and back in
-``after_val_epoch``), and saves it as the checkpoint's
-``state_dict`` (the model going under ``ema_state_dict``). With ``update_buffers=False``, its
-default, it swaps the parameters alone: the EMA weights run with the model's statistics.
+swaps its parameters into the model for every validation and test (``before_val_epoch``/
+``before_test_epoch``, and back in ``after_*_epoch``), and saves it as the checkpoint's ``state_dict``
+(the model going under ``ema_state_dict``). With ``update_buffers=False``, its default, it swaps
+the parameters alone: the EMA weights run with the model's statistics.
 :class:`EmaStatistics` is what ``ExactPreciseBNHook`` does about it:
 
 * ``ema="own"``: a second :class:`~precisebn.integrations._trigger.Trigger`, bound to the EMA
   module, computes the EMA weights' exact statistics in one transaction with the model's
   (:meth:`EmaStatistics.compute`);
-* for validation the hook swaps the EMA module's statistics into the model beside
+* for validation and tests the hook swaps the EMA module's statistics into the model beside
   ``EMAHook``'s parameters, and back afterwards — also when the loop raises, which mmengine
   tells no hook of (:meth:`EmaStatistics.guard`);
 * a checkpoint gets each set of statistics under its weights (:meth:`EmaStatistics.fill_checkpoint`);
@@ -38,6 +38,7 @@ from ..report import Report
 from ._trigger import Trigger
 
 _hooks = require("mmengine.hooks", "mmengine", "precisebn.integrations.mmengine")
+_wrappers = require("mmengine.model", "mmengine", "precisebn.integrations.mmengine")
 _loops = require("mmengine.runner", "mmengine", "precisebn.integrations.mmengine")
 
 __all__ = ["EmaStatistics", "new_statistics", "refresh", "share_with_ema"]
@@ -61,8 +62,8 @@ class EmaStatistics:
         self.own = ema == "own"
         self.trigger = Trigger(f"{owner} (EMA weights)", **options)
         self.hook: Any = None  # the EMAHook whose module the trigger is bound to (ema="own", one EMAHook)
-        self._armed: Pairs | None = None  # (model, EMA module) statistics to swap in before_val_epoch
-        self._swapped: Pairs | None = None  # swapped now, until validation ends (or it raises)
+        self._armed: Pairs | None = None  # (model, EMA module) statistics to swap in the next *_epoch
+        self._swapped: Pairs | None = None  # swapped now, until the loop's epoch ends (or it raises)
         self._guarded: weakref.WeakSet[Any] = weakref.WeakSet()  # loops whose run() swaps back on failure
         self._warned_several = False
 
@@ -124,7 +125,7 @@ class EmaStatistics:
     # -- swapping ---------------------------------------------------------------------
 
     def arm(self, model: nn.Module, step: int) -> None:
-        """During training (``before_val``): ``before_val_epoch`` swaps the EMA module's statistics into
+        """During training (``before_val``): the next ``*_epoch`` swaps the EMA module's statistics into
         ``model``, where they are those of its weights at ``step`` and ``EMAHook`` swaps the parameters alone
         (``update_buffers=False``); nothing otherwise."""
         self._armed = None
@@ -133,8 +134,21 @@ class EmaStatistics:
             hook, report = own
             self._armed = _pairs(model, new_statistics(hook.ema_model.module, report))
 
+    def arm_held(self, runner: Any) -> None:
+        """Outside training (``runner.val()``, ``runner.test()``): the next ``*_epoch`` swaps whatever statistics
+        the EMA module holds into the model, beside ``EMAHook``'s parameters (``update_buffers=False``,
+        ``ema="own"``, one ``EMAHook``). The EMA module holds the statistics loaded with its weights (a resumed
+        ``ema_state_dict``) or a copy of the model (``EMAHook.before_run``), whose swap changes nothing."""
+        self._armed = None
+        if not self.own:
+            return
+        model = runner.model.module if _wrappers.is_model_wrapper(runner.model) else runner.model
+        hooks = ema_hooks(runner, model)
+        if len(hooks) == 1 and not getattr(hooks[0].ema_model, "update_buffers", False):
+            self._armed = _pairs(model, _named_statistics(hooks[0].ema_model.module))
+
     def swap_in(self) -> None:
-        """``before_val_epoch``: swaps the armed statistics in (``EMAHook`` swaps its
+        """``before_val_epoch``/``before_test_epoch``: swaps the armed statistics in (``EMAHook`` swaps its
         parameters there too: the two swaps touch different tensors, and either order gives the same)."""
         pairs, self._armed = self._armed, None
         if pairs:
@@ -155,12 +169,12 @@ class EmaStatistics:
                 self._swapped = None
 
     def guard(self, runner: Any) -> None:
-        """Makes the validation loop built for this run swap the statistics back when it raises.
+        """Makes the validation and test loops built for this run swap the statistics back when they raise.
 
         mmengine calls no hook when a loop raises (no ``after_val_epoch``, no ``after_run``), and ``EMAHook``
         leaves its parameters swapped; the model's own statistics are put back here, bitwise, as the error
         leaves the loop's ``run()`` (wrapped on the loop object, once per hook and loop)."""
-        for loop in (getattr(runner, "val_loop", None),):
+        for loop in (getattr(runner, "val_loop", None), getattr(runner, "test_loop", None)):
             if not isinstance(loop, _loops.BaseLoop) or loop in self._guarded:
                 continue
             self._guarded.add(loop)

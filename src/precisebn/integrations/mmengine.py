@@ -13,7 +13,7 @@ cannot be edited. Unlike that hook, it stores the exact population statistics (n
 mean of per-batch variances), refuses bad options with an error rather than an
 ``assert``, never leaves the model half-modified, merges ranks exactly, and computes
 before every validation and every checkpoint, at most once per iteration. With an
-``EMAHook``, the EMA weights are validated and saved with statistics of their own
+``EMAHook``, the EMA weights are validated, tested and saved with statistics of their own
 (``ema="own"``).
 
 Example:
@@ -134,6 +134,12 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
       leaves the loop's ``run()``, so the model's buffers are bitwise its own and the
       EMA module's its own (``EMAHook`` leaves its parameters swapped: the model then
       holds the EMA weights, which ``ema_hook._swap_ema_parameters()`` puts back);
+    * outside training (``runner.test()``, ``runner.val()``), where ``EMAHook`` swaps its
+      parameters in too, the statistics its module holds are swapped in beside them,
+      and back (with ``update_buffers=False``; nothing is computed). Resumed from a
+      checkpoint, those are the EMA weights' own; loaded without resuming, or on a
+      runner that trained (``EMAHook`` copies the model again), the model and the EMA
+      module are one state and the test runs it;
     * a checkpoint's ``state_dict`` holds the EMA weights with their statistics and
       ``ema_state_dict`` the model's weights with the model's (swapped back on resume,
       as ``EMAHook`` swaps them), whichever of the two hooks runs first;
@@ -320,6 +326,7 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
     def before_val(self, runner: Any) -> None:
         self._iter_ending = None
         if not self._training:
+            self._ema_stats.arm_held(runner)  # (runner.val(): nothing computed)
             return
         if self.compute_before_val:
             self._compute(runner)
@@ -336,6 +343,18 @@ class ExactPreciseBNHook(TriggerState, _hooks.Hook):  # type: ignore[misc,name-d
         self._ema_stats.swap_back()
 
     def after_val(self, runner: Any) -> None:
+        self._ema_stats.swap_back()
+
+    def before_test(self, runner: Any) -> None:
+        self._ema_stats.arm_held(runner)  # (EMAHook swaps its parameters in for tests too; nothing computed)
+
+    def before_test_epoch(self, runner: Any) -> None:
+        self._ema_stats.swap_in()
+
+    def after_test_epoch(self, runner: Any, metrics: Any = None) -> None:
+        self._ema_stats.swap_back()
+
+    def after_test(self, runner: Any) -> None:
         self._ema_stats.swap_back()
 
     def before_save_checkpoint(self, runner: Any, checkpoint: dict[str, Any]) -> None:
