@@ -942,3 +942,27 @@ def test_with_ema_prior_pools_what_each_module_holds(tmp_path: Path, update_buff
             values = net.net[0](x).double().t()  # the layer's inputs with these weights, one value per sample
         prior = (before[f"{BN}.running_mean"], before[f"{BN}.running_var"])
         assert_adapted(net.net[1], prior, 24, values)
+
+
+def test_a_run_builds_no_loop_it_would_not_build_itself(tmp_path: Path, float64_truth: Any) -> None:
+    """The review of stop 44: guarding the loops against failures read ``runner.val_loop`` and ``runner.test_loop``
+    in ``before_run`` — properties that build a loop from its configuration — so training built the test loop (its
+    dataset, its evaluator) that it never runs: one whose dataset cannot be built made training fail at once. Only
+    loops the run has built are guarded now; training is exact, and a test loop is never built."""
+    x, y = make_data()
+    hook = ExactPreciseBNHook(num_samples="all")
+    broken = {"dataset": {"type": "precisebn-no-such-dataset"}, "batch_size": 4}  # (built: a KeyError)
+    runner = run(
+        tmp_path,
+        TinyNet(),
+        loader(x, y),
+        hooks=[hook, {"type": "EMAHook", "momentum": 0.5}],
+        train_cfg={"by_epoch": True, "max_epochs": 1, "val_interval": 1},
+        val=loader(x[:32], y[:32]),
+        test_dataloader=broken,
+        test_cfg={},
+        test_evaluator=Evaluator(MSE()),
+    )
+    assert isinstance(runner._test_loop, dict)  # never built
+    assert logged(runner) == 1
+    assert_precise(float64_truth, dict(runner.model.state_dict()), x)

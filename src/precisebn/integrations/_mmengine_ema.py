@@ -173,8 +173,12 @@ class EmaStatistics:
 
         mmengine calls no hook when a loop raises (no ``after_val_epoch``, no ``after_run``), and ``EMAHook``
         leaves its parameters swapped; the model's own statistics are put back here, bitwise, as the error
-        leaves the loop's ``run()`` (wrapped on the loop object, once per hook and loop)."""
-        for loop in (getattr(runner, "val_loop", None), getattr(runner, "test_loop", None)):
+        leaves the loop's ``run()`` (wrapped on the loop object, once per hook and loop). Only loops built
+        already (``runner.train()`` builds its validation loop, ``val()`` and ``test()`` theirs, before
+        ``before_run``): ``runner.val_loop`` and ``runner.test_loop`` are properties that build a loop from its
+        configuration, and training built the test loop it never runs (its dataset, its evaluator: one that
+        cannot be built made training fail, the review of stop 44)."""
+        for loop in (getattr(runner, "_val_loop", None), getattr(runner, "_test_loop", None)):
             if not isinstance(loop, _loops.BaseLoop) or loop in self._guarded:
                 continue
             self._guarded.add(loop)
