@@ -179,3 +179,35 @@ def test_swa_stale_statistics_are_the_last_models():
     swa.update_parameters(model)
     assert torch.equal(swa.module[1].running_mean, model[1].running_mean)
     assert model[1].running_mean.abs().sum() > 0  # not the initial zeros
+
+
+def test_swa_averages_every_epoch_it_names(monkeypatch):
+    """Part 2's averaged weights are the mean of the weights after every epoch in ``epochs_averaged`` (probe 47:
+    AveragedModel created at the first of them and updated from the next held the later ones only — "epochs 7–12"
+    averaged epochs 8–12)."""
+    import precisebn.demo as demo
+
+    cfg = DemoConfig(epochs=2, seed=1, quick=True, swa_epochs=2, few_shot_counts=(1,), few_shot_priors=(2.0,))
+    after_epoch: list[dict[str, torch.Tensor]] = []
+    averaged: list[torch.nn.Module] = []
+    precise_copy, averaged_model = demo._precise_copy, demo.AveragedModel
+
+    def record_epoch(model, images):  # called once per epoch on the model trained, then on others
+        if len(after_epoch) < cfg.epochs:
+            after_epoch.append({k: p.detach().double().clone() for k, p in model.named_parameters()})
+        return precise_copy(model, images)
+
+    class Recorded(averaged_model):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            averaged.append(self)
+
+    monkeypatch.setattr(demo, "_precise_copy", record_epoch)
+    monkeypatch.setattr(demo, "AveragedModel", Recorded)
+    results = run_demo(cfg)
+    epochs = results["weight_averaging"]["epochs_averaged"]
+    assert epochs == [1, 2] and len(averaged) == 1
+    held = dict(averaged[0].module.named_parameters())
+    for name in after_epoch[0]:
+        truth = torch.stack([after_epoch[e - 1][name] for e in epochs]).mean(0)  # float64
+        assert torch.allclose(held[name].double(), truth, rtol=1e-5, atol=1e-6), name

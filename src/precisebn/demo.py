@@ -249,10 +249,12 @@ def _run(cfg: DemoConfig, log: Any) -> dict[str, Any]:
         for key, value in zip(curve, (epoch, total / max(seen, 1), ema_acc, precise_acc)):
             curve[key].append(value)
         if epoch >= first_averaged:
-            if swa is None:
-                swa = AveragedModel(model)  # averages parameters; its buffers follow the trained model's
-            else:
-                swa.update_parameters(model)
+            if swa is None:  # averages parameters; its buffers follow the trained model's
+                swa = AveragedModel(model)
+            # every averaged epoch through update_parameters, the first too: AveragedModel counts from its
+            # first update, which copies the model (probe 47: created at epoch 7 and updated from epoch 8,
+            # the average of "epochs 7–12" held epochs 8–12 only, epoch 7's weights overwritten)
+            swa.update_parameters(model)
         log(
             f"epoch {epoch:>3}/{cfg.epochs}: loss {curve['train_loss'][-1]:.3f}, "
             f"val acc EMA {ema_acc:.3f}, precise {precise_acc:.3f}"
