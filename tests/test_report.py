@@ -185,3 +185,32 @@ def test_a_report_written_to_a_full_disk_names_the_file(tmp_path) -> None:
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # (no partial file, no temporary)
+
+
+def test_mean_errors_median_with_adapt_mean_is_over_the_channels_the_data_vary_in() -> None:
+    """With adapt="mean" the kept variance is no guide to which channels vary in the data (probe 47): a channel
+    constant in the new data (error 0) where the kept variance is positive was counted in the median, and one
+    that varies where the kept variance is 0 left out — "the means ±0.0073σ" where the median is 0.017σ."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm2d(6))
+    with torch.no_grad():
+        model[0].running_var.copy_(torch.tensor([4.0, 4.0, 4.0, 0.0, 4.0, 4.0]))
+    batches = []
+    for _ in range(10):  # fewer than 16 batches: each its own fold
+        x = torch.randn(8, 6, 4, 4, dtype=torch.float64)
+        x[:, 4:] = 2.0  # constant in the new data, kept variance 4
+        batches.append(x)
+    model.double()
+    row = precisebn.recalibrate(model, batches, num_samples="all", adapt="mean")["0"]
+    # the delete-one-batch jackknife of each channel's mean, in float64, in the kept σ sqrt(var + eps)
+    values = [b.transpose(0, 1).reshape(6, -1) for b in batches]
+    without = torch.stack([torch.cat(values[:k] + values[k + 1 :], 1).mean(1) for k in range(len(values))])
+    k = len(values)
+    se = ((k - 1) / k * (without - without.mean(0)).square().sum(0)).sqrt()
+    kept = torch.tensor([4.0, 4.0, 4.0, 0.0, 4.0, 4.0], dtype=torch.float64)
+    se_kept = se / (kept + model[0].eps).sqrt()
+    varies = torch.cat(values, 1).var(1) > 0
+    truth = float(se_kept[varies].quantile(0.5))
+    assert varies.tolist() == [True, True, True, True, False, False]
+    assert row.se_mean_median == pytest.approx(truth, rel=1e-6)
+    assert f"the means ±{truth:.2g}σ at worst" in str(precisebn.Report([row], 80, 10, 0.0, "norm"))

@@ -47,6 +47,10 @@ class LayerReport:
         per_forward: The most calls of the layer in one forward pass (batch). Above 1
             its new statistics pool every call, although training normalised each call
             with that call's own batch statistics (see :func:`precisebn.untie_calls`).
+        varies: Per channel, whether the measured values vary (their variance > 0): the
+            channels the standard errors' medians are taken over. ``None``: those where
+            ``new_var > 0`` — the measured variance, where it was written; with
+            ``adapt="mean"`` the kept variance says nothing of the data's, and this is given.
     """
 
     name: str
@@ -64,6 +68,7 @@ class LayerReport:
     se_mean: Tensor | None = None
     se_var: Tensor | None = None
     per_forward: int = 1
+    varies: Tensor | None = None
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
@@ -83,7 +88,9 @@ class LayerReport:
         if values is None or not self.updated or values.numel() == 0:
             return float("nan")
         if how == "median":  # over the channels that vary: a constant channel's errors are 0
-            varies = self.new_var.reshape(-1) > 0
+            # (in the data: with adapt="mean" new_var is the kept variance — probe 47: a channel constant in the new
+            # data, its error 0, counted where the kept variance was positive, and the median fell 2.3 times)
+            varies = (self.new_var.reshape(-1) > 0) if self.varies is None else self.varies.reshape(-1)
             if varies.shape == values.shape and bool(varies.any()):
                 values = values[varies]
             return float(values.double().quantile(0.5))  # (torch's median: the lower)

@@ -231,6 +231,8 @@ def plan_writes(
             (s.se_mean if write[1] else _kept_sd(s, values[name][3], m.eps)) if write[0] else None,
             s.se_var if write[1] else None,
             s.per_forward,
+            # (the channels the data vary in, where new_var is not the measured variance: adapt="mean")
+            None if write[1] or not s.reached else s.var.detach().to("cpu", torch.float64) > 0,
         )
         for (name, m, s), (rm, _) in zip(entries, buffers)
     ]
