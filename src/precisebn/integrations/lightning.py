@@ -64,6 +64,7 @@ class PreciseBN(PreciseBNMixin, _pl.Callback):
     * before every checkpoint written during ``fit`` (ModelCheckpoint at any trigger,
       ``save_last``, ``trainer.save_checkpoint``), so that the saved statistics match
       the saved weights;
+    * at the end of ``fit``, so that the module it leaves holds its statistics;
     * optionally every ``every_n_train_steps`` optimizer steps and at the end of every
       ``every_n_epochs``-th training epoch;
 
@@ -112,6 +113,11 @@ class PreciseBN(PreciseBNMixin, _pl.Callback):
             recalibrates them too.
         on_validation: Recompute before validation loops.
         on_checkpoint: Recompute before checkpoints.
+        on_train_end: Recompute at the end of ``fit`` (``on_train_end``) unless the last
+            computation is current, so that the module ``fit`` leaves (for ``trainer.test(model)``,
+            ``trainer.save_checkpoint()`` after ``fit``, saving its weights) holds its
+            statistics after training steps that no validation or checkpoint followed.
+            Default: on when ``on_validation`` or ``on_checkpoint`` is.
         every_n_train_steps: Also recompute after every n-th optimizer step.
         every_n_epochs: Also recompute at the end of every n-th training epoch.
         progress: Show a progress bar on rank 0 (needs ``precisebn[progress]``).
