@@ -817,6 +817,47 @@ def test_with_ema_a_validation_that_raises_gives_the_model_its_own_statistics_ba
     assert max(errors_to_truth({**weights(ema), **statistics(live)}, x)) > 1e-3  # (the check tells them apart)
 
 
+def test_with_ema_a_ctrl_c_during_the_swap_into_validation_still_swaps_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of stop 44: a Ctrl-C that arrived while the EMA weights' statistics were being swapped into the model
+    (held there, raised as the swap's hold ended) left before the swap was recorded: the loop's guard found nothing
+    to swap back, and the model kept the EMA weights' statistics (the EMA module the model's). The swap and its
+    record are one hold now: the model's statistics are bitwise its own after the KeyboardInterrupt."""
+    import os
+    import signal
+
+    from precisebn.integrations import _mmengine_ema
+    from precisebn.interrupts import signals_held
+
+    x, y = make_data()
+    hook, around, model = ExactPreciseBNHook(num_samples="all", interval=None), AroundValidation(), SpiedNet()
+    original, calls = _mmengine_ema._swap, []
+
+    def swap(pairs: Any) -> None:
+        calls.append(len(pairs))
+        with signals_held():
+            if len(calls) == 1:  # (the swap in: Ctrl-C pressed meanwhile)
+                os.kill(os.getpid(), signal.SIGINT)
+            original(pairs)
+
+    monkeypatch.setattr(_mmengine_ema, "_swap", swap)
+    with pytest.raises(KeyboardInterrupt):
+        run(
+            tmp_path,
+            model,
+            loader(x, y),
+            hooks=[hook, {"type": "EMAHook", "momentum": 0.5}, around],
+            train_cfg={"by_epoch": True, "max_epochs": 1, "val_interval": 1},
+            val=loader(x[:32], y[:32]),
+        )
+    live, ema = around.before[0], around.ema_before[0]  # (after the computations, before the swap)
+    assert not model.in_validation and calls
+    assert same(statistics(model.state_dict()), statistics(live))  # the model's own, bitwise
+    assert same(statistics(around.ema_hook.ema_model.module.state_dict()), statistics(ema))
+    assert max(errors_to_truth(ema, x)) < 1e-6 and max(errors_to_truth(live, x)) < 1e-6
+
+
 @pytest.mark.filterwarnings("ignore:Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
 @pytest.mark.parametrize("case", ["test", "val", "test raising"])
 def test_with_ema_test_and_validation_outside_training_run_the_ema_weights_with_their_statistics(

@@ -152,8 +152,9 @@ class EmaStatistics:
         parameters there too: the two swaps touch different tensors, and either order gives the same)."""
         pairs, self._armed = self._armed, None
         if pairs:
-            _swap(pairs)
-            self._swapped = pairs
+            with signals_held():  # (one hold: a Ctrl-C held during the swap, raised as its own hold ended, left
+                _swap(pairs)  # before the swap was recorded, and the loop's guard found nothing to swap back)
+                self._swapped = pairs
 
     def reset(self) -> None:
         """Swaps the statistics back (:meth:`swap_back`) and forgets any armed."""
