@@ -1100,3 +1100,44 @@ def test_a_validation_that_raises_swaps_the_averaged_weights_back(
     (saved,) = tmp_path.glob("*.ckpt")
     for name, value in torch.load(saved, weights_only=False)["current_model_state"].items():
         assert torch.equal(value, live.state[name]), name
+
+
+@pytest.mark.parametrize("during", ["swap in", "swap back"])
+def test_a_ctrl_c_during_the_swap_of_the_averaged_weights_leaves_the_module_its_own(
+    tmp_path: Path, float64_truth: Any, during: str
+) -> None:
+    """Review of stop 44: the flag on_exception swaps back by was set before Lightning's swap (a Ctrl-C as it began:
+    nothing swapped, then on_exception swapped the average in, the module ended holding the averaged weights) and
+    cleared before the swap back (a Ctrl-C then: the module kept the averaged weights). The swap and the flag are
+    one hold now: the module is bitwise its own after the KeyboardInterrupt, the copy the average, exact."""
+    import os
+    import signal
+
+    x, y = make_data()
+
+    class Live(L.Callback):  # the module's own state, before the averaged weights are swapped in
+        def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+            self.state = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+    model, live = TinyNet(), Live()
+    averaging = PreciseWeightAveraging(num_samples="all", swa_epoch_start=0)
+    original, calls = averaging._swap_models, []
+
+    def swap(pl_module: Any) -> None:
+        calls.append(pl_module.trainer.global_step)
+        if len(calls) == (1 if during == "swap in" else 2):
+            os.kill(os.getpid(), signal.SIGINT)  # (Ctrl-C as Lightning's swap begins)
+        original(pl_module)
+
+    averaging._swap_models = swap  # type: ignore[method-assign]
+    trainer = make_trainer(tmp_path, callbacks=[live, averaging])
+    with pytest.raises((KeyboardInterrupt, SystemExit)):  # (Lightning turns Ctrl-C into SystemExit)
+        trainer.fit(model, loader(x, y), loader(x[:16], y[:16]))
+    assert calls == [8, 8]  # (the first validation: no average yet)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, live.state[name]), name
+    averaged = {
+        k[len("module.") :]: v for k, v in averaging.averaged_model.state_dict().items() if k.startswith("module.")
+    }
+    assert_precise(float64_truth, averaged, x)
+    assert max(float((averaged[k] - v).abs().max()) for k, v in live.state.items() if k in averaged) > 1e-2

@@ -61,6 +61,7 @@ from torch import nn
 
 from ..data import Forward
 from ..errors import InvalidArgumentError, PreciseBNWarning
+from ..interrupts import signals_held
 from ..layers import LayerSelection
 from ..report import Report
 from ..scheduler import Data, MappedBatches, PreciseBNScheduler, fresh_batches
@@ -636,14 +637,18 @@ class AveragingMixin(_Recalibrator):
     def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         # Without an average yet, validate the live module (as StochasticWeightAveraging
         # does before averaging starts), not the averaged copy's initial weights.
-        self._swapped = self._has_average()
-        if self._swapped:
-            super().on_validation_epoch_start(trainer, pl_module)  # type: ignore[misc]
+        # The swap and its flag as one hold: on_exception swaps back by the flag, and a Ctrl-C as the swap began,
+        # the flag set before it, had on_exception swap the average in (the review of stop 44).
+        if self._has_average():
+            with signals_held():
+                super().on_validation_epoch_start(trainer, pl_module)  # type: ignore[misc]
+                self._swapped = True
 
     def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self._swapped:  # swap back only what on_validation_epoch_start swapped
-            self._swapped = False
-            super().on_validation_epoch_end(trainer, pl_module)  # type: ignore[misc]
+            with signals_held():  # (a Ctrl-C with the flag down and the swap not done left the average in place)
+                super().on_validation_epoch_end(trainer, pl_module)  # type: ignore[misc]
+                self._swapped = False
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # A validation that raised (a metric's bug, the module's forward, Ctrl-C) with the averaged weights swapped in
