@@ -174,10 +174,10 @@ class PreciseBNCallback(TriggerState, _callback.TrainerCallback):  # type: ignor
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._trigger.observe()  # the layers the model keeps in eval mode while training: frozen
-        self._maybe_compute(state, control)
+        self._maybe_compute(args, state, control)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._maybe_compute(state, control)
+        self._maybe_compute(args, state, control)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.before_evaluate:
@@ -215,9 +215,12 @@ class PreciseBNCallback(TriggerState, _callback.TrainerCallback):  # type: ignor
         finally:
             self._trigger.unbind()
 
-    def _maybe_compute(self, state: Any, control: Any) -> None:
-        # DefaultFlowCallback (always first) has decided what happens after this step.
-        if (self.before_evaluate and control.should_evaluate) or (self.before_save and control.should_save):
+    def _maybe_compute(self, args: Any, state: Any, control: Any) -> None:
+        # DefaultFlowCallback (always first) has decided what happens after this step. With save_strategy="best" the
+        # Trainer decides to save after the evaluation (a new best metric), with these weights: a checkpoint may
+        # follow every evaluation (on_evaluate=False, on_save=True saved the moving averages: the review of stop 44).
+        saves = control.should_save or (control.should_evaluate and getattr(args, "save_strategy", None) == "best")
+        if (self.before_evaluate and control.should_evaluate) or (self.before_save and saves):
             self._compute(state)
 
     def _compute(self, state: Any, before_training: bool = False) -> Report | None:
