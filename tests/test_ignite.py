@@ -577,3 +577,21 @@ def test_statistics_written_into_buffers_the_model_trained_shares_are_told(
         assert torch.equal(model[1].running_var, written.running_var)  # (what it says: the model's are the copy's)
     else:
         assert told == []
+
+
+@pytest.mark.parametrize("given", ["the model itself", "a wrapper of it", "a model holding it"])
+def test_a_model_that_is_part_of_trained_model_is_not_told_of_shared_buffers(given: str) -> None:
+    """Review of stop 44: the new warning compared storages only, so a model whose layers are trained_model's own
+    (trained_model=model, a DataParallel of it, the model inside a larger trained_model) was told that its
+    statistics were "written into the model being trained too" and to change EMAHandler's handle_buffers — there
+    is no copy. Only a layer that is not trained_model's, sharing its buffers, is told (the test above)."""
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn(16, 4, generator=g) * 3 + 1 for _ in range(2)]
+    model = make_model()
+    recalibrated: torch.nn.Module = torch.nn.DataParallel(model) if given == "a wrapper of it" else model
+    trained = torch.nn.Sequential(model) if given == "a model holding it" else model
+    engine = Engine(lambda engine, batch: None)
+    PreciseBN(recalibrated, data, num_samples="all", trained_model=trained).attach(engine, Events.EPOCH_COMPLETED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PreciseBNWarning)
+        engine.run(data, max_epochs=1)

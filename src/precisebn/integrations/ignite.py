@@ -234,11 +234,16 @@ class PreciseBN(TriggerState):
         unwarned; the copy's own exact). The statistics written are the copy's, as asked; training, which
         normalises with batch statistics, is untouched — an evaluation or a checkpoint of the model trained is not."""
         theirs = {t.untyped_storage().data_ptr() for t in self.trained_model.buffers() if t.untyped_storage().nbytes()}
+        # (a layer of trained_model itself — model is trained_model, wraps it or is part of it — holds its own: the
+        # review of stop 44 found the warning said of those)
+        own = {id(m) for m in self.trained_model.modules()}
         shared = []
         for name in report.updated:
             try:
                 module = unwrap(self._model).get_submodule(name)
             except AttributeError:  # (a name of a call, per_call: its layer's are checked under that name)
+                continue
+            if id(module) in own:
                 continue
             for key in ("running_mean", "running_var"):
                 t = module._buffers.get(key)
