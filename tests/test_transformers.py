@@ -461,3 +461,31 @@ def test_checkpoints_of_save_strategy_best_get_the_statistics_without_on_evaluat
     assert saved
     for checkpoint in saved:
         assert_precise(float64_truth, load_file(checkpoint / "model.safetensors"), batches)
+
+
+class InterruptAtStep3(TrainerCallback):
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 3:
+            raise KeyboardInterrupt
+
+
+def test_an_evaluation_by_hand_after_an_interrupted_train_is_not_blamed_on_the_callbacks_order(
+    tmp_path: Path,
+) -> None:
+    """Review of stop 44: Ctrl-C in train() (no on_train_end: the callback stays bound), then trainer.evaluate() by
+    hand — the warning said the evaluation was requested by a callback listed after PreciseBNCallback and to reorder
+    the callbacks, with no such callback. It names the evaluation by hand too."""
+    precise = PreciseBNCallback(num_samples="all")
+    with pytest.raises(KeyboardInterrupt):
+        train_precise(tmp_path, [precise, InterruptAtStep3()], eval_strategy="epoch")
+    trainer = SequentialTrainer(
+        ResNetForImageClassification(CONFIG),
+        arguments(tmp_path),
+        eval_dataset=make_dataset()[:32],
+        data_collator=collate,
+        callbacks=[precise],
+    )
+    trainer.state.global_step = 3
+    with pytest.warns(PreciseBNWarning, match="evaluation at step 3") as caught:
+        trainer.evaluate()
+    assert "called by hand after train() was interrupted" in str(caught[0].message)

@@ -197,13 +197,21 @@ class PreciseBNCallback(TriggerState, _callback.TrainerCallback):  # type: ignor
         if not self._trigger.has_layers(warn=False):
             return
         self._warned.add(what)
+        # (an evaluation by hand after a train() that raised looks alike from here: this callback is still bound, as
+        # on_train_end never came — the review of stop 44 found it told to reorder callbacks that were not there)
+        by_hand = (
+            " Or trainer.evaluate() was called by hand after train() was interrupted: the statistics are then those "
+            "of the last computation."
+            if what == "evaluation"
+            else ""
+        )
         if state.is_world_process_zero:
             warnings.warn(
                 f"{type(self).__name__}: the {what} at step {state.global_step} ran with statistics not computed for "
                 "the current weights: it was requested (control.should_evaluate/should_save) after this callback had "
                 "looked at the step, by a callback that runs after it. Put PreciseBNCallback after every callback "
-                "that requests evaluations or checkpoints (last in callbacks=, or trainer.add_callback() last). "
-                "This is said once per training run.",
+                "that requests evaluations or checkpoints (last in callbacks=, or trainer.add_callback() last)."
+                f"{by_hand} This is said once per training run.",
                 PreciseBNWarning,
                 stacklevel=2,
             )
