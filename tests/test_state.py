@@ -652,6 +652,42 @@ def test_a_failing_pass_inside_inference_mode_leaves_the_model_as_it_was() -> No
     assert_unchanged(model, before)
 
 
+class _StepCounted(nn.Module):
+    """A forward that writes in place what inference mode lets it: a step counter of its own (an inference tensor
+    in a model built there) and its input (``ReLU(inplace=True)`` first: an inference tensor made there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = conv_model()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return self.body(torch.relu_(x))
+
+
+def test_a_forward_that_writes_inference_tensors_runs_inside_inference_mode_as_called() -> None:
+    """Found by probe 49: the passes left inference mode whole, so a forward that writes in place an inference tensor
+    — a counter buffer of a model built in that mode, or its input made there — which runs inside the mode, raised
+    torch's "Inplace update to inference tensor outside InferenceMode" under recalibrate called there (a mode the
+    README supports). Now ``forward`` runs in the caller's inference mode (precisebn's own tensors stay outside it):
+    exact against the float64 truth, the counter put back, nothing left inference-only that was not."""
+    with torch.inference_mode():
+        model = _StepCounted()
+        batches = images()
+        truth = compute_truth(model, [b.clone() for b in batches])  # (its forward runs there only)
+    truth = {name.removeprefix("body."): t for name, t in truth.items()}
+    twin = copy.deepcopy(model)  # (a copy made outside the mode: its buffers are not inference tensors)
+    kinds = [m.steps.is_inference() for m in (model, twin)]
+    with torch.inference_mode():
+        precisebn.recalibrate(model, [b.clone() for b in batches])
+        precisebn.apply(twin, precisebn.estimate(twin, [b.clone() for b in batches], capture="float64"))
+        update_bn_stats(copy.deepcopy(model), [b.clone() for b in batches], num_iters=len(batches))
+    for m, kind in zip((model, twin), kinds):
+        assert_exact(m.body, truth)
+        assert int(m.steps) == 0 and m.steps.is_inference() == kind
+
+
 # -- memory shared between tensors -------------------------------------------------------------
 
 _views = st.tuples(st.integers(0, 11), st.integers(1, 12), st.integers(1, 4), st.booleans())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -79,8 +80,14 @@ class Pass:
         vote: Vote | None = None,
         per_call: bool = False,
         samples_given: bool = True,
+        inferring: bool = False,
     ) -> None:
         self.model, self.data, self.forward = model, data, forward
+        # the caller's inference mode, which the call leaves (its own tensors need version counters): forward runs in
+        # it, as the model runs there (probe 49: a forward writing in place an inference tensor — a counter buffer of
+        # a model built in that mode, its input made there — raised torch's "Inplace update to inference tensor
+        # outside InferenceMode"); the layers' bookkeeping leaves it again (see layers._Routed)
+        self.inferring = inferring
         self.num_samples, self.num_batches = num_samples, num_batches
         self.device, self.progress, self.mode = device, progress, mode
         self.warn_short = warn_short
@@ -185,7 +192,10 @@ class Pass:
                 )
             collector.in_forward = True  # (layers called otherwise are refused: see Collector.in_forward)
             try:
-                self.forward(self.model, to_device(batch, self.device))
+                batch = to_device(batch, self.device)
+                # (never torch.inference_mode(False): leaving the mode turns grad mode on, whatever no_grad said)
+                with torch.inference_mode() if self.inferring else contextlib.nullcontext():
+                    self.forward(self.model, batch)
             finally:
                 collector.in_forward = False
             collector.end_batch()

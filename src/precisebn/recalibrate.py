@@ -321,6 +321,7 @@ def _estimate(
     will write, checked (:func:`~precisebn.writing.plan_writes`), returned with the statistics;
     with several ranks every rank then learns whether every other got that far, so that either
     all write or none does."""
+    inferring = torch.is_inference_mode_enabled()  # (the caller's: forward runs in it, see Pass)
     guard.enter_context(torch.inference_mode(False))
     try:
         ctx, mistake = _dist.RankContext.resolve(distributed, process_group), None
@@ -389,6 +390,7 @@ def _estimate(
             vote,
             per_call,
             samples_given=explicit or use_all,
+            inferring=inferring,
         )
         modules = list(model.named_modules())  # one walk of the model for the whole call
         if walk is not None:
