@@ -39,7 +39,7 @@ def test_table_lists_every_layer_and_totals() -> None:
     assert lines[0].split()[:3] == ["layer", "type", "ch"]
     assert any(line.startswith("1 ") and "updated" in line for line in lines)
     assert any(line.startswith("2 ") and "not reached" in line for line in lines)
-    assert any("1 layers updated, 1 not reached; 32 samples in 4 batches" in line for line in lines[-2:])
+    assert any("1 layer updated, 1 not reached; 32 samples in 4 batches" in line for line in lines[-2:])
     assert lines[-1].startswith("±var: median standard error of the new variance")
 
 
@@ -54,7 +54,7 @@ def test_totals_tell_unused_buffers_from_unreached_layers_and_unwritten_errors_a
     model = torch.nn.Sequential(torch.nn.BatchNorm1d(2), Skip(2), torch.nn.Sequential(torch.nn.BatchNorm1d(2)))
     data = [torch.randn(8, 2) for _ in range(3)]
     r = precisebn.recalibrate(model, data, forward=lambda m, b: m[1](m[0](b)), adapt="mean")
-    assert "1 layers updated, 2 kept (1 not reached, 1 buffers never used)" in str(r)
+    assert "1 layer updated, 2 kept (1 not reached, 1 with buffers never used)" in str(r)
     assert r["0"].se_var is None and r["0"].se_mean is not None and torch.equal(r["0"].new_var, r["0"].old_var)
     assert "±var: median" not in str(r)  # (the column header stays; its cells show "–")
 

@@ -321,11 +321,12 @@ class Report(Mapping[str, LayerReport]):
         how = (
             f"{kept} not reached"
             if not unused
-            else f"{kept} kept ({kept - unused} not reached, {unused} buffers never used)"
+            else f"{kept} kept ({kept - unused} not reached, {unused} with buffers never used)"
         )
+        updated = len(self.layers) - kept
         lines = [format_table(header, rows, right={2, 3, 4, 6, 7, 8, 9})]
         lines.append(
-            f"{len(self.layers) - kept} layers updated, {how}; {self.samples} samples in "
+            f"{updated} {'layer' if updated == 1 else 'layers'} updated, {how}; {self.samples} samples in "
             f"{self.batches} batches, {self.seconds:.2f} s, mode={self.mode!r}"
             + (f", {self.world_size} ranks" if self.world_size > 1 else "")
         )
