@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -149,8 +149,11 @@ def references(values: Tensor, lengths: list[int], shifts: Tensor) -> tuple[Tens
     return _references(values, runs, shifts)
 
 
-def _references(values: Tensor, runs: list[tuple[int, int]], shifts: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`references` with the lengths as runs ``(length, segments)``."""
+def _references(
+    values: Tensor, runs: list[tuple[int, int]], shifts: Tensor, n_per_row: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`references` with the lengths as runs ``(length, segments)`` (``n_per_row``: each segment's length
+    as a float64 vector, if made already; it is not written)."""
     total = sum(rows for _, rows in runs)
     sums = torch.empty(total, dtype=torch.float64, device="cpu")
     squares = torch.empty(total, dtype=torch.float64, device="cpu")
@@ -160,9 +163,10 @@ def _references(values: Tensor, runs: list[tuple[int, int]], shifts: Tensor) -> 
         _row_sums(block, sums[row : row + rows])
         _row_sums(block.square_(), squares[row : row + rows])
         at, row = at + rows * n, row + rows
-    n_per_row = torch.tensor([n for n, _ in runs], dtype=torch.float64, device="cpu").repeat_interleave(
-        torch.tensor([rows for _, rows in runs], device="cpu")
-    )
+    if n_per_row is None:
+        n_per_row = torch.tensor([n for n, _ in runs], dtype=torch.float64, device="cpu").repeat_interleave(
+            torch.tensor([rows for _, rows in runs], device="cpu")
+        )
     return reference(sums, squares, shifts, n_per_row)
 
 
@@ -416,47 +420,104 @@ class SpotChecks:
 
     def _decide(self, waiting: list[_Waiting], values: Tensor) -> list[tuple[Any, bool, bool]]:
         figures = torch.cat([pair for _, pair, _, _, _ in waiting], dim=1)  # (2, every call's channels)
-        widths = [pair.shape[1] for _, pair, _, _, _ in waiting]
-        starts, steps = [], []  # each call's checked channels: every step-th from its first (its columns)
-        runs: list[tuple[int, int]] = []  # (values per checked channel, checked channels) per call
-        offset = 0
-        for (_, _, _, n, picked), width in zip(waiting, widths):
-            starts.append(offset + picked[0])
-            steps.append(picked[1] - picked[0] if len(picked) > 1 else 1)
-            if runs and runs[-1][0] == n:
-                runs[-1] = (n, runs[-1][1] + len(picked))
-            else:
-                runs.append((n, len(picked)))
-            offset += width
-        eps = [e for _, _, e, _, _ in waiting]
-        checked = torch.tensor([len(picked) for _, _, _, _, picked in waiting], device="cpu")
-        # the columns as tensors (every channel of a layer may be checked: thousands of them)
-        within = torch.arange(int(checked.sum()), device="cpu") - torch.repeat_interleave(
-            checked.cumsum(0) - checked, checked
-        )
-        columns = torch.repeat_interleave(
-            torch.tensor(starts, device="cpu"), checked
-        ) + within * torch.repeat_interleave(torch.tensor(steps, device="cpu"), checked)
-        fig_mean, fig_var = figures.index_select(1, columns).double()
-        refs = _references(values, runs, fig_mean)  # shifted by the figures' means
-        eps_per_column = torch.tensor(eps, dtype=torch.float64, device="cpu").repeat_interleave(checked)
-        rounding = self._rounding(figures, widths, eps) * (self.unit * self.unit)
-        verdicts = []
-        for tolerance in (self.tolerance, self.tolerance / PARTIAL_MARGIN):
-            ok = passes(fig_mean, fig_var, refs, eps_per_column, tolerance)
-            failed = torch.segment_reduce((~ok).to(torch.float64), "sum", lengths=checked)
-            verdicts.append(((rounding <= tolerance) & (failed == 0)).tolist())  # NaN fails
-        at = 0  # a call checked on every channel that passed: its figures become the reference (see _take_reference)
-        for (_, pair, _, _, picked), width, passed in zip(waiting, widths, verdicts[0]):
-            if passed and len(picked) == width:
-                _take_reference(pair, (refs[0][at : at + width], refs[1][at : at + width]))
-            at += len(picked)
-        return [(owner, passed, good) for (owner, *_), passed, good in zip(waiting, *verdicts)]
+        plan = _plan(waiting, figures.dtype)
+        fig_mean, fig_var = figures.index_select(1, plan.columns).double()
+        refs = _references(values, plan.runs, fig_mean, plan.n_per_row)  # shifted by the figures' means
+        # per checked column, then per channel of every call (the rounding term): 0 within a quarter of the
+        # tolerance, 1 within it, 2 beyond it (NaN too); a call's verdict is the worst of its own
+        mean, var, bound_mean, bound_var = refs
+        scale = var + plan.eps_per_column
+        root = scale.sqrt()
+        off_mean = (fig_mean - mean).abs_().add_(bound_mean)
+        off_var = (fig_var - var).abs_().add_(bound_var)
+        # the rounding term mean² / (var + eps) · unit² of every channel (in the figures' dtype: a positive factor
+        # commutes with the maximum); a figure that is NaN or infinite makes its channel's NaN, which fails (an
+        # infinite variance would make the term 0: var · 0 is NaN there, 0 for any finite variance)
+        rounding = figures[0].square().div_(figures[1] + plan.eps_per_channel).add_(figures[1] * 0)
+        rounding.mul_(self.unit * self.unit)
+        levels = []
+        for parts in ((off_mean, root, off_var, scale), (rounding,)):
+            fails = [_beyond(parts, tolerance) for tolerance in (self.tolerance, self.tolerance / PARTIAL_MARGIN)]
+            levels.append(fails[0].to(torch.float32).add_(fails[1]))
+        worst = torch.zeros(len(waiting), dtype=torch.float32, device="cpu")
+        worst = worst.scatter_reduce_(0, plan.owners, torch.cat(levels), "amax").tolist()
+        # a call checked on every channel that passed: its figures become the reference (see _take_reference)
+        taken = [k for k, level in enumerate(worst) if level < 2 and plan.every[k]]
+        if taken:
+            ref = torch.stack([mean, var]).split(plan.checked, dim=1)
+            torch._foreach_copy_([waiting[k][1] for k in taken], [ref[k] for k in taken])
+        return [(owner, level < 2, level < 1) for (owner, *_), level in zip(waiting, worst)]
 
-    def _rounding(self, figures: Tensor, widths: list[int], eps: list[float]) -> Tensor:
-        """Each call's largest ``mean² / (var + eps)`` over all its channels (NaN if any figure is NaN or Inf:
-        see :func:`rounding_passes`)."""
-        sizes = torch.tensor(widths, device="cpu")
-        scale = figures[1] + torch.tensor(eps, dtype=figures.dtype, device="cpu").repeat_interleave(sizes)
-        terms = figures[0].square().div_(scale).masked_fill_(~figures.isfinite().all(0), float("nan"))
-        return torch.segment_reduce(terms, "max", lengths=sizes)
+
+def _beyond(parts: tuple[Tensor, ...], tolerance: float) -> Tensor:
+    """Where the check of :func:`passes` fails at ``tolerance`` (NaN fails): ``parts`` are ``(|Δmean| + its bound,
+    σ, |Δvar| + its bound, var + eps)`` of checked columns, or ``(rounding term,)`` of channels."""
+    if len(parts) == 1:
+        return parts[0].le(tolerance).logical_not_()
+    off_mean, root, off_var, scale = parts
+    return ((off_mean <= root * tolerance) & (off_var <= scale * tolerance)).logical_not_()
+
+
+class _Plan(NamedTuple):
+    """What :meth:`SpotChecks.run` derives from the waiting calls' shapes alone (see :func:`_plan`)."""
+
+    columns: Tensor  # the checked channels' columns among all the calls' channels, call after call
+    runs: list[tuple[int, int]]  # (values per checked channel, checked channels) of consecutive calls
+    n_per_row: Tensor  # values per checked channel, by checked column (float64)
+    eps_per_column: Tensor  # the call's eps, by checked column (float64)
+    eps_per_channel: Tensor  # the call's eps, by channel (the figures' dtype)
+    owners: Tensor  # the call of each checked column, then of each channel
+    checked: list[int]  # checked channels per call
+    every: list[bool]  # whether every channel of the call is checked
+
+
+_PLANS: dict[tuple[Any, ...], _Plan] = {}
+_PLANS_KEPT = 16  # (the same model's calls give the same plan in every pass)
+
+
+def _plan(waiting: list[_Waiting], dtype: torch.dtype) -> _Plan:
+    """The :class:`_Plan` of the waiting calls' widths, checked channels, values per channel and eps: a few dozen
+    small kernels, made once per distinct set of those (cached; the tensors are never written)."""
+    key = (dtype, *((pair.shape[1], len(picked), n, eps) for _, pair, eps, n, picked in waiting))
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    widths = [pair.shape[1] for _, pair, _, _, _ in waiting]
+    starts, steps, checked = [], [], []  # each call's checked channels: every step-th from its first (its columns)
+    runs: list[tuple[int, int]] = []  # (values per checked channel, checked channels) per call
+    offset = 0
+    for (_, _, _, n, picked), width in zip(waiting, widths):
+        starts.append(offset + picked[0])
+        steps.append(picked[1] - picked[0] if len(picked) > 1 else 1)
+        checked.append(len(picked))
+        if runs and runs[-1][0] == n:
+            runs[-1] = (n, runs[-1][1] + len(picked))
+        else:
+            runs.append((n, len(picked)))
+        offset += width
+    eps = [e for _, _, e, _, _ in waiting]
+    count = torch.tensor(checked, device="cpu")
+    sizes = torch.tensor(widths, device="cpu")
+    # the columns as tensors (every channel of a layer may be checked: thousands of them)
+    within = torch.arange(sum(checked), device="cpu") - torch.repeat_interleave(count.cumsum(0) - count, count)
+    columns = torch.repeat_interleave(torch.tensor(starts, device="cpu"), count) + within * torch.repeat_interleave(
+        torch.tensor(steps, device="cpu"), count
+    )
+    n_per_row = torch.tensor([n for n, _ in runs], dtype=torch.float64, device="cpu").repeat_interleave(
+        torch.tensor([rows for _, rows in runs], device="cpu")
+    )
+    calls = torch.arange(len(waiting), device="cpu")
+    plan = _Plan(
+        columns,
+        runs,
+        n_per_row,
+        torch.tensor(eps, dtype=torch.float64, device="cpu").repeat_interleave(count),
+        torch.tensor(eps, dtype=dtype, device="cpu").repeat_interleave(sizes),
+        torch.cat([calls.repeat_interleave(count), calls.repeat_interleave(sizes)]),
+        checked,
+        [len(picked) == width for (_, _, _, _, picked), width in zip(waiting, widths)],
+    )
+    if len(_PLANS) >= _PLANS_KEPT:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
