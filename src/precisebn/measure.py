@@ -289,13 +289,11 @@ class Measurement:
     def to_population(self) -> PopulationStats:
         layers = {}
         per_forward = self.per_forward or [_per_forward(calls, self.batches) for calls in self.calls]
-        for layer, (m, var, se_mean, se_var), count, calls, path, most in zip(
+        for layer, (mean, var, se_mean, se_var), count, calls, path, most in zip(
             self.layers, self._fold_errors(), self.counts, self.calls, self.paths, per_forward
         ):
-            if count > 0:
-                mean = m.mean
-            else:
-                mean, var = torch.full_like(m.mean, float("nan")), torch.full_like(m.mean, float("nan"))
+            if count <= 0:
+                mean, var = torch.full_like(mean, float("nan")), torch.full_like(mean, float("nan"))
             layers[layer.name] = LayerStats(
                 mean, var, count, calls, layer.type_name, path if count > 0 else "none", se_mean, se_var, most
             )
@@ -316,17 +314,20 @@ class Measurement:
             for ids in by_kind.values()
         ]
 
-    def _fold_errors(self) -> list[tuple[RunningMoments, Tensor, Tensor, Tensor]]:
-        """Each layer's pooled moments, population variance and :func:`fold_errors`."""
-        out: list[Any] = list(map(self.pooled.get, range(len(self.moments))))
+    def _fold_errors(self) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+        """Each layer's pooled mean, population variance and :func:`fold_errors` (views of a few joined
+        tensors: the pooled counts and M2 are not split by layer, nothing reads them)."""
+        out: list[Any] = [
+            None if p is None else (p[0].mean, *p[1:]) for p in map(self.pooled.get, range(len(self.moments)))
+        ]
         for ids, joined in self._joined:
             if ids[0] in self.pooled:  # (a kind is pooled throughout or not at all)
                 continue
             sizes = [self.moments[i].mean.shape[-1] for i in ids]
             pooled, se_mean, se_var = fold_errors(joined)
-            parts = zip(*(t.split(sizes) for t in (pooled.count, pooled.mean, pooled.m2, pooled.var, se_mean, se_var)))
-            for i, (count, mean, m2, v, sm, sv) in zip(ids, parts):
-                out[i] = (RunningMoments(count, mean, m2), v, sm, sv)
+            parts = zip(*(t.split(sizes) for t in (pooled.mean, pooled.var, se_mean, se_var)))
+            for i, part in zip(ids, parts):
+                out[i] = part
         return out
 
 
@@ -358,14 +359,24 @@ def _warn_far_from_zero(entries: list[tuple[NormLayer, LayerStats]]) -> None:
     if not fast:
         return
     per_layer = []  # per layer, spread over its channels in one go: eps, the buffers' unit roundoff, the tolerance
+    units: dict[torch.dtype, tuple[float, float]] = {}
     for layer, s in fast:
         dtype = layer.module._buffers["running_mean"].dtype  # type: ignore[union-attr]
-        unit = torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
+        if dtype not in units:
+            units[dtype] = (torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0, TOLERANCE.get(dtype, 1e-5))
+        unit, limit = units[dtype]
         if dtype == torch.float64:  # torch sums a float64 input in float64: its mean rounds by about √n·u·|mean|
             unit *= math.sqrt(max(1.0, s.count / max(1, s.calls)))  # (probe 33a: 1.8e-9 σ, unwarned, at r = 1e5)
-        per_layer.append((float(layer.module.eps), unit, TOLERANCE.get(dtype, 1e-5)))
-    lengths = torch.tensor([s.mean.numel() for _, s in fast], device="cpu")
-    eps, unit, limit = torch.tensor(per_layer, dtype=torch.float64, device="cpu").repeat_interleave(lengths, 0).T
+        per_layer.append((float(layer.module.eps), unit, limit))
+    sizes = [s.mean.numel() for _, s in fast]
+    lengths = torch.tensor(sizes, device="cpu")
+    eps: Tensor | float
+    unit_: Tensor | float
+    limit_: Tensor | float
+    if len(set(per_layer)) == 1:  # (the usual case: the same for every layer, as numbers — the same arithmetic)
+        eps, unit_, limit_ = per_layer[0]
+    else:
+        eps, unit_, limit_ = torch.tensor(per_layer, dtype=torch.float64, device="cpu").repeat_interleave(lengths, 0).T
     one_device = len({s.mean.device for _, s in fast}) == 1
 
     def joined(key: str) -> Tensor:  # (one cat and one copy to the host where all are on one device)
@@ -378,10 +389,16 @@ def _warn_far_from_zero(entries: list[tuple[NormLayer, LayerStats]]) -> None:
     sigma2 = var.clamp_min(0.0).add_(eps)
     ratio = mean.abs_().div_(sigma2.sqrt())  # r per channel
     spread = var.clamp_min_(0.0).div_(sigma2).sqrt_()  # the means' spread in σ, at most
-    rounding = ratio * unit  # u·r
-    excess = rounding.mul_(spread.mul_(2).add_(rounding)).div_(limit)  # (the variance moved, in tolerances)
-    both = torch.stack([excess.nan_to_num_(0.0, float("inf"), 0.0), ratio.nan_to_num_(0.0, 0.0, 0.0)], 1)
-    worst = torch.segment_reduce(both, "max", lengths=lengths, axis=0).tolist()
+    rounding = ratio * unit_  # u·r
+    excess = rounding.mul_(spread.mul_(2).add_(rounding)).div_(limit_)  # (the variance moved, in tolerances)
+    excess.nan_to_num_(0.0, float("inf"), 0.0)
+    if not excess.numel() or not float(excess.amax()) > 1:  # (the usual case: no layer to name, one maximum)
+        return
+    owner = torch.arange(len(fast), device="cpu").repeat_interleave(lengths)
+    largest = torch.zeros(2, len(fast), dtype=torch.float64, device="cpu")  # (both are >= 0: as a maximum per layer)
+    largest[0].scatter_reduce_(0, owner, excess, "amax")
+    largest[1].scatter_reduce_(0, owner, ratio.nan_to_num_(0.0, 0.0, 0.0), "amax")
+    worst = largest.T.tolist()
     over = [(layer.name, r) for (layer, _), (w, r) in zip(fast, worst) if w > 1]
     if over:
         shown = ", ".join(f"{name!r} (|mean|/σ up to {r:.3g})" for name, r in over[:5])
