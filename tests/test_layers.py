@@ -651,3 +651,48 @@ def test_a_module_of_another_class_keeping_running_statistics_is_named_and_kept(
     with warnings.catch_warnings():  # layers= chosen by the caller: nothing to warn of
         warnings.simplefilter("error", PreciseBNWarning)
         precisebn.recalibrate(model, batches, layers=["1"])
+
+
+def _with_untracked_layer() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 5, 1), nn.BatchNorm2d(5))
+    model[1].track_running_stats = False  # buffers kept: eval mode still normalises with them
+    return model
+
+
+def test_a_batchnorm_with_tracking_turned_off_but_buffers_kept_is_named() -> None:
+    # torch's forward never updates such a layer's buffers in training mode, yet normalises with them in eval
+    # mode: left stale by precisebn without a word before (probe 49)
+    model = _with_untracked_layer()
+    data = [torch.randn(4, 3, 8, 8) * 3 + 2 for _ in range(3)]
+    before = state_snapshot(model[1])
+    with pytest.warns(PreciseBNWarning, match=r"layer '1' \(BatchNorm2d\) has track_running_stats=False") as caught:
+        report = precisebn.recalibrate(model, data)
+    assert "module.track_running_stats = True" in str(caught[0].message)
+    assert [r.name for r in report.layers] == ["4"]
+    assert_unchanged(model[1], before)
+    # the advice works: tracking on, the layer gets the float64 statistics of what it normalises
+    model[1].track_running_stats = True
+    truth = compute_truth(model, data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PreciseBNWarning)
+        precisebn.recalibrate(model, data)
+    assert max_rel_error(model[1].running_var.double(), truth["1"].var) <= 1e-5
+    assert (model[1].running_mean.double() - truth["1"].mean).abs().max() <= 1e-5 * truth["1"].var.sqrt().max()
+
+
+def test_tracking_off_without_buffers_or_on_an_instancenorm_is_not_named() -> None:
+    model = _with_untracked_layer()
+    model[1].running_mean = model[1].running_var = None  # eval mode uses each batch's statistics: nothing stale
+    model.append(nn.InstanceNorm2d(5, track_running_stats=True))
+    model[5].track_running_stats = False  # normalises with each sample's own statistics in both modes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PreciseBNWarning)
+        precisebn.recalibrate(model, [torch.randn(4, 3, 8, 8) for _ in range(2)])
+
+
+def test_nothing_selected_but_layers_with_tracking_off_says_so() -> None:
+    model = _with_untracked_layer()
+    model[4].track_running_stats = False
+    with pytest.raises(LayerNotFoundError, match=r"Layers '1' \(BatchNorm2d\), '4' \(BatchNorm2d\) have"):
+        precisebn.recalibrate(model, [torch.randn(4, 3, 8, 8) for _ in range(2)])

@@ -296,12 +296,19 @@ def find_norm_layers(
     # modules of other classes that keep running statistics as buffers (timm's EvoNorm2dB0, a hand-written BatchNorm
     # not derived from torch's): not recalibrated, and said so (probe 43: kept without a word)
     foreign: list[tuple[str, nn.Module]] = []
+    # BatchNorm layers with track_running_stats turned off that still hold running buffers: torch's forward never
+    # updates those in training mode but normalises with them in eval mode (probe 49: left stale without a word)
+    untracked: list[tuple[str, nn.Module]] = []
     for name, module in all_modules.items():
         if isinstance(module, torch.jit.ScriptModule) and hasattr(module, "running_var"):
             scripted.append(name)
         elif not isinstance(module, _NormBase) and _keeps_statistics(module):
             foreign.append((name, module))
-        if not isinstance(module, _NormBase) or not module.track_running_stats:
+        if not isinstance(module, _NormBase):
+            continue
+        if not module.track_running_stats:
+            if _untracked_but_read(module):
+                untracked.append((name, module))
             continue
         if not match(name, module):
             continue
@@ -364,6 +371,7 @@ def find_norm_layers(
             "not a BatchNorm/InstanceNorm layer (a subclass of torch's _NormBase), whose calls precisebn knows how "
             "to measure"
         )
+    stale = _untracked_note(untracked) if untracked and layers is None else ""
     if require and not found:
         chosen = repr(layers)  # (the command line's selection shows itself as its option: "--layers ...")
         # running statistics held by no normalization layer: a graph (torch.export, torch.fx) with the layers
@@ -395,6 +403,7 @@ def find_norm_layers(
             + graph
             + frozen_note
             + (f" The model's {kept}." if kept else "")
+            + (f" {stale[0].upper()}{stale[1:]}" if stale else "")
         )
     if kept and found:
         warnings.warn(
@@ -402,10 +411,38 @@ def find_norm_layers(
             PreciseBNWarning,
             stacklevel=caller_stacklevel(),
         )
+    if stale and found:
+        warnings.warn(f"precisebn: {stale}", PreciseBNWarning, stacklevel=caller_stacklevel())
     if scripted and layers is None:
         kept = "Its statistics are" if len(scripted) == 1 else "Their statistics are"
         warnings.warn(f"The {script} {kept} kept.", PreciseBNWarning, stacklevel=caller_stacklevel())
     return found
+
+
+def _untracked_but_read(module: _NormBase) -> bool:
+    """Whether ``module``, a layer with ``track_running_stats`` off, is a BatchNorm that still holds both running
+    buffers: torch's forward then normalises with them in eval mode and never updates them in training mode (an
+    InstanceNorm normalises with each sample's own statistics in both)."""
+    buffers = module._buffers
+    return (
+        isinstance(module, nn.modules.batchnorm._BatchNorm)
+        and isinstance(buffers.get("running_mean"), Tensor)
+        and isinstance(buffers.get("running_var"), Tensor)
+    )
+
+
+def _untracked_note(untracked: list[tuple[str, nn.Module]]) -> str:
+    """What the warning (or the error, when nothing else is selected) says of layers :func:`_untracked_but_read`."""
+    one = len(untracked) == 1
+    names = ", ".join(f"{n!r} ({type(m).__name__})" for n, m in untracked[:5])
+    more = f" and {len(untracked) - 5} more" if len(untracked) > 5 else ""
+    return (
+        f"{'layer' if one else 'layers'} {names}{more} {'has' if one else 'have'} track_running_stats=False but "
+        f"still {'holds' if one else 'hold'} running_mean/running_var: torch's forward never updates them in training "
+        "mode but normalises with them in eval mode, and precisebn left them as they are (it measures a layer "
+        "through its own updates). To recalibrate them, set module.track_running_stats = True first; to have eval "
+        "mode use each batch's statistics instead, set module.running_mean = module.running_var = None."
+    )
 
 
 def _keeps_statistics(module: nn.Module) -> bool:
