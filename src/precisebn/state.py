@@ -54,6 +54,8 @@ __all__ = [
     "version_of",
 ]
 
+_VERSION = operator.attrgetter("_version")
+
 # lazy modules' tensors (UninitializedParameter, UninitializedBuffer) by their plain mixin class: Parameter's
 # metaclass makes isinstance against those slow, and every tensor of the model is tested
 _UNINITIALIZED = nn.parameter.UninitializedTensorMixin
@@ -264,6 +266,9 @@ class ValueCopies:
 
     def restore(self) -> None:
         """Puts back each changed tensor's geometry (on its own storage, see :func:`_reshape`), then its values."""
+        changed = self.changed()
+        if not changed:
+            return
         starts = {}
         for ids in self._groups.values():
             at = 0
@@ -271,7 +276,7 @@ class ValueCopies:
                 starts[k] = at
                 at += math.prod(self._where[k][2])
         with torch.no_grad():
-            for k in self.changed():
+            for k in changed:
                 t = self._tensors[k]
                 if k in self._own:
                     saved = self._own[k]
@@ -333,6 +338,14 @@ def _addresses(tensors: list[Tensor]) -> list[int | None]:
         return [_address(t) for t in tensors]
 
 
+def _versions(tensors: list[Tensor]) -> list[int | None]:
+    """:func:`version_of` each tensor: at C speed where none is an inference tensor."""
+    try:
+        return list(map(int, map(_VERSION, tensors)))
+    except RuntimeError:
+        return list(map(version_of, tensors))
+
+
 def _storage(t: Tensor) -> int | None:
     """``t``'s storage (its ``_cdata``; ``None`` for a tensor without one)."""
     try:
@@ -385,10 +398,11 @@ class StateSnapshot:
         self._empty: list[Any] = []
         self._dict_flags: list[bool] = []  # (which of them are dicts, whose values are compared too)
         self._saved: list[_Saved] = []  # tensors whose values are copied
-        # parameters not copied, whose version counters tell whether they changed (parallel lists)
-        self._watched_names: list[str] = []
+        # parameters not copied, whose version counters tell whether they changed (parallel lists; each one's name
+        # is made from its module's prefix and its key only if it is reported: most calls report none)
+        self._watched_prefixes: list[str] = []
+        self._watched_keys: list[str] = []
         self._watched: list[Tensor] = []
-        self._watched_versions: list[int | None] = []
         skip = set(uncopied or ())
         # the weights a forward renormalises in place, whichever module holds them first (the review of probe 42: a
         # Linear tied to an Embedding with max_norm, registered before it, had the shared weight only watched — the
@@ -397,36 +411,22 @@ class StateSnapshot:
         pieces: dict[torch.device, list[Tensor]] = {}
         sizes: dict[torch.device, int] = {}
         with torch.no_grad():
-            for prefix, module in modules:
+            for prefix, module in modules:  # (each module's buffers, then its parameters: the first holder names one)
                 self._modules.append(module)
-                buffers, params = module._buffers, module._parameters
-                for tensors, is_buffer in ((buffers, True), (params, False)):
-                    for key, t in tensors.items():
-                        if not isinstance(t, Tensor) or id(t) in skip:
-                            continue
+                for key, t in module._buffers.items():
+                    if id(t) not in skip and isinstance(t, Tensor):
                         skip.add(id(t))
-                        if not (is_buffer or id(t) in renormalised):
-                            self._watched_names.append(f"{prefix}.{key}" if prefix else key)
-                            self._watched.append(t)
-                            self._watched_versions.append(version_of(t))
-                            continue
-                        saved = _Saved(f"{prefix}.{key}" if prefix else key, t, version_of(t), None)
-                        saved.geometry = geometry(t)
-                        if saved.geometry is not None:
-                            saved.storage = t.untyped_storage()
-                            saved.nbytes = saved.storage.nbytes()
-                        self._saved.append(saved)
-                        span = _span(t)
-                        if span is None:
-                            continue
-                        raw = _bytes(span)
-                        if raw is None:
-                            saved.copy = span.clone()
-                            continue
-                        start = sizes.get(span.device, 0)
-                        saved.blob = (span.device, start, raw.numel())
-                        sizes[span.device] = start + raw.numel()
-                        pieces.setdefault(span.device, []).append(raw)
+                        self._save(f"{prefix}.{key}" if prefix else key, t, pieces, sizes)
+                for key, t in module._parameters.items():
+                    if id(t) in skip or not isinstance(t, Tensor):
+                        continue
+                    skip.add(id(t))
+                    if id(t) in renormalised:
+                        self._save(f"{prefix}.{key}" if prefix else key, t, pieces, sizes)
+                    else:
+                        self._watched_prefixes.append(prefix)
+                        self._watched_keys.append(key)
+                        self._watched.append(t)
             # (the containers among all attributes picked out at C speed — subclasses too: a defaultdict cache
             # kept precisebn's scratch, probe 23 — the module dicts first, which bind them; and each module's
             # class, which torch's parametrize swaps, probe 23: restored without it, a model that registered one
@@ -434,20 +434,44 @@ class StateSnapshot:
             self._classes = list(map(type, self._modules))
             attributes = list(map(_DICT_OF, self._modules))
             values = list(itertools.chain.from_iterable(map(dict.values, attributes)))
-            types = list(map(type, values))
-            container = {t: issubclass(t, _CONTAINERS) for t in set(types)}  # (asked once per type)
-            held = list(itertools.compress(values, map(container.__getitem__, types)))
-            self._containers = attributes + list(filter(None, held))
+            held = list(itertools.compress(values, map(_IS_CONTAINER.__getitem__, map(type, values))))
+            others = list(filter(None, held))
+            self._containers = attributes + others
             self._empty = list(itertools.filterfalse(None, held))
             # (copies of the base type, never by a subclass's own copy(), which may copy deeper: put back, its
-            # copies would replace the model's objects)
-            self._contents = list(map(_base_copy, self._containers))
-            self._dict_flags = list(map(isinstance, self._containers, itertools.repeat(dict)))
+            # copies would replace the model's objects; a __dict__ is always a dict)
+            self._contents = list(map(dict.copy, attributes)) + list(map(_base_copy, others))
+            self._dict_flags = [True] * len(attributes) + list(map(isinstance, others, itertools.repeat(dict)))
             self._blobs = {device: torch.cat(raws) for device, raws in pieces.items()}
-        # and where their data are: a forward assigning ``p.data`` (clipping weights, ``module.double()``) moves
-        # no version counter (probe 33b: unwarned, a model left with float64 weights and float32 buffers)
+        # the watched parameters' versions, and where their data are: a forward assigning ``p.data`` (clipping
+        # weights, ``module.double()``) moves no version counter (probe 33b: unwarned, a model left with float64
+        # weights and float32 buffers)
+        self._watched_versions = _versions(self._watched)
         self._watched_addresses = _addresses(self._watched)
         self._watched_storages = list(map(_storage, self._watched))
+
+    def _save(
+        self, name: str, t: Tensor, pieces: dict[torch.device, list[Tensor]], sizes: dict[torch.device, int]
+    ) -> None:
+        """Records buffer (or renormalised weight) ``t``: its geometry and storage, and its span's bytes as a piece
+        of its device's blob (``pieces``, ``sizes``: the pieces so far and their length), else a copy of its own."""
+        saved = _Saved(name, t, version_of(t), None)
+        saved.geometry = geometry(t)
+        if saved.geometry is not None:
+            saved.storage = t.untyped_storage()
+            saved.nbytes = saved.storage.nbytes()
+        self._saved.append(saved)
+        span = _span(t)
+        if span is None:
+            return
+        raw = _bytes(span)
+        if raw is None:
+            saved.copy = span.clone()
+            return
+        start = sizes.get(span.device, 0)
+        saved.blob = (span.device, start, raw.numel())
+        sizes[span.device] = start + raw.numel()
+        pieces.setdefault(span.device, []).append(raw)
 
     def restore(self) -> list[str]:
         """Puts every object and changed value back.
@@ -473,18 +497,23 @@ class StateSnapshot:
             for container in self._empty:
                 if container:
                     container.clear()
-        lost = [
-            name
-            for name, t, version, address, now, storage in zip(
-                self._watched_names,
-                self._watched,
-                self._watched_versions,
-                self._watched_addresses,
-                _addresses(self._watched),
-                self._watched_storages,
-            )  # a parameter: only its version and where its data are tell
-            if (version is not None and version_of(t) != version) or (now != address and not _shared_since(t, storage))
-        ]
+        lost = []
+        addresses = _addresses(self._watched)
+        if _versions(self._watched) != self._watched_versions or addresses != self._watched_addresses:
+            lost = [  # (one comparison of each list at C speed when none changed, the common case)
+                f"{prefix}.{key}" if prefix else key
+                for prefix, key, t, version, address, now, storage in zip(
+                    self._watched_prefixes,
+                    self._watched_keys,
+                    self._watched,
+                    self._watched_versions,
+                    self._watched_addresses,
+                    addresses,
+                    self._watched_storages,
+                )  # a parameter: only its version and where its data are tell
+                if (version is not None and version_of(t) != version)
+                or (now != address and not _shared_since(t, storage))
+            ]
         with torch.no_grad():
             for s in self._saved:  # first the shapes (a forward may resize a buffer in place), then the values
                 if s.geometry is not None and geometry(s.tensor) != s.geometry and not _reshape(s):
@@ -612,6 +641,21 @@ def _unchanged(containers: list[Any], contents: list[Any], dict_flags: list[bool
 
 
 _CONTAINERS = (dict, list, set, collections.deque)
+
+
+class _IsContainer(dict):  # type: ignore[type-arg]
+    """Whether a type is one of :data:`_CONTAINERS` (a subclass too), asked once per type and kept across calls: a
+    snapshot looks at the type of every attribute of every module (7,000 on efficientnet_b0), of a few dozen types.
+    Emptied when it grows large (classes made on the fly: torch's parametrize makes one per parametrized module)."""
+
+    def __missing__(self, cls: type) -> bool:
+        if len(self) >= 4096:
+            self.clear()
+        verdict = self[cls] = issubclass(cls, _CONTAINERS)
+        return verdict
+
+
+_IS_CONTAINER = _IsContainer()
 _DICT_OF = operator.attrgetter("__dict__")
 
 
