@@ -731,9 +731,9 @@ def _interrupted(calls: Any, model: nn.Module, data: list[torch.Tensor]) -> None
 @pytest.mark.parametrize(
     ("function", "line"),
     [
-        ("_restore_momenta", '_set_attribute(m, "momentum", momentum)'),
+        ("_restore_momenta", '_set_attributes(modules, "momentum", momenta)'),
         ("_unwrap_forwards", 'module.__dict__.pop("forward", None)'),
-        ("_restore_flags", "_set_flag(m, training)"),
+        ("_restore_flags", '_set_attributes(modules, "training", flags)'),
         ("_release", "del _busy[i]"),
         ("__call__", "owner = stack[-1] if stack else c._last"),  # a layer's call, before its bookkeeping
     ],
