@@ -205,6 +205,45 @@ def test_ctrl_c_while_the_stance_is_put_back_still_puts_it_back() -> None:
     assert eval_frame._stance.stance == before
 
 
+def test_ctrl_c_as_the_stance_is_taken_leaves_the_lock_to_other_threads() -> None:
+    """An interrupt raised as the block that takes the stance ended, before the lock's __exit__, left this thread
+    holding the lock: every later pass from another thread waited for it forever (a review: a test hung)."""
+    import sys
+    import threading
+
+    import torch._dynamo  # (the stance is taken only with dynamo loaded)
+
+    from precisebn import layers as layers_module
+    from precisebn.state import lock_held
+
+    fired: list[bool] = []
+    code = layers_module._compiled_code_runs_eagerly.__wrapped__.__code__
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and not fired and layers_module._eager_holders:
+            fired.append(True)
+            raise KeyboardInterrupt
+        return local
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code is code else None
+
+    model, data = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)), [torch.randn(8, 4)]
+    sys.settrace(calls)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            precisebn.recalibrate(model, data)
+    finally:
+        sys.settrace(None)
+    assert fired
+    assert not lock_held(layers_module._eager_lock) and not layers_module._eager_holders
+    done: list[bool] = []
+    other = threading.Thread(target=lambda: done.append(bool(precisebn.recalibrate(model, data))), daemon=True)
+    other.start()
+    other.join(timeout=60)
+    assert done == [True], "a pass from another thread after the interrupted one did not end"
+
+
 def test_the_eager_stance_is_put_back_by_the_last_of_concurrent_passes() -> None:
     """Two threads recalibrating two models at once: the global stance is set once and put
     back when the last pass ends, not when the first does."""

@@ -799,6 +799,16 @@ def test_ctrl_c_while_marking_the_model_in_use_leaves_nothing_marked() -> None:
     assert not state._busy
     assert_unchanged(model, before)
     precisebn.recalibrate(model, data)  # not left "in use"
+    # nor the lock behind the marks held by this thread (the interrupt came as the marking's `with` ended): a call
+    # from another thread waited for it forever
+    assert not state.lock_held(state._busy_lock)
+    done: list[bool] = []
+    other = threading.Thread(
+        target=lambda: done.append(bool(precisebn.recalibrate(copy.deepcopy(model), data))), daemon=True
+    )
+    other.start()
+    other.join(timeout=60)
+    assert done == [True], "a call from another thread after the interrupted one did not end"
 
 
 class _HeldStatistics(nn.BatchNorm2d):

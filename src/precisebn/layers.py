@@ -36,7 +36,17 @@ from .errors import (
     UnsupportedLayerError,
     caller_stacklevel,
 )
-from .state import StateSnapshot, ValueCopies, copy_all, in_memory, overlapping, refuse_uninitialized, to_the_end
+from .state import (
+    StateSnapshot,
+    ValueCopies,
+    copy_all,
+    in_memory,
+    let_go,
+    lock_held,
+    overlapping,
+    refuse_uninitialized,
+    to_the_end,
+)
 
 __all__ = [
     "LayerSelection",
@@ -862,6 +872,7 @@ def _compiled_code_runs_eagerly() -> Iterator[None]:
         yield
         return
     token = object()
+    nested = lock_held(_eager_lock)  # (a pass run by a signal handler inside another's `with`: that one lets go)
     try:  # (each pass holds the stance by its own token, added and taken away in one operation each, and the
         # stance is put back to the end: Ctrl-C there left every later torch.compile eager, silently, a probe)
         with _eager_lock:
@@ -870,17 +881,19 @@ def _compiled_code_runs_eagerly() -> Iterator[None]:
             _eager_holders.add(token)
         yield
     finally:
-        to_the_end(_leave_eager, token)
+        to_the_end(_leave_eager, token, nested)
 
 
-def _leave_eager(token: object) -> None:
-    """The pass holding ``token`` is done: the last one puts the stance back (idempotent: run to the end)."""
+def _leave_eager(token: object, nested: bool = True) -> None:
+    """The pass holding ``token`` is done: the last one puts the stance back (idempotent: run to the end); the lock
+    is let go of unless the pass is ``nested`` (see :func:`~precisebn.state.let_go`)."""
     global _eager_stance
     with _eager_lock:
         _eager_holders.discard(token)
         if not _eager_holders and _eager_stance is not None:
             _eager_stance.__exit__(None, None, None)  # (puts back the stance it found: the same if run again)
             _eager_stance = None
+    let_go(_eager_lock, nested)
 
 
 def _set_modes(modules: list[nn.Module], selected: set[int], mode: Mode) -> list[nn.Module]:

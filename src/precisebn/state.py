@@ -46,6 +46,8 @@ __all__ = [
     "exclusive",
     "geometry",
     "in_memory",
+    "let_go",
+    "lock_held",
     "overlapping",
     "refuse_uninitialized",
     "renormalised_weights",
@@ -735,6 +737,9 @@ def exclusive(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = No
     """
     ids = {id(m) for _, m in modules} if modules is not None else {id(m) for m in model.modules()}
     owner = _Owner(f"thread {threading.current_thread().name!r}")
+    # whether this thread holds the lock already (a call from a signal handler or a __del__ run inside another call's
+    # marking): then that call releases it, not this one
+    nested = lock_held(_busy_lock)
     try:  # (marked in one operation, released by owner: Ctrl-C anywhere here leaves no module marked, a probe: a
         # Ctrl-C between the marks left thousands behind, and every later call on the model was refused)
         with _busy_lock:
@@ -750,15 +755,31 @@ def exclusive(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = No
             _busy.update(dict.fromkeys(ids, owner))
         yield
     finally:
-        to_the_end(_release, ids, owner)
+        to_the_end(_release, ids, owner, nested)
 
 
-def _release(ids: set[int], owner: _Owner) -> None:
-    """Unmarks what ``owner`` marked of ``ids`` (idempotent: run to the end, see :func:`to_the_end`)."""
+def _release(ids: set[int], owner: _Owner, nested: bool = True) -> None:
+    """Unmarks what ``owner`` marked of ``ids`` (idempotent: run to the end, see :func:`to_the_end`), and lets go of
+    the lock unless the call is ``nested`` (see :func:`let_go`)."""
     with _busy_lock:
         for i in ids:
             if _busy.get(i) is owner:
                 del _busy[i]
+    let_go(_busy_lock, nested)
+
+
+def lock_held(lock: Any) -> bool:
+    """Whether this thread holds ``lock``, an ``RLock`` (``RLock._is_owned``, what ``threading.Condition`` asks)."""
+    return bool(lock._is_owned())
+
+
+def let_go(lock: Any, nested: bool) -> None:
+    """Releases ``lock`` (an ``RLock``) as often as this thread holds it, unless the caller is ``nested`` (it held the
+    lock when it began: an outer call of the same thread releases it). For the end of a call that took it in a
+    ``with`` block: an interrupt raised as the block ended, before its ``__exit__``, leaves it held, and every later
+    call from another thread waits for it forever (a review: a test hung)."""
+    while not nested and lock._is_owned():
+        lock.release()
 
 
 @contextlib.contextmanager
