@@ -436,12 +436,7 @@ def _untracked_but_read(module: _NormBase) -> bool:
     """Whether ``module``, a layer with ``track_running_stats`` off, is a BatchNorm that still holds both running
     buffers: torch's forward then normalises with them in eval mode and never updates them in training mode (an
     InstanceNorm normalises with each sample's own statistics in both)."""
-    buffers = module._buffers
-    return (
-        isinstance(module, nn.modules.batchnorm._BatchNorm)
-        and isinstance(buffers.get("running_mean"), Tensor)
-        and isinstance(buffers.get("running_var"), Tensor)
-    )
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) and len(running_statistics(module)) == 2
 
 
 def _untracked_note(untracked: list[tuple[str, nn.Module]]) -> str:

@@ -185,11 +185,25 @@ def passes(
     """Whether each channel's figures match the reference ``(mean, var, bound_mean,
     bound_var)``: ``|Δmean| / σ`` and ``|Δvar| / (var + eps)`` within ``tolerance`` after the
     reference's error bounds are taken off it (NaN fails); elementwise, float64."""
+    return _within(_offsets(fig_mean, fig_var, ref, eps), tolerance)
+
+
+def _offsets(
+    fig_mean: Tensor, fig_var: Tensor, ref: tuple[Tensor | float, ...], eps: Tensor | float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What :func:`passes` compares, computed once for any number of tolerances: ``(|Δmean| + its bound, σ,
+    |Δvar| + its bound, var + eps)``."""
     mean, var, bound_mean, bound_var = ref
-    scale = var + eps
-    return ((fig_mean - mean).abs_().add_(bound_mean) <= scale.sqrt().mul_(tolerance)) & (
-        (fig_var - var).abs_().add_(bound_var) <= scale * tolerance
-    )
+    scale: Tensor = var + eps  # type: ignore[assignment]  (a tensor: the reference's variances are)
+    off_mean = (fig_mean - mean).abs_().add_(bound_mean)
+    off_var = (fig_var - var).abs_().add_(bound_var)
+    return off_mean, scale.sqrt(), off_var, scale
+
+
+def _within(offsets: tuple[Tensor, Tensor, Tensor, Tensor], tolerance: float) -> Tensor:
+    """:func:`passes` from its :func:`_offsets` (NaN fails)."""
+    off_mean, root, off_var, scale = offsets
+    return (off_mean <= root * tolerance) & (off_var <= scale * tolerance)
 
 
 def _passes_one(fm: float, fv: float, shift: float, s1: float, s2: float, n: int, eps: float, tolerance: float) -> bool:
@@ -425,37 +439,25 @@ class SpotChecks:
         refs = _references(values, plan.runs, fig_mean, plan.n_per_row)  # shifted by the figures' means
         # per checked column, then per channel of every call (the rounding term): 0 within a quarter of the
         # tolerance, 1 within it, 2 beyond it (NaN too); a call's verdict is the worst of its own
-        mean, var, bound_mean, bound_var = refs
-        scale = var + plan.eps_per_column
-        root = scale.sqrt()
-        off_mean = (fig_mean - mean).abs_().add_(bound_mean)
-        off_var = (fig_var - var).abs_().add_(bound_var)
+        offsets = _offsets(fig_mean, fig_var, refs, plan.eps_per_column)
         # the rounding term mean² / (var + eps) · unit² of every channel (in the figures' dtype: a positive factor
         # commutes with the maximum); a figure that is NaN or infinite makes its channel's NaN, which fails (an
         # infinite variance would make the term 0: var · 0 is NaN there, 0 for any finite variance)
         rounding = figures[0].square().div_(figures[1] + plan.eps_per_channel).add_(figures[1] * 0)
         rounding.mul_(self.unit * self.unit)
+        tolerances = (self.tolerance, self.tolerance / PARTIAL_MARGIN)
         levels = []
-        for parts in ((off_mean, root, off_var, scale), (rounding,)):
-            fails = [_beyond(parts, tolerance) for tolerance in (self.tolerance, self.tolerance / PARTIAL_MARGIN)]
-            levels.append(fails[0].to(torch.float32).add_(fails[1]))
+        for fails in (lambda t: _within(offsets, t).logical_not_(), lambda t: rounding.le(t).logical_not_()):
+            beyond, beyond_margin = map(fails, tolerances)
+            levels.append(beyond.to(torch.float32).add_(beyond_margin))
         worst = torch.zeros(len(waiting), dtype=torch.float32, device="cpu")
         worst = worst.scatter_reduce_(0, plan.owners, torch.cat(levels), "amax").tolist()
         # a call checked on every channel that passed: its figures become the reference (see _take_reference)
         taken = [k for k, level in enumerate(worst) if level < 2 and plan.every[k]]
         if taken:
-            ref = torch.stack([mean, var]).split(plan.checked, dim=1)
+            ref = torch.stack(refs[:2]).split(plan.checked, dim=1)
             torch._foreach_copy_([waiting[k][1] for k in taken], [ref[k] for k in taken])
         return [(owner, level < 2, level < 1) for (owner, *_), level in zip(waiting, worst)]
-
-
-def _beyond(parts: tuple[Tensor, ...], tolerance: float) -> Tensor:
-    """Where the check of :func:`passes` fails at ``tolerance`` (NaN fails): ``parts`` are ``(|Δmean| + its bound,
-    σ, |Δvar| + its bound, var + eps)`` of checked columns, or ``(rounding term,)`` of channels."""
-    if len(parts) == 1:
-        return parts[0].le(tolerance).logical_not_()
-    off_mean, root, off_var, scale = parts
-    return ((off_mean <= root * tolerance) & (off_var <= scale * tolerance)).logical_not_()
 
 
 class _Plan(NamedTuple):
