@@ -261,3 +261,43 @@ def snapshot() -> Callable[[nn.Module], dict[str, Any]]:
 @pytest.fixture
 def unchanged() -> Callable[[nn.Module, dict[str, Any]], None]:
     return assert_unchanged
+
+
+def interrupt_at_first_line(code: Any, ready: Callable[[], bool], run: Callable[[], Any]) -> bool:
+    """Runs ``run()`` under a trace that raises ``KeyboardInterrupt`` (as a signal handler would) at the first line
+    of ``code`` (a function's ``__code__``) executed once ``ready()`` holds, and expects it to come through; returns
+    whether it fired."""
+    import sys
+
+    fired: list[bool] = []
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and not fired and ready():
+            fired.append(True)
+            raise KeyboardInterrupt
+        return local
+
+    sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run()
+    finally:
+        sys.settrace(None)
+    return bool(fired)
+
+
+def ends_in_another_thread(run: Callable[[], Any], timeout: float = 60.0) -> bool:
+    """Whether ``run()``, started in a thread of its own (a daemon: one that hangs is left behind), returns within
+    ``timeout`` seconds."""
+    import threading
+
+    done: list[bool] = []
+
+    def target() -> None:
+        run()
+        done.append(True)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout=timeout)
+    return done == [True]

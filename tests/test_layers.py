@@ -15,7 +15,14 @@ from hypothesis import given, settings
 from torch import nn
 
 import precisebn
-from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
+from conftest import (
+    assert_unchanged,
+    compute_truth,
+    ends_in_another_thread,
+    interrupt_at_first_line,
+    max_rel_error,
+    state_snapshot,
+)
 from precisebn.errors import LayerNotFoundError, PreciseBNWarning
 from precisebn.layers import ScratchGroup, find_norm_layers, has_running_stats, recalibration_state, unwrap
 
@@ -208,40 +215,19 @@ def test_ctrl_c_while_the_stance_is_put_back_still_puts_it_back() -> None:
 def test_ctrl_c_as_the_stance_is_taken_leaves_the_lock_to_other_threads() -> None:
     """An interrupt raised as the block that takes the stance ended, before the lock's __exit__, left this thread
     holding the lock: every later pass from another thread waited for it forever (a review: a test hung)."""
-    import sys
-    import threading
-
     import torch._dynamo  # (the stance is taken only with dynamo loaded)
 
     from precisebn import layers as layers_module
     from precisebn.state import lock_held
 
-    fired: list[bool] = []
-    code = layers_module._compiled_code_runs_eagerly.__wrapped__.__code__
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if event == "line" and not fired and layers_module._eager_holders:
-            fired.append(True)
-            raise KeyboardInterrupt
-        return local
-
-    def calls(frame: Any, event: str, arg: Any) -> Any:
-        return local if frame.f_code is code else None
-
     model, data = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)), [torch.randn(8, 4)]
-    sys.settrace(calls)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            precisebn.recalibrate(model, data)
-    finally:
-        sys.settrace(None)
-    assert fired
+    assert interrupt_at_first_line(
+        layers_module._compiled_code_runs_eagerly.__wrapped__.__code__,
+        lambda: bool(layers_module._eager_holders),
+        lambda: precisebn.recalibrate(model, data),
+    )
     assert not lock_held(layers_module._eager_lock) and not layers_module._eager_holders
-    done: list[bool] = []
-    other = threading.Thread(target=lambda: done.append(bool(precisebn.recalibrate(model, data))), daemon=True)
-    other.start()
-    other.join(timeout=60)
-    assert done == [True], "a pass from another thread after the interrupted one did not end"
+    assert ends_in_another_thread(lambda: precisebn.recalibrate(model, data)), "a later pass in another thread hung"
 
 
 def test_the_eager_stance_is_put_back_by_the_last_of_concurrent_passes() -> None:

@@ -21,7 +21,14 @@ from torch.nn import functional as F
 from torch.nn.utils import parametrize
 
 import precisebn
-from conftest import assert_unchanged, compute_truth, max_rel_error, state_snapshot
+from conftest import (
+    assert_unchanged,
+    compute_truth,
+    ends_in_another_thread,
+    interrupt_at_first_line,
+    max_rel_error,
+    state_snapshot,
+)
 from precisebn.compat import update_bn_stats
 from precisebn.errors import (
     ConcurrentUseError,
@@ -780,35 +787,18 @@ def test_ctrl_c_while_marking_the_model_in_use_leaves_nothing_marked() -> None:
     import precisebn
     from precisebn import state
 
-    fired: list[bool] = []
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if event == "line" and not fired and state._busy:
-            fired.append(True)
-            raise KeyboardInterrupt
-        return local
-
-    def calls(frame: Any, event: str, arg: Any) -> Any:
-        return local if frame.f_code is state.exclusive.__wrapped__.__code__ else None
-
     model = nn.Sequential(*[nn.Sequential(nn.Identity(), nn.Identity()) for _ in range(50)], nn.BatchNorm1d(4))
     data = [torch.randn(8, 4) for _ in range(2)]
     before = state_snapshot(model)
-    _interrupted(calls, model, data)
-    assert fired
+    code = state.exclusive.__wrapped__.__code__
+    assert interrupt_at_first_line(code, lambda: bool(state._busy), lambda: precisebn.recalibrate(model, data))
     assert not state._busy
     assert_unchanged(model, before)
     precisebn.recalibrate(model, data)  # not left "in use"
     # nor the lock behind the marks held by this thread (the interrupt came as the marking's `with` ended): a call
     # from another thread waited for it forever
     assert not state.lock_held(state._busy_lock)
-    done: list[bool] = []
-    other = threading.Thread(
-        target=lambda: done.append(bool(precisebn.recalibrate(copy.deepcopy(model), data))), daemon=True
-    )
-    other.start()
-    other.join(timeout=60)
-    assert done == [True], "a call from another thread after the interrupted one did not end"
+    assert ends_in_another_thread(lambda: precisebn.recalibrate(copy.deepcopy(model), data)), "a later call hung"
 
 
 class _HeldStatistics(nn.BatchNorm2d):
