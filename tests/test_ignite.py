@@ -73,6 +73,23 @@ def engines(model: torch.nn.Module) -> tuple[Engine, Engine, list[torch.Tensor],
     return trainer, evaluator, losses, seen
 
 
+def sgd_trainer(model: torch.nn.Module, losses: list[float] | None = None) -> Engine:
+    """An Engine training ``model`` in training mode by SGD (lr 0.05) on MSE of ``(x, y)`` batches, each loss appended
+    to ``losses`` if given."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def step(engine: Engine, batch: Any) -> None:
+        model.train()
+        loss = torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if losses is not None:
+            losses.append(loss.item())
+
+    return Engine(step)
+
+
 def assert_precise(float64_truth: Any, state: dict[str, torch.Tensor], x: torch.Tensor) -> None:
     net = make_model()
     net.load_state_dict(state)
@@ -246,18 +263,8 @@ def test_an_ema_copy_leaves_the_layers_frozen_in_the_model_trained() -> None:
     def run(with_handler: bool) -> tuple[torch.nn.Module, list[float], PreciseBN | None]:
         torch.manual_seed(0)
         model = NormEval()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         losses: list[float] = []
-
-        def step(engine: Engine, batch: Any) -> None:
-            model.train()
-            loss = torch.nn.functional.mse_loss(model(batch[0]), batch[1])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-
-        trainer = Engine(step)
+        trainer = sgd_trainer(model, losses)
         ema = EMAHandler(model, momentum=0.5)
         ema.attach(trainer, name="ema_momentum")
         precise = None
@@ -547,16 +554,7 @@ def test_statistics_written_into_buffers_the_model_trained_shares_are_told(
     data = [(torch.randn(16, 4, generator=g) * 3 + 1, torch.randn(16, 1, generator=g)) for _ in range(4)]
     torch.manual_seed(0)
     model = make_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-
-    def step(engine: Engine, batch: Any) -> None:
-        model.train()
-        loss = torch.nn.functional.mse_loss(model(batch[0]), batch[1])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
-    trainer = Engine(step)
+    trainer = sgd_trainer(model)
     ema = EMAHandler(model, momentum=0.5, handle_buffers=handle_buffers)
     ema.attach(trainer, name="ema_momentum")
     precise = PreciseBN(ema.ema_model, [x for x, _ in data], num_samples="all", trained_model=model)
